@@ -1,0 +1,180 @@
+"""Adapter: the one base class a model family implements.
+
+Class attributes (``name``, ``io_contract``, ``preprocess_version``, ``default_lora_targets``) are readable
+without weights, so datasets are validated before anything heavy loads. Instances are built by
+:meth:`Adapter.from_pretrained` from a local folder or hub id and expose the stage methods every objective
+uses, in the order data flows through them:
+
+``preprocess`` (conditions -> CPU tensors, cacheable) -> ``prepare_condition`` (once per batch, on device)
+-> ``encode_output`` (decoded target media -> clean latent state) -> ``velocity`` (one denoiser forward)
+-> ``decode`` (latent state -> media) -> ``sample`` (generation for evaluation and RL rollouts).
+
+Objectives (SFT, DPO, GRPO) only see this interface, so they never branch on a model family.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ff_core.atomic import replace_dir
+from ff_core.contracts import PipelineIOContract
+from ff_core.objectives.flow_matching import euler_step
+
+Condition = dict[str, Any]
+"""A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
+
+
+@dataclass
+class ConditionInput:
+    """The input side of one sample, before preprocessing.
+
+    Attributes:
+        prompt: the text prompt.
+        negative_prompt: CFG negative prompt (only for contracts that accept one).
+        media: decoded condition media in record order, each ``{"type", "data", "slot"?, ...}``.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    media: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class LatentState:
+    """Ordered named latent components, batch-first (``latent``, or ``video`` then ``audio``).
+
+    Attributes:
+        components: name -> tensor of shape (B, ...); insertion order is the pipeline's output order.
+        masks: optional name -> {0,1} tensor broadcastable to the component; 1 marks elements that are
+            generated (trained), 0 elements pinned by a condition (e.g. an I2AV first-frame latent).
+    """
+
+    components: dict[str, Tensor]
+    masks: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.components.values())).shape[0]
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> LatentState:
+        return LatentState({k: fn(v) for k, v in self.components.items()}, dict(self.masks))
+
+    def zip_map(self, other: LatentState, fn: Callable[[Tensor, Tensor], Tensor]) -> LatentState:
+        if list(self.components) != list(other.components):
+            raise ValueError(f"latent components differ: {list(self.components)} vs {list(other.components)}")
+        return LatentState({k: fn(v, other.components[k]) for k, v in self.components.items()}, dict(self.masks))
+
+    def randn_like(self, generator: torch.Generator | None = None) -> LatentState:
+        return self.map(lambda t: torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype))
+
+
+class Adapter(nn.Module):
+    """Base class of a model family's adapter. Subclass it in a plugin and register it (see hookspecs).
+
+    Class attributes:
+        name: registry name used in configs (``model.adapter: sd3-5``).
+        io_contract: what the pipeline accepts and emits (see :mod:`ff_core.contracts`).
+        preprocess_version: bump when ``preprocess`` output changes, to invalidate condition caches.
+        default_lora_targets: module names LoRA wraps when the config names none.
+        lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files.
+    """
+
+    name: ClassVar[str]
+    io_contract: ClassVar[PipelineIOContract]
+    preprocess_version: ClassVar[str] = "1"
+    default_lora_targets: ClassVar[tuple[str, ...]] = ()
+    lora_prefix: ClassVar[str] = "transformer"
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:
+        """Load every component with its library's ``from_pretrained`` from a folder or hub id."""
+        raise NotImplementedError(f"{cls.__name__} must implement from_pretrained")
+
+    # -- what training touches -------------------------------------------------------------------
+    @property
+    def denoiser(self) -> nn.Module:
+        """The network objectives train (the transformer); everything else stays frozen."""
+        raise NotImplementedError
+
+    def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
+        """Encode conditions (text, condition media) under no_grad; one dict of CPU tensors per sample."""
+        raise NotImplementedError
+
+    def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
+        """Realise a collated batch of preprocessed conditions once, on the module's device."""
+        raise NotImplementedError
+
+    def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
+        """Encode decoded target media (per sample, in the contract's output order) to clean latents."""
+        raise NotImplementedError
+
+    def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
+        """Predict the flow velocity ``eps - x0`` at noise level ``sigma`` (shape (B,), in [0, 1])."""
+        raise NotImplementedError
+
+    def decode(self, state: LatentState) -> list[list[Tensor]]:
+        """Decode latents to media: per sample, the contract's outputs (images: uint8 (3, H, W))."""
+        raise NotImplementedError
+
+    # -- generation ------------------------------------------------------------------------------
+    def initial_noise(self, condition: Condition, generator: torch.Generator | None = None) -> LatentState:
+        """Pure noise in the latent geometry the condition asks for."""
+        raise NotImplementedError
+
+    def unconditional(self, condition: Condition) -> Condition | None:
+        """The negative-prompt branch of ``condition`` for CFG, or ``None`` when there is none."""
+        return None
+
+    def sampling_sigmas(self, num_steps: int) -> Tensor:
+        """Noise levels from 1 towards 0 (``num_steps + 1`` values, last one 0) for Euler sampling."""
+        sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
+        return sigmas
+
+    @torch.no_grad()
+    def sample(
+        self,
+        condition: Condition,
+        *,
+        num_steps: int = 20,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> LatentState:
+        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG."""
+        state = self.initial_noise(condition, generator)
+        negative = self.unconditional(condition) if guidance_scale != 1.0 else None
+        sigmas = self.sampling_sigmas(num_steps).tolist()
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
+            v = self.velocity(state, s, condition)
+            if negative is not None:
+                v_neg = self.velocity(state, s, negative)
+                v = v_neg.zip_map(v, lambda u, c: u + guidance_scale * (c - u))
+            state = euler_step(state, v, sigma, sigma_next)
+        return state
+
+    # -- LoRA export ----------------------------------------------------------------------------
+    def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor]) -> Path:
+        """Write a diffusers-loadable LoRA (``pytorch_lora_weights.safetensors``) atomically.
+
+        ``state_dict`` is peft's state dict of the denoiser (``get_peft_model_state_dict``); keys are
+        prefixed with :attr:`lora_prefix` the way diffusers' ``load_lora_weights`` expects.
+        """
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
+        tensors = {f"{self.lora_prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        save_file(tensors, tmp / "pytorch_lora_weights.safetensors", metadata={"format": "pt"})
+        replace_dir(tmp, directory)
+        return directory / "pytorch_lora_weights.safetensors"
+

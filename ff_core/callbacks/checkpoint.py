@@ -1,0 +1,42 @@
+"""Lightning checkpoints plus, when training a LoRA, a diffusers-loadable LoRA folder beside each one.
+
+``epoch=0-step=20.ckpt`` gets ``epoch=0-step=20.lora/pytorch_lora_weights.safetensors``, loadable with the
+family's diffusers pipeline (``pipe.load_lora_weights(folder)``). Both are published atomically.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ff_core.module import lora_state_dict
+
+
+def lora_dir_for(checkpoint_path: str | Path) -> Path:
+    path = Path(checkpoint_path)
+    return path.with_name(path.stem + ".lora")
+
+
+class FlowCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also exports the LoRA of a FlowModule trained with ``model.lora``.
+
+    Accepts every argument of :class:`lightning.pytorch.callbacks.ModelCheckpoint`.
+    """
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        module = trainer.lightning_module
+        if getattr(module, "lora", None) is None or module.adapter is None:
+            return
+        state = lora_state_dict(module.adapter)  # every rank takes part (sharded strategies gather here)
+        if trainer.is_global_zero:
+            module.adapter.save_lora(lora_dir_for(filepath), state)
+        trainer.strategy.barrier("ff_lora_export")
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            shutil.rmtree(lora_dir_for(filepath), ignore_errors=True)

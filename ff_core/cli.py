@@ -1,0 +1,64 @@
+"""The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins`` and ``ff data``.
+
+``ff fit --config recipe.yaml`` builds FlowModule (``model:``), FlowDataModule (``data:``) and Lightning's
+Trainer (``trainer:``) from one YAML; every typed ``__init__`` argument is a config key (``ff fit --help``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from ff_core.data.datamodule import FlowDataModule
+from ff_core.module import FlowModule
+
+
+class FlowCLI(LightningCLI):
+    """LightningCLI with ff's late bindings (STYLE 14: links, never globals)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The datamodule validates records against the adapter's contract before weights load, and picks
+        # the supervision it requires from the objective.
+        parser.link_arguments("model.adapter", "data.adapter")
+        parser.link_arguments(
+            "model", "data.trainer_type", compute_fn=lambda m: m.objective.trainer_type, apply_on="instantiate"
+        )
+
+
+def print_plugins(stream=None) -> int:
+    """``ff plugins``: each adapter with its distribution, version and IO contract; then failures."""
+    from ff_core.plugins import get_registry
+
+    out = stream or sys.stdout
+    registry = get_registry()
+    adapters = registry.adapters()
+    if not adapters:
+        print("no adapters installed (install a model plugin such as ff-sd3)", file=out)
+    for info in sorted(adapters.values(), key=lambda a: a.name):
+        print(f"{info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
+    for failure in registry.failures:
+        print(f"FAILED plugin {failure.plugin!r} from {failure.distribution}: {failure.error}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["plugins"]:
+        return print_plugins()
+    if args[:1] == ["data"]:
+        from ff_core.data.commands import main as data_main
+
+        return data_main(args[1:])
+    FlowCLI(
+        FlowModule,
+        FlowDataModule,
+        args=None if argv is None else args,  # LightningCLI reads sys.argv itself for the `ff` script
+        save_config_kwargs={"overwrite": True},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

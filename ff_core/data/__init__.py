@@ -1,0 +1,1 @@
+"""The data layer: dataset folders and records, media decoding, the dataflow loader and the DataModule."""

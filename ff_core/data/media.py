@@ -1,0 +1,367 @@
+"""Media decoders: files to CPU tensors (spec: dataset-guide, "Offline V2 records", Ref2VA "Supported entries").
+
+* image -> RGB ``uint8`` tensor (3, H, W), Pillow.
+* video -> ``uint8`` frames (F, H, W, 3) with the file's fps and per-frame timestamps, PyAV with threaded
+  decoding; ``start`` / ``end`` decode only a time window (seek to the keyframe before ``start``).
+* audio -> ``float32`` waveform (channels, samples) at the file's own rate, never resampled here: a manifest
+  ``sample_rate`` is a logical source-clock override carried alongside (``declared_sample_rate``); the one
+  conversion to the model rate is adapter-owned. A video's soundtrack is its embedded audio stream or a
+  separate ``audio_path``.
+
+A missing, truncated or undecodable file raises :class:`~ff_core.errors.DatasetError` naming the record
+(``source:line``) and field that referenced it, and the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from ff_core.contracts import MediaType
+from ff_core.data.records_base import MediaItem, Record
+from ff_core.errors import DatasetError, raise_collected
+
+Where = tuple[Path, int] | None
+"""``(source, line)`` of the record that referenced a file (``Record.where``), or ``None``."""
+_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
+# Full-scale value of each PCM sample format (PyAV names; a trailing "p" marks the planar variant).
+_PCM_SCALE = {"u8": 128.0, "s16": 32768.0, "s32": 2147483648.0, "s64": 9223372036854775808.0, "flt": 1.0, "dbl": 1.0}
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    """A decoded waveform.
+
+    Attributes:
+        waveform: ``float32`` (channels, samples) in [-1, 1], detached CPU tensor.
+        sample_rate: the file's own rate (samples per second of ``waveform``).
+        declared_sample_rate: the manifest's ``sample_rate`` (logical clock override), or ``None``.
+        start: time of the first sample, seconds from the start of the stream.
+    """
+
+    waveform: torch.Tensor
+    sample_rate: int
+    declared_sample_rate: float | None = None
+    start: float = 0.0
+
+    @property
+    def clock_rate(self) -> float:
+        """The rate the samples are meant to be played at: the declared rate when given."""
+        return self.declared_sample_rate or float(self.sample_rate)
+
+    @property
+    def duration(self) -> float:
+        return self.waveform.shape[-1] / self.clock_rate
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """Decoded video frames.
+
+    Attributes:
+        frames: ``uint8`` (F, H, W, 3) RGB frames.
+        fps: the file's average frame rate.
+        timestamps: ``float64`` (F,) presentation time of each frame, seconds from the start of the stream.
+        declared_fps: the manifest's ``fps`` (logical clock override), or ``None``.
+        audio: the soundtrack (embedded stream or separate ``audio_path``), or ``None``.
+    """
+
+    frames: torch.Tensor
+    fps: float
+    timestamps: torch.Tensor
+    declared_fps: float | None = None
+    audio: DecodedAudio | None = None
+
+    @property
+    def clock_fps(self) -> float:
+        return self.declared_fps or self.fps
+
+    @property
+    def duration(self) -> float:
+        return self.frames.shape[0] / self.clock_fps
+
+
+def media_error(path: str | Path, referenced_by: Where, field: str | None, reason: str) -> DatasetError:
+    """A DatasetError at the referencing record (``source:line: field: file: reason``), else at the file."""
+    if referenced_by is not None:
+        src, line = referenced_by
+        return DatasetError(src, line, field, f"{path}: {reason}")
+    return DatasetError(path, None, field, reason)
+
+
+def _check_file(path: Path, referenced_by: Where, field: str | None) -> None:
+    if not path.exists():
+        raise media_error(path, referenced_by, field, "file not found")
+    if not path.is_file():
+        raise media_error(path, referenced_by, field, "not a regular file")
+
+
+def decode_image(path: str | Path, *, referenced_by: Where = None, field: str | None = None) -> torch.Tensor:
+    """Decode an image file to an RGB ``uint8`` tensor (3, H, W).
+
+    Args:
+        path: the image file.
+        referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
+        field: the record field that held the path.
+    """
+    path = Path(path)
+    _check_file(path, referenced_by, field)
+    try:
+        with Image.open(path) as im:
+            im.load()  # decode now, so a truncated file fails here
+            array = np.asarray(im.convert("RGB"))
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        raise media_error(path, referenced_by, field, f"cannot decode image: {exc}") from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def _stream_offset(stream: av.stream.Stream) -> float:
+    return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+
+
+def _seek(container: av.container.InputContainer, stream: av.stream.Stream, start: float | None) -> None:
+    if start:
+        # Seek to the keyframe at or before `start`; frames before it are dropped while decoding.
+        container.seek(int((start + _stream_offset(stream)) / stream.time_base), stream=stream, backward=True)
+
+
+def _video_frames(
+    path: Path, start: float | None, end: float | None, convert: bool
+) -> tuple[list[np.ndarray], list[float], float, int]:
+    """Decode video frames in [start, end); returns (rgb arrays, timestamps, file fps, frame count)."""
+    arrays, times, count = [], [], 0
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame + slice threading
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        fps = float(rate) if rate else 0.0
+        offset = _stream_offset(stream)
+        _seek(container, stream, start)
+        for frame in container.decode(stream):
+            t = frame.time - offset if frame.time is not None else count / (fps or 1.0)
+            if start is not None and t < start - 1e-6:
+                continue
+            if end is not None and t >= end - 1e-6:
+                break
+            count += 1
+            times.append(t)
+            if convert:
+                arrays.append(frame.to_ndarray(format="rgb24"))
+    if not fps and len(times) > 1:
+        fps = (len(times) - 1) / (times[-1] - times[0])
+    return arrays, times, fps, count
+
+
+def decode_video(
+    path: str | Path,
+    *,
+    start: float | None = None,
+    end: float | None = None,
+    declared_fps: float | None = None,
+    referenced_by: Where = None,
+    field: str | None = None,
+) -> DecodedVideo:
+    """Decode a video's frames (F, H, W, 3) ``uint8`` with fps and timestamps; no soundtrack.
+
+    Args:
+        path: the video file.
+        start: first second to decode (``None``: the beginning).
+        end: decode frames before this second only (``None``: to the end).
+        declared_fps: the manifest's ``fps``, carried alongside.
+        referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
+        field: the record field that held the path.
+    """
+    path = Path(path)
+    _check_file(path, referenced_by, field)
+    try:
+        arrays, times, fps, count = _video_frames(path, start, end, convert=True)
+    except _DECODE_ERRORS as exc:
+        raise media_error(path, referenced_by, field, f"cannot decode video: {exc}") from None
+    if not count:
+        window = "" if start is None and end is None else f" in the window [{start}, {end}) s"
+        raise media_error(path, referenced_by, field, f"no video frames decoded{window} (empty or truncated file?)")
+    frames = torch.from_numpy(np.stack(arrays))
+    return DecodedVideo(frames, fps, torch.tensor(times, dtype=torch.float64), declared_fps)
+
+
+def _pcm(frame: av.AudioFrame) -> np.ndarray:
+    """One audio frame as float32 (channels, samples), whatever its sample format."""
+    array = frame.to_ndarray()
+    channels = frame.layout.nb_channels
+    if not frame.format.is_planar:  # packed: (1, samples * channels), interleaved
+        array = array.reshape(-1, channels).T
+    name = frame.format.name.rstrip("p")
+    out = array.astype(np.float32)
+    if name == "u8":
+        out -= 128.0
+    return out / _PCM_SCALE[name] if _PCM_SCALE.get(name, 1.0) != 1.0 else out
+
+
+def _audio_samples(
+    path: Path, start: float | None, end: float | None, convert: bool
+) -> tuple[list[np.ndarray], int, int, float] | None:
+    """Decode the first audio stream in [start, end); ``None`` when the file has no audio stream."""
+    chunks, total, first = [], 0, None
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        stream.thread_type = "AUTO"
+        rate = stream.rate
+        offset = _stream_offset(stream)
+        _seek(container, stream, start)
+        decoded = 0
+        for frame in container.decode(stream):
+            t0 = frame.time - offset if frame.time is not None else decoded / rate
+            decoded += frame.samples
+            lo = 0 if start is None else max(0, round((start - t0) * rate))
+            hi = frame.samples if end is None else min(frame.samples, round((end - t0) * rate))
+            if hi <= 0 and end is not None:
+                break
+            if lo >= hi:
+                continue
+            first = t0 + lo / rate if first is None else first
+            total += hi - lo
+            if convert:
+                chunks.append(_pcm(frame)[:, lo:hi])
+    return chunks, total, rate, first or 0.0
+
+
+def decode_audio(
+    path: str | Path,
+    *,
+    start: float | None = None,
+    end: float | None = None,
+    declared_sample_rate: float | None = None,
+    referenced_by: Where = None,
+    field: str | None = None,
+    required: bool = True,
+) -> DecodedAudio | None:
+    """Decode the first audio stream of a file (a WAV, or a video's embedded soundtrack), never resampled.
+
+    Args:
+        path: an audio file, or a video file with an audio stream.
+        start: first second to decode (``None``: the beginning).
+        end: decode samples before this second only (``None``: to the end).
+        declared_sample_rate: the manifest's ``sample_rate``, carried alongside (a logical clock).
+        referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
+        field: the record field that held the path.
+        required: raise when the file has no audio stream (``False``: return ``None``).
+    """
+    path = Path(path)
+    _check_file(path, referenced_by, field)
+    try:
+        result = _audio_samples(path, start, end, convert=True)
+    except _DECODE_ERRORS as exc:
+        raise media_error(path, referenced_by, field, f"cannot decode audio: {exc}") from None
+    if result is None:
+        if required:
+            raise media_error(path, referenced_by, field, "no audio stream")
+        return None
+    chunks, total, rate, first = result
+    if not total:
+        raise media_error(path, referenced_by, field, "no audio samples decoded (empty or truncated file?)")
+    waveform = torch.from_numpy(np.ascontiguousarray(np.concatenate(chunks, axis=1)))
+    return DecodedAudio(waveform, rate, declared_sample_rate, first)
+
+
+def decode_media(
+    item: MediaItem,
+    *,
+    referenced_by: Where = None,
+    field: str | None = None,
+    start: float | None = None,
+    end: float | None = None,
+) -> torch.Tensor | DecodedVideo | DecodedAudio:
+    """Decode one media item by its ``type``; a video comes with its soundtrack when it has one.
+
+    A video's soundtrack is its separate ``audio_path`` (required to decode, with the item's ``sample_rate``
+    as declared clock) or else its embedded audio stream, if any (spec: Ref2VA "Supported entries").
+    """
+    field = field if field is not None else (f"{item.origin}.path" if item.origin else None)
+    if item.type is MediaType.IMAGE:
+        return decode_image(item.path, referenced_by=referenced_by, field=field)
+    if item.type is MediaType.AUDIO:
+        return decode_audio(item.path, start=start, end=end, declared_sample_rate=item.sample_rate,
+                            referenced_by=referenced_by, field=field)
+    video = decode_video(item.path, start=start, end=end, declared_fps=item.fps, referenced_by=referenced_by,
+                         field=field)
+    if item.audio_path is not None:
+        audio_field = f"{item.origin}.audio_path" if item.origin else field
+        audio = decode_audio(item.audio_path, start=start, end=end, declared_sample_rate=item.sample_rate,
+                             referenced_by=referenced_by, field=audio_field)
+    else:
+        audio = decode_audio(item.path, start=start, end=end, referenced_by=referenced_by, field=field, required=False)
+    return DecodedVideo(video.frames, video.fps, video.timestamps, video.declared_fps, audio)
+
+
+@dataclass(frozen=True)
+class MediaCheck:
+    """What decoding one file fully found (``ff data validate --check-media``).
+
+    Attributes:
+        type: the item's media type.
+        video_seconds: decoded video duration (frames / fps), or 0.
+        audio_seconds: decoded audio duration (samples / rate) of the file or soundtrack, or 0.
+    """
+
+    type: MediaType
+    video_seconds: float = 0.0
+    audio_seconds: float = 0.0
+
+
+def check_media(item: MediaItem, *, referenced_by: Where = None, field: str | None = None) -> MediaCheck:
+    """Open and decode every frame / sample of an item's files without keeping them; return durations."""
+    field = field if field is not None else (f"{item.origin}.path" if item.origin else None)
+    if item.type is MediaType.IMAGE:
+        decode_image(item.path, referenced_by=referenced_by, field=field)
+        return MediaCheck(item.type)
+    video = audio = 0.0
+    for path, is_video, fld in _files_to_check(item, field):
+        _check_file(path, referenced_by, fld)
+        try:
+            if is_video:
+                _, _, fps, count = _video_frames(path, None, None, convert=False)
+                if not count:
+                    raise ValueError("no video frames decoded (empty or truncated file?)")
+                video = count / (item.fps or fps or 1.0)
+            result = _audio_samples(path, None, None, convert=False)
+        except _DECODE_ERRORS as exc:
+            raise media_error(path, referenced_by, fld, f"cannot decode {'video' if is_video else 'audio'}: {exc}")
+        if result is None and not is_video:
+            raise media_error(path, referenced_by, fld, "no audio stream")
+        if result is not None and not result[1] and not is_video:
+            raise media_error(path, referenced_by, fld, "no audio samples decoded (empty or truncated file?)")
+        if result is not None and (not is_video or item.audio_path is None):
+            audio = result[1] / (item.sample_rate if not is_video and item.sample_rate else result[2])
+    return MediaCheck(item.type, video, audio)
+
+
+def missing_files(record_or_where: Record | tuple[Path, int], origin: str, item: MediaItem) -> list[DatasetError]:
+    """A cheap existence check (no decoding) of an item's files; one error per missing file."""
+    src, line = record_or_where.where if isinstance(record_or_where, Record) else record_or_where
+    keys = ("path", "audio_path")
+    return [
+        DatasetError(src, line, f"{origin}.{key}" if origin else key, f"{p}: file not found")
+        for p, key in zip(item.files(), keys)
+        if not p.is_file()
+    ]
+
+
+def check_files_exist(records: list[Record]) -> None:
+    """Raise DatasetErrors naming every referenced media file that does not exist (before weights load)."""
+    raise_collected([e for r in records for origin, item in r.media() for e in missing_files(r, origin, item)])
+
+
+def _files_to_check(item: MediaItem, field: str | None) -> Iterator[tuple[Path, bool, str | None]]:
+    yield item.path, item.type is MediaType.VIDEO, field
+    if item.audio_path is not None:
+        yield item.audio_path, False, f"{item.origin}.audio_path" if item.origin else field

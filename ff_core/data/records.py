@@ -1,0 +1,134 @@
+"""Dataset rows and records: reading split files into validated, normalised :class:`Record` s.
+
+Spec: dataset-guide, "Offline V2 records" (strict, supervised, ``schema_version: 2``; see
+:mod:`ff_core.data.records_v2`) and "Common task formats" (legacy prompt / condition rows used for generation
+and evaluation; see :mod:`ff_core.data.records_legacy`). Parsing is strict: unknown keys, wrong types and
+empty values are errors naming the file, the 1-based line and the field; a whole file is checked and every
+problem reported together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ff_core.data.records_base import (
+    CANDIDATE_FIELDS,
+    SUPERVISION_FOR_TRAINER,
+    FieldReader,
+    MediaItem,
+    Record,
+    Schema,
+    Supervision,
+)
+from ff_core.data.records_legacy import parse_legacy_row, parse_reference
+from ff_core.data.records_v2 import parse_v2_media, parse_v2_record
+from ff_core.errors import DatasetError, DatasetErrors, raise_collected
+
+__all__ = [
+    "CANDIDATE_FIELDS",
+    "SUPERVISION_FOR_TRAINER",
+    "FieldReader",
+    "MediaItem",
+    "Record",
+    "Schema",
+    "Supervision",
+    "check_supervision",
+    "parse_legacy_row",
+    "parse_reference",
+    "parse_v2_media",
+    "parse_v2_record",
+    "read_jsonl",
+    "read_prompts_txt",
+]
+
+Parser = Callable[[Any, Path, int], Record]
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads silently keeps the last of two equal keys; a duplicate is almost always an editing mistake.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def parse_json_line(text: str, path: Path, line: int) -> Any:
+    """Decode one JSONL line; invalid JSON and duplicate keys raise a DatasetError with the line."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise DatasetError(path, line, str(exc), "duplicate key in one JSON object") from None
+    except json.JSONDecodeError as exc:
+        raise DatasetError(path, line, None, f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+
+
+def read_jsonl(path: Path, parse: Parser) -> list[Record]:
+    """Parse every line of a JSONL file with ``parse``; collect every error and raise them together.
+
+    A blank line, an empty file and invalid JSON are errors with their line (spec: manifests are strict).
+    """
+    lines = _lines(path)
+    records: list[Record] = []
+    errors: list[DatasetError] = []
+    for line_no, text in enumerate(lines, start=1):
+        if not text.strip():
+            errors.append(DatasetError(path, line_no, None, "blank line (every line must hold one JSON object)"))
+            continue
+        try:
+            records.append(parse(parse_json_line(text, path, line_no), path, line_no))
+        except DatasetError as exc:
+            errors.append(exc)
+    raise_collected(errors)
+    return records
+
+
+def read_prompts_txt(path: Path) -> list[Record]:
+    """One prompt per line (surrounding whitespace stripped); a blank line is an error (an empty prompt)."""
+    lines = _lines(path)
+    raise_collected([
+        DatasetError(path, i, None, "blank line (every line must hold one prompt)")
+        for i, text in enumerate(lines, start=1)
+        if not text.strip()
+    ])
+    return [Record(path, i, text.strip()) for i, text in enumerate(lines, start=1)]
+
+
+def check_supervision(records: list[Record], wanted: Supervision | None = None) -> None:
+    """A training source is homogeneous (spec: "Preference supervision").
+
+    Args:
+        records: the rows of one source.
+        wanted: the supervision the trainer consumes; ``None``: every row must match the first one.
+    """
+    if not records:
+        return
+    expected = wanted or records[0].supervision
+    why = "this trainer needs" if wanted else f"mixed supervision: line {records[0].line} has"
+    raise_collected([
+        DatasetError(r.source, r.line, "supervision.type", f"{why} {expected!r} records, found {r.supervision!r}")
+        for r in records
+        if r.supervision != expected
+    ])
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
+    except UnicodeDecodeError as exc:
+        raise DatasetError(path, None, None, f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    except OSError as exc:
+        raise DatasetError(path, None, None, f"cannot read: {exc.strerror}") from None
+    if not text.strip():
+        raise DatasetErrors([DatasetError(path, 1, None, "file is empty (expected one row per line)")])
+    # Split on "\n" only: str.splitlines would also break inside JSON strings holding U+2028 and friends.
+    lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    return lines[:-1] if lines[-1] == "" else lines

@@ -1,0 +1,37 @@
+"""The plugin author's manual: every hook ff calls, when, with what, and what it expects back.
+
+A plugin is a Python module named by an entry point in the ``ff`` group::
+
+    # pyproject.toml of your distribution
+    [project.entry-points.ff]
+    my-family = "my_package.plugin"
+
+The module defines functions decorated with :data:`hookimpl` whose names match the specs below. ff loads each
+entry point in isolation: a plugin that fails to import is reported by ``ff plugins`` with its distribution
+name and error, and every other plugin still loads. Set ``FF_DISABLE_PLUGIN_AUTOLOAD=1`` to load none
+(hermetic tests); adapters can then still be named by dotted path (``my_package.adapter:MyAdapter``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from ff_core.adapter import Adapter
+
+PROJECT = "ff"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def ff_adapters() -> list[type[Adapter]]:
+    """Return the adapter classes this plugin provides.
+
+    Called once per process, when the registry is first built (``ff plugins``, ``ff fit``, ``ff data``).
+    Each class must subclass :class:`ff_core.adapter.Adapter` and set ``name`` and ``io_contract`` as class
+    attributes; nothing may load weights here. Results of all plugins are merged; two adapters with the same
+    ``name`` from different plugins are a conflict reported by ``ff plugins`` (the first one loaded wins).
+    """

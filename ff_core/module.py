@@ -1,0 +1,188 @@
+"""FlowModule: the LightningModule that wires an adapter, an objective and the optimiser.
+
+It stays thin (STYLE 5): the objective computes the loss from the adapter's stages; this module loads the
+adapter (in ``configure_model``, after the data were validated), freezes what is not trained, applies
+LoRA through peft, logs, and keeps checkpoints small (only trainable tensors are saved; frozen components
+come back from ``pretrained_model_name_or_path``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from ff_core.adapter import Adapter
+from ff_core.objectives import Objective, SFTObjective
+from ff_core.plugins import get_adapter_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adaptation of the denoiser through peft.
+
+    Attributes:
+        rank: LoRA rank ``r``.
+        alpha: scaling numerator (``lora_alpha``); the update is scaled by ``alpha / rank``.
+        target_modules: module names to wrap; ``None`` uses the adapter's ``default_lora_targets``.
+        dropout: dropout on the LoRA branch.
+    """
+
+    rank: int = 16
+    alpha: float = 16.0
+    target_modules: list[str] | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank}")
+
+
+@dataclass
+class SamplingConfig:
+    """How validation samples are generated.
+
+    Attributes:
+        num_steps: Euler steps from noise to image.
+        guidance_scale: classifier-free guidance scale (1 disables CFG).
+        seed: base seed; batch ``i`` of a validation run uses ``seed + i`` so samples are comparable.
+    """
+
+    num_steps: int = 20
+    guidance_scale: float = 1.0
+    seed: int = 0
+
+
+class FlowModule(L.LightningModule):
+    """Post-train a flow-matching model.
+
+    Args:
+        adapter: registered adapter name (``sd3-5``; see ``ff plugins``) or dotted path ``pkg.mod:Class``.
+        pretrained_model_name_or_path: local folder or hub id in the family's diffusers layout.
+        adapter_kwargs: extra keyword arguments of the adapter's ``from_pretrained`` (resolution, dtype, ...).
+        objective: the training objective (default: supervised flow matching).
+        optimizer: optimiser factory over the trainable parameters (default AdamW, lr 1e-4).
+        lr_scheduler: optional learning-rate scheduler factory, stepped every optimiser step.
+        lora: train a LoRA of the denoiser instead of all its weights.
+        sampling: validation sampling options.
+    """
+
+    def __init__(
+        self,
+        adapter: str,
+        pretrained_model_name_or_path: str,
+        adapter_kwargs: dict[str, Any] | None = None,
+        objective: Objective = lazy_instance(SFTObjective),
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        lora: LoRAConfig | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
+        self.adapter_cls: type[Adapter] = get_adapter_class(adapter)  # class only: no weights yet
+        self.pretrained_model_name_or_path = pretrained_model_name_or_path
+        self.adapter_kwargs = dict(adapter_kwargs or {})
+        self.objective = objective
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.lora = lora
+        self.sampling = sampling or SamplingConfig()
+        self.adapter: Adapter | None = None
+        # Checkpoints hold trainable tensors only; frozen ones are reloaded from the pretrained folder.
+        self.strict_loading = False
+
+    # -- model -------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.adapter is not None:
+            return
+        adapter = self.adapter_cls.from_pretrained(self.pretrained_model_name_or_path, **self.adapter_kwargs)
+        adapter.requires_grad_(False)
+        if self.lora is not None:
+            apply_lora(adapter, self.lora)
+        else:
+            adapter.denoiser.requires_grad_(True)
+        self.adapter = adapter
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        log.info("%s: %d trainable parameters", adapter.name, trainable)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in self._trainable_names()}
+
+    def _trainable_names(self) -> set[str]:
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        missing = self._trainable_names() - set(checkpoint["state_dict"])
+        if missing:
+            raise KeyError(
+                f"checkpoint lacks {len(missing)} trainable tensor(s), e.g. {sorted(missing)[0]!r}: "
+                "was it written with a different model.lora setting?"
+            )
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        out = self.objective.training_loss(self.adapter, batch)
+        bs = len(batch["target"])
+        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
+        for name, value in out.metrics.items():
+            self.log(f"train/{name}", value, batch_size=bs)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        condition = self.adapter.prepare_condition(batch["condition"])
+        generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
+        state = self.adapter.sample(
+            condition,
+            num_steps=self.sampling.num_steps,
+            guidance_scale=self.sampling.guidance_scale,
+            generator=generator,
+        )
+        return {"prompt": batch["prompt"], "media": self.adapter.decode(state)}
+
+    # -- optimisation --------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            raise RuntimeError("nothing to train: every parameter is frozen")
+        optimizer = (
+            self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-4)
+        )
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:
+    """Wrap the denoiser's target modules with peft LoRA layers; only those layers train."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = cfg.target_modules or list(adapter.default_lora_targets)
+    if not targets:
+        raise ValueError(f"model.lora.target_modules: adapter {adapter.name!r} has no defaults; name the modules")
+    config = LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, init_lora_weights="gaussian"
+    )
+    denoiser = adapter.denoiser
+    if hasattr(denoiser, "add_adapter"):  # diffusers ModelMixin: keeps peft bookkeeping for load/save
+        denoiser.add_adapter(config)
+    else:
+        inject_adapter_in_model(config, denoiser)
+        denoiser.peft_config = {"default": config}
+    for name, p in denoiser.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """peft's state dict of the denoiser's LoRA layers (keys without the adapter name)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(adapter.denoiser)

@@ -1,0 +1,140 @@
+"""Plugin discovery: a pluggy PluginManager fed by the ``ff`` entry-point group, one plugin at a time.
+
+pluggy's bulk ``load_setuptools_entrypoints`` stops at the first plugin that fails to import; ff loads each
+entry point in its own ``try`` so one broken plugin is reported (by distribution and error) and the rest
+still work, the way pytest isolates its plugins.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import pluggy
+
+from ff_core import hookspecs
+from ff_core.adapter import Adapter
+
+ENTRY_POINT_GROUP = "ff"
+DISABLE_ENV = "FF_DISABLE_PLUGIN_AUTOLOAD"
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One registered adapter and where it came from."""
+
+    name: str
+    cls: type[Adapter]
+    distribution: str
+    version: str
+
+    @property
+    def summary(self) -> str:
+        return self.cls.io_contract.describe()
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that could not be loaded or registered."""
+
+    plugin: str
+    distribution: str
+    error: str
+
+
+@dataclass
+class PluginRegistry:
+    """Adapters found through entry points (plus dotted paths resolved on demand).
+
+    Args:
+        entry_points: entry points to load; default: the installed ``ff`` group, or none when
+            ``FF_DISABLE_PLUGIN_AUTOLOAD`` is set.
+    """
+
+    entry_points: Iterable[md.EntryPoint] | None = None
+    manager: pluggy.PluginManager = field(init=False)
+    failures: list[PluginFailure] = field(init=False, default_factory=list)
+    _adapters: dict[str, AdapterInfo] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        eps = self.entry_points
+        if eps is None:
+            eps = () if os.environ.get(DISABLE_ENV) else md.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in eps:
+            self._load(ep)
+
+    def _load(self, ep: md.EntryPoint) -> None:
+        dist = ep.dist.name if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        try:
+            module = ep.load()
+            self.manager.register(module, name=ep.name)
+            # Ask this plugin alone, so a faulty hook is blamed on the plugin that has it.
+            hook = self.manager.subset_hook_caller("ff_adapters", remove_plugins=[
+                p for p in self.manager.get_plugins() if p is not module
+            ])
+            classes = [c for result in hook() for c in result]
+        except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported, not raised
+            if self.manager.has_plugin(ep.name):
+                self.manager.unregister(name=ep.name)
+            self.failures.append(PluginFailure(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+            return
+        for cls in classes:
+            problem = _check_adapter_class(cls)
+            if problem is None and cls.name in self._adapters:
+                other = self._adapters[cls.name]
+                problem = f"adapter name {cls.name!r} is already provided by {other.distribution}"
+            if problem:
+                self.failures.append(PluginFailure(ep.name, dist, problem))
+                continue
+            self._adapters[cls.name] = AdapterInfo(cls.name, cls, dist, version)
+
+    def adapters(self) -> dict[str, AdapterInfo]:
+        return dict(self._adapters)
+
+    def adapter_class(self, name: str) -> type[Adapter]:
+        """Resolve a registered name, or a dotted path ``pkg.module:Class`` (or ``pkg.module.Class``)."""
+        if name in self._adapters:
+            return self._adapters[name].cls
+        if ":" in name or "." in name:
+            return load_dotted_adapter(name)
+        known = ", ".join(sorted(self._adapters)) or "none (is a plugin such as ff-sd3 installed?)"
+        hint = "".join(f"\n  plugin {f.plugin} ({f.distribution}) failed: {f.error}" for f in self.failures)
+        raise KeyError(f"unknown adapter {name!r}; registered adapters: {known}{hint}")
+
+
+def load_dotted_adapter(path: str) -> type[Adapter]:
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"cannot import adapter {path!r}: {exc}") from exc
+    problem = _check_adapter_class(cls)
+    if problem:
+        raise KeyError(f"{path!r}: {problem}")
+    return cls
+
+
+def _check_adapter_class(cls: object) -> str | None:
+    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+        return f"{cls!r} is not a subclass of ff_core.adapter.Adapter"
+    for attr in ("name", "io_contract"):
+        if not hasattr(cls, attr):
+            return f"{cls.__name__} does not set the class attribute {attr!r}"
+    return None
+
+
+@lru_cache(maxsize=1)
+def get_registry() -> PluginRegistry:
+    """The process-wide registry of installed plugins (built on first use)."""
+    return PluginRegistry()
+
+
+def get_adapter_class(name: str) -> type[Adapter]:
+    return get_registry().adapter_class(name)

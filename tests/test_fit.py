@@ -1,0 +1,132 @@
+"""`ff fit` end to end on the CPU: train, checkpoint (+ LoRA export), resume with optimiser state."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ff_core.cli import FlowCLI, main
+from ff_core.data.datamodule import FlowDataModule
+from ff_core.errors import DatasetErrors
+from ff_core.module import FlowModule
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
+
+
+def recipe_args(tiny_sd3, shapes_dir, root, *extra):
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir), "eval": {}}])
+    return [
+        "--config", str(RECIPE),
+        "--model.pretrained_model_name_or_path", str(tiny_sd3),
+        "--data.datasets", datasets,
+        "--data.eval_batch_size", "6",
+        "--model.sampling.num_steps", "2",
+        "--trainer.default_root_dir", str(root),
+        "--trainer.logger", json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                        "init_args": {"save_dir": str(root), "name": "logs", "version": 0}}),
+        *extra,
+    ]
+
+
+class ResumeProbe(L.Callback):
+    """Records where training (re)starts and the optimiser state it starts from."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_step = trainer.global_step
+        self.optimizer_state = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                                for k, v in trainer.optimizers[0].state_dict()["state"].items()}
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_sd3, shapes_dir, tmp_path_factory):
+    """The real console script, in a subprocess: 20 steps with LoRA, checkpoint every 10."""
+    root = tmp_path_factory.mktemp("run")
+    cmd = [sys.executable, "-m", "ff_core.cli", "fit",
+           *recipe_args(tiny_sd3, shapes_dir, root, "--trainer.max_steps", "20", "--trainer.val_check_interval", "20")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def test_fit_writes_checkpoint_lora_samples_and_loss_curve(first_run):
+    ckpts = first_run / "logs" / "version_0" / "checkpoints"
+    last = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 20
+    # Only trainable tensors (the LoRA layers) are in the checkpoint; frozen ones come from the base folder.
+    assert last["state_dict"] and all("lora_" in k for k in last["state_dict"])
+    lora = load_file(ckpts / "last.lora" / "pytorch_lora_weights.safetensors")
+    assert len(lora) == len(last["state_dict"])
+    for key, value in last["state_dict"].items():
+        peft_key = key.removeprefix("adapter.").replace(".default.weight", ".weight")
+        torch.testing.assert_close(lora[peft_key], value)
+    [step10] = ckpts.glob("epoch=*-step=10.ckpt")
+    assert step10.with_suffix(".lora").is_dir()
+    assert (first_run / "logs" / "version_0" / "samples" / "step_000020.png").stat().st_size > 0
+    assert (first_run / "logs" / "version_0" / "loss.png").exists()
+    steps = (first_run / "logs" / "version_0" / "loss.csv").read_text().splitlines()[1:]
+    assert len(steps) == 20
+
+
+def test_resume_continues_step_count_and_optimiser_state(first_run, tiny_sd3, shapes_dir, tmp_path):
+    ckpt = first_run / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False,
+                  args=recipe_args(tiny_sd3, shapes_dir, tmp_path, "--trainer.max_steps", "24"))
+    probe = ResumeProbe()
+    cli.trainer.callbacks.append(probe)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(ckpt))
+    assert probe.start_step == 20 and cli.trainer.global_step == 24
+    saved_state = saved["optimizer_states"][0]["state"]
+    assert probe.optimizer_state.keys() == saved_state.keys() and saved_state
+    for index, state in saved_state.items():
+        assert state["step"] == probe.optimizer_state[index]["step"] == 20
+        torch.testing.assert_close(probe.optimizer_state[index]["exp_avg"], state["exp_avg"])
+        torch.testing.assert_close(probe.optimizer_state[index]["exp_avg_sq"], state["exp_avg_sq"])
+
+
+def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_dir, tmp_path):
+    main(["fit", *recipe_args(tiny_sd3, shapes_dir, tmp_path, "--model.lora", "null", "--trainer.max_steps", "2",
+                              "--trainer.limit_val_batches", "0")])
+    state = torch.load(tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state and all(k.startswith("adapter.transformer.") for k in state)
+    assert not (tmp_path / "logs" / "version_0" / "checkpoints" / "last.lora").exists()
+
+
+def test_a_broken_dataset_fails_before_any_weight_loads(shapes_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    good = (shapes_dir / "train.jsonl").read_text().splitlines()
+    (broken / "train.jsonl").write_text("\n".join([good[0], good[1].replace('"schema_version":2', '"schema_version":"2"')]))
+    args = recipe_args(tmp_path / "no-such-checkpoint", broken, tmp_path, "--trainer.max_steps", "1")
+    with pytest.raises(DatasetErrors, match=r"train\.jsonl:2: schema_version: must be the integer 2"):
+        main(["fit", *args])
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_builds(recipe, tiny_sd3, shapes_dir, tmp_path):
+    """STYLE 4: each recipe starts with its command and instantiates against a tiny saved model."""
+    assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.relative_to(REPO / 'configs')}")
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir), "eval": {}}])
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
+        "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
+        "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path)])
+    assert cli.datamodule.trainer_type == cli.model.objective.trainer_type
+    assert cli.datamodule.adapter_name == cli.model.hparams.adapter
+    cli.datamodule.setup("fit")
+    cli.model.configure_model()
+    batch = next(iter(_loader(cli)))
+    loss = cli.model.objective.training_loss(cli.model.adapter, batch).loss
+    assert torch.isfinite(loss)
+
+
+def _loader(cli):
+    cli.datamodule.trainer = cli.trainer
+    cli.trainer.strategy.connect(cli.model)
+    return cli.datamodule.train_dataloader()

@@ -1,0 +1,155 @@
+"""Plugin discovery through real entry points: good, broken, faulty and conflicting plugins."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ff_core.plugins import PluginRegistry, load_dotted_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+
+GOOD = """
+from ff_core.adapter import Adapter
+from ff_core.hookspecs import hookimpl
+from ff_core.testing.contracts import SUPPORT_TABLE
+
+class ToyT2V(Adapter):
+    name = "toy-t2v"
+    io_contract = SUPPORT_TABLE["wan2_t2v"]
+
+@hookimpl
+def ff_adapters():
+    return [ToyT2V]
+"""
+BROKEN = "import a_module_that_does_not_exist\n"
+FAULTY_HOOK = """
+from ff_core.hookspecs import hookimpl
+
+@hookimpl
+def ff_adapters():
+    raise RuntimeError("boom while registering")
+"""
+NOT_AN_ADAPTER = """
+from ff_core.hookspecs import hookimpl
+
+@hookimpl
+def ff_adapters():
+    return [dict]
+"""
+DUPLICATE = """
+from ff_core.hookspecs import hookimpl
+from toy_good import ToyT2V
+
+class Again(ToyT2V):
+    pass
+
+@hookimpl
+def ff_adapters():
+    return [Again]
+"""
+
+
+def install_fake_plugin(site: Path, dist: str, module: str, source: str) -> None:
+    """A minimal installed distribution: its module plus a dist-info with an `ff` entry point."""
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[ff]\n{dist} = {module}\n")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in list(sys.modules):
+        if name.startswith("toy_"):
+            del sys.modules[name]
+
+
+def test_good_plugin_is_registered_with_its_distribution(site):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    registry = PluginRegistry()
+    info = registry.adapters()["toy-t2v"]
+    assert (info.distribution, info.version) == ("toy-good", "0.3")
+    assert info.summary == "prompt -> video(fps); CFG"
+    assert registry.adapter_class("toy-t2v").__name__ == "ToyT2V"
+
+
+@pytest.mark.parametrize(
+    "source, error, unregistered",
+    [
+        (BROKEN, "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'", True),
+        (FAULTY_HOOK, "RuntimeError: boom while registering", True),
+        (NOT_AN_ADAPTER, "is not a subclass of ff_core.adapter.Adapter", False),
+    ],
+)
+def test_a_failing_plugin_is_reported_and_the_others_still_load(site, source, error, unregistered):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    install_fake_plugin(site, "toy-bad", "toy_bad", source)
+    registry = PluginRegistry()
+    assert "toy-t2v" in registry.adapters()
+    [failure] = [f for f in registry.failures if f.distribution == "toy-bad"]
+    assert error in failure.error and failure.plugin == "toy-bad"
+    assert registry.manager.has_plugin("toy-bad") is not unregistered
+
+
+def test_duplicate_adapter_names_are_a_reported_conflict(site):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    install_fake_plugin(site, "toy-dup", "toy_dup", DUPLICATE)
+    registry = PluginRegistry()
+    assert registry.adapters()["toy-t2v"].distribution == "toy-good"
+    assert any("already provided by toy-good" in f.error for f in registry.failures)
+
+
+def test_unknown_name_lists_known_adapters_and_failures(site):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    install_fake_plugin(site, "toy-bad", "toy_bad", BROKEN)
+    with pytest.raises(KeyError, match=r"unknown adapter 'nope'.*toy-t2v(.|\n)*toy-bad"):
+        PluginRegistry().adapter_class("nope")
+
+
+def test_dotted_path_fallback(site):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    assert PluginRegistry(entry_points=[]).adapter_class("toy_good:ToyT2V").name == "toy-t2v"
+    assert load_dotted_adapter("toy_good.ToyT2V").name == "toy-t2v"
+    with pytest.raises(KeyError, match="not a subclass"):
+        load_dotted_adapter("collections:OrderedDict")
+
+
+def test_autoload_can_be_disabled(site, monkeypatch):
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    monkeypatch.setenv("FF_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert PluginRegistry().adapters() == {}
+
+
+def ff(*args, env_extra=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "ff_core.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_ff_plugins_lists_sd3_and_reports_a_broken_plugin(tmp_path):
+    install_fake_plugin(tmp_path, "toy-bad", "toy_bad", BROKEN)
+    result = ff("plugins", env_extra={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("sd3-5  [ff-sd3 0.1.0]  prompt -> image; CFG") for line in lines), lines
+    assert any(line.startswith("FAILED plugin 'toy-bad' from toy-bad: ModuleNotFoundError") for line in lines), lines
+
+
+def test_uninstalling_ff_sd3_removes_its_adapter():
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "uninstall", "-y", "ff-sd3"], check=True, capture_output=True)
+    try:
+        result = ff("plugins")
+        assert result.returncode == 0 and "sd3-5" not in result.stdout, result.stdout
+    finally:
+        subprocess.run(
+            [*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(REPO / "plugins" / "ff_sd3")],
+            check=True, capture_output=True,
+        )
+    assert "sd3-5  [ff-sd3" in ff("plugins").stdout
