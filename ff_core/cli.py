@@ -1,30 +1,14 @@
 """The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins`` and ``ff data``.
 
 ``ff fit --config recipe.yaml`` builds FlowModule (``model:``), FlowDataModule (``data:``) and Lightning's
-Trainer (``trainer:``) from one YAML; every typed ``__init__`` argument is a config key (``ff fit --help``).
+Trainer (``trainer:``) from one YAML (see :mod:`ff_core.lightning_cli`). ``ff plugins`` and ``ff data`` do not
+import Lightning, so they answer quickly.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
-from ff_core.data.datamodule import FlowDataModule
-from ff_core.module import FlowModule
-
-
-class FlowCLI(LightningCLI):
-    """LightningCLI with ff's late bindings (STYLE 14: links, never globals)."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # The datamodule validates records against the adapter's contract before weights load, and picks
-        # the supervision it requires from the objective.
-        parser.link_arguments("model.adapter", "data.adapter")
-        parser.link_arguments(
-            "model", "data.trainer_type", compute_fn=lambda m: m.objective.trainer_type, apply_on="instantiate"
-        )
 
 
 def print_plugins(stream=None) -> int:
@@ -51,12 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ff_core.data.commands import main as data_main
 
         return data_main(args[1:])
-    FlowCLI(
-        FlowModule,
-        FlowDataModule,
-        args=None if argv is None else args,  # LightningCLI reads sys.argv itself for the `ff` script
-        save_config_kwargs={"overwrite": True},
-    )
+    from ff_core.lightning_cli import run
+
+    run(None if argv is None else args)  # None: LightningCLI reads sys.argv itself for the `ff` script
     return 0
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ff_core.cli import FlowCLI, main
+from ff_core.cli import main
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.errors import DatasetErrors
+from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,10 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ff_core.adapter import Adapter, ConditionInput
-from ff_core.contracts import MediaType
-from ff_core.data.media import decode_image
+from ff_core.data.media import check_files_exist, decode_media
 from ff_core.data.records import Record
-from ff_core.data.sources import DatasetConfig, TrainerType, load_split
+from ff_core.data.sources import DatasetConfig, TrainerType, check_dataset_configs, load_split
 from ff_core.data.validation import check_batch_size, check_records
 from ff_core.errors import DatasetErrors
 from ff_core.plugins import get_adapter_class
@@ -52,15 +51,10 @@ class ConditionedDataset(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         record = self.records[index]
-        target = [decode_target(m, record, i) for i, m in enumerate(record.candidates[0])] if record.candidates else []
+        # Targets are decoded fresh on every access and never cached (spec: "Condition cache and target lifecycle").
+        candidate = record.candidates[0] if record.candidates else ()
+        target = [decode_media(m, referenced_by=record.where) for m in candidate]
         return Sample(index, record.prompt, self.conditions[index], target)
-
-
-def decode_target(item, record: Record, position: int) -> torch.Tensor:
-    field = f"supervision.target.media[{position}].path"
-    if item.type is MediaType.IMAGE:
-        return decode_image(item.path, referenced_by=(record.source, record.line), field=field)
-    raise NotImplementedError(f"{record.source}:{record.line}: {field}: decoding {item.type} targets is not built yet")
 
 
 def collate_samples(samples: list[Sample]) -> dict[str, Any]:
@@ -116,6 +110,7 @@ class FlowDataModule(L.LightningDataModule):
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
+        check_dataset_configs(self.datasets, trainer_type)
         self.per_device_batch_size = per_device_batch_size
         self.eval_batch_size = eval_batch_size
         self.preprocessing_batch_size = preprocessing_batch_size
@@ -148,8 +143,12 @@ class FlowDataModule(L.LightningDataModule):
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
             cls = get_adapter_class(self.adapter_name)
-            check_batch_size(cls.io_contract, cls.name, self.per_device_batch_size)
+            check_batch_size(
+                cls.io_contract, cls.name, self.per_device_batch_size,
+                preprocessing_batch_size=self.preprocessing_batch_size, eval_batch_size=self.eval_batch_size,
+            )
             check_records(self.train_records + self.eval_records, cls.io_contract)
+        check_files_exist(self.train_records + self.eval_records)
         if stage == "fit" and not self.train_records:
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", len(self.train_records), len(self.eval_records))

@@ -17,15 +17,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
-import torch
 from PIL import Image, UnidentifiedImageError
 
 from ff_core.contracts import MediaType
 from ff_core.data.records_base import MediaItem, Record
 from ff_core.errors import DatasetError, raise_collected
+
+if TYPE_CHECKING:  # torch is imported where tensors are built, so `ff data validate` starts without it
+    import torch
 
 Where = tuple[Path, int] | None
 """``(source, line)`` of the record that referenced a file (``Record.where``), or ``None``."""
@@ -118,6 +121,8 @@ def decode_image(path: str | Path, *, referenced_by: Where = None, field: str | 
             array = np.asarray(im.convert("RGB"))
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         raise media_error(path, referenced_by, field, f"cannot decode image: {exc}") from None
+    import torch
+
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
@@ -188,6 +193,8 @@ def decode_video(
     if not count:
         window = "" if start is None and end is None else f" in the window [{start}, {end}) s"
         raise media_error(path, referenced_by, field, f"no video frames decoded{window} (empty or truncated file?)")
+    import torch
+
     frames = torch.from_numpy(np.stack(arrays))
     return DecodedVideo(frames, fps, torch.tensor(times, dtype=torch.float64), declared_fps)
 
@@ -269,6 +276,8 @@ def decode_audio(
     chunks, total, rate, first = result
     if not total:
         raise media_error(path, referenced_by, field, "no audio samples decoded (empty or truncated file?)")
+    import torch
+
     waveform = torch.from_numpy(np.ascontiguousarray(np.concatenate(chunks, axis=1)))
     return DecodedAudio(waveform, rate, declared_sample_rate, first)
 
@@ -335,7 +344,8 @@ def check_media(item: MediaItem, *, referenced_by: Where = None, field: str | No
                 video = count / (item.fps or fps or 1.0)
             result = _audio_samples(path, None, None, convert=False)
         except _DECODE_ERRORS as exc:
-            raise media_error(path, referenced_by, fld, f"cannot decode {'video' if is_video else 'audio'}: {exc}")
+            what = "video" if is_video else "audio"
+            raise media_error(path, referenced_by, fld, f"cannot decode {what}: {exc}") from None
         if result is None and not is_video:
             raise media_error(path, referenced_by, fld, "no audio stream")
         if result is not None and not result[1] and not is_video:

@@ -35,7 +35,8 @@ __all__ = [
     "Record",
     "Schema",
     "Supervision",
-    "check_supervision",
+    "supervision_errors",
+    "scan_jsonl",
     "parse_legacy_row",
     "parse_reference",
     "parse_v2_media",
@@ -76,10 +77,16 @@ def read_jsonl(path: Path, parse: Parser) -> list[Record]:
 
     A blank line, an empty file and invalid JSON are errors with their line (spec: manifests are strict).
     """
-    lines = _lines(path)
+    records, errors = scan_jsonl(path, parse)
+    raise_collected(errors)
+    return records
+
+
+def scan_jsonl(path: Path, parse: Parser) -> tuple[list[Record], list[DatasetError]]:
+    """Like :func:`read_jsonl`, but return the rows that parsed and the errors of the others."""
     records: list[Record] = []
     errors: list[DatasetError] = []
-    for line_no, text in enumerate(lines, start=1):
+    for line_no, text in enumerate(_lines(path), start=1):
         if not text.strip():
             errors.append(DatasetError(path, line_no, None, "blank line (every line must hold one JSON object)"))
             continue
@@ -87,8 +94,7 @@ def read_jsonl(path: Path, parse: Parser) -> list[Record]:
             records.append(parse(parse_json_line(text, path, line_no), path, line_no))
         except DatasetError as exc:
             errors.append(exc)
-    raise_collected(errors)
-    return records
+    return records, errors
 
 
 def read_prompts_txt(path: Path) -> list[Record]:
@@ -102,7 +108,7 @@ def read_prompts_txt(path: Path) -> list[Record]:
     return [Record(path, i, text.strip()) for i, text in enumerate(lines, start=1)]
 
 
-def check_supervision(records: list[Record], wanted: Supervision | None = None) -> None:
+def supervision_errors(records: list[Record], wanted: Supervision | None = None) -> list[DatasetError]:
     """A training source is homogeneous (spec: "Preference supervision").
 
     Args:
@@ -110,14 +116,14 @@ def check_supervision(records: list[Record], wanted: Supervision | None = None) 
         wanted: the supervision the trainer consumes; ``None``: every row must match the first one.
     """
     if not records:
-        return
+        return []
     expected = wanted or records[0].supervision
     why = "this trainer needs" if wanted else f"mixed supervision: line {records[0].line} has"
-    raise_collected([
+    return [
         DatasetError(r.source, r.line, "supervision.type", f"{why} {expected!r} records, found {r.supervision!r}")
         for r in records
         if r.supervision != expected
-    ])
+    ]
 
 
 def _lines(path: Path) -> list[str]:

@@ -19,11 +19,12 @@ from ff_core.data.records import (
     SUPERVISION_FOR_TRAINER,
     Record,
     Schema,
-    check_supervision,
     parse_legacy_row,
     parse_v2_record,
     read_jsonl,
     read_prompts_txt,
+    scan_jsonl,
+    supervision_errors,
 )
 from ff_core.errors import DatasetError, DatasetErrors
 
@@ -184,8 +185,11 @@ def load_split(cfg: DatasetConfig, split: Split, trainer_type: TrainerType | Non
             raise DatasetErrors([DatasetError(
                 path, None, None, f"trainer {trainer_type!r} needs strict V2 records in train.jsonl, not prompts"
             )])
-        records = read_jsonl(path, lambda obj, p, n: parse_v2_record(obj, p, n, cfg.root))
-        check_supervision(records, SUPERVISION_FOR_TRAINER[trainer_type] if trainer_type else None)
+        records, errors = scan_jsonl(path, lambda obj, p, n: parse_v2_record(obj, p, n, cfg.root))
+        # Homogeneity (spec: "A training source must be homogeneous") is reported with the format errors.
+        errors += supervision_errors(records, SUPERVISION_FOR_TRAINER[trainer_type] if trainer_type else None)
+        if errors:
+            raise DatasetErrors(sorted(errors, key=DatasetError.sort_key))
     options = cfg.train if split == "train" else cfg.eval
     if options is not None and options.max_dataset_size is not None:
         records = records[: options.max_dataset_size]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ff_core.contracts import NegativePrompt, PipelineIOContract
+from ff_core.contracts import MediaType, NegativePrompt, PipelineIOContract
 from ff_core.data.records_base import CANDIDATE_FIELDS, MediaItem, Record
 from ff_core.errors import ContractError, DatasetError, raise_collected
 
@@ -75,12 +75,12 @@ def bind_slots(items: Sequence[MediaItem], contract: PipelineIOContract) -> tupl
         elif item.slot in bound:
             problems.append((field, f"duplicate slot {item.slot!r}: already bound by {bound[item.slot].origin}"))
         elif spec.type is not item.type:
-            problems.append((field, f"slot {item.slot!r} takes an {spec.type}, found a {item.type}"))
+            problems.append((field, f"slot {item.slot!r} takes {_a(spec.type)}, found {_a(item.type)}"))
         else:
             bound[item.slot] = item
     free = [s for s in contract.slots if s.name not in bound]
     unslotted = [m for m in items if m.slot is None]
-    for i, item in enumerate(unslotted):
+    for item in unslotted:
         if not free:
             problems.append((
                 item.origin,
@@ -89,7 +89,8 @@ def bind_slots(items: Sequence[MediaItem], contract: PipelineIOContract) -> tupl
             break
         spec = free.pop(0)
         if spec.type is not item.type:
-            problems.append((item.origin, f"fills slot {spec.name!r}, which takes an {spec.type}, found a {item.type}"))
+            reason = f"fills slot {spec.name!r}, which takes {_a(spec.type)}, found {_a(item.type)}"
+            problems.append((item.origin, reason))
         else:
             bound[spec.name] = item
     return {s.name: bound[s.name] for s in contract.slots if s.name in bound}, problems
@@ -135,7 +136,7 @@ def _group_problems(record: Record, contract: PipelineIOContract) -> list[Proble
     items = record.inputs
     problems = [(f"{m.origin}.slot", "this adapter has no slots: grouped inputs bind by list order")
                 for m in items if m.slot]
-    problems += [(m.origin, f"this adapter takes {spec.type} inputs only, found a {m.type}")
+    problems += [(m.origin, f"this adapter takes {spec.type} inputs only, found {_a(m.type)}")
                  for m in items if m.type is not spec.type]
     hi = spec.max_count
     if len(items) < spec.min_count or (hi is not None and len(items) > hi):
@@ -196,6 +197,10 @@ def check_records(records: Sequence[Record], contract: PipelineIOContract) -> No
 
 def _column(item: MediaItem) -> str:
     return item.origin.split("[", 1)[0]
+
+
+def _a(mtype: MediaType) -> str:
+    return f"{'an' if mtype.value[0] in 'aeiou' else 'a'} {mtype.value}"
 
 
 def _types(items: Sequence[MediaItem]) -> str:

@@ -1,0 +1,28 @@
+"""FlowCLI: LightningCLI over FlowModule, FlowDataModule and Lightning's Trainer (``ff fit|validate|test|predict``).
+
+Every typed ``__init__`` argument of the three is a config key (``ff fit --help``).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from ff_core.data.datamodule import FlowDataModule
+from ff_core.module import FlowModule
+
+
+class FlowCLI(LightningCLI):
+    """LightningCLI with ff's late bindings (STYLE 14: links, never globals)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The datamodule validates records against the adapter's contract before weights load, and picks
+        # the supervision it requires from the objective.
+        parser.link_arguments("model.adapter", "data.adapter")
+        parser.link_arguments(
+            "model", "data.trainer_type", compute_fn=lambda m: m.objective.trainer_type, apply_on="instantiate"
+        )
+
+
+def run(args: list[str] | None) -> None:
+    """``ff fit ...``: ``args=None`` reads ``sys.argv`` (the console script)."""
+    FlowCLI(FlowModule, FlowDataModule, args=args, save_config_kwargs={"overwrite": True})
