@@ -1,0 +1,62 @@
+"""Composable dataflow: distributor → processor → batcher → collator, sharded, packed, mixed, resumed exactly.
+
+Implements ``spec/composable-dataloader-guide.md`` under ff's names (``DataflowLoader`` for ``CosmosDataLoader``);
+see docs/dataflow.md for recipes and the resume guarantees.
+"""
+
+from .base import (
+    BatchCollator,
+    Cursor,
+    DataDistributor,
+    IndexedDistributor,
+    RawItemProcessor,
+    SampleBatcher,
+    stream_slot,
+)
+from .batchers import PoolPackingBatcher, SimpleBatcher, video_token_count
+from .collators import DefaultBatchCollator, ListBatchCollator
+from .coords import DataParallelCoords, WorkerCoords
+from .distributors import (
+    IterableDistributor,
+    MapDistributor,
+    RankPartitionedDistributor,
+    apportion_ranks,
+    derive_seed,
+)
+from .joint import JointDataflowLoader
+from .loader import DataflowLoader
+from .mixture import MixtureDistributor
+from .processors import CallableProcessor, IdentityProcessor
+from .sequential import SequentialPackingBatcher
+from .state import StateHistory, check_state, merge_rank_states
+
+__all__ = [
+    "BatchCollator",
+    "CallableProcessor",
+    "Cursor",
+    "DataDistributor",
+    "DataParallelCoords",
+    "DataflowLoader",
+    "DefaultBatchCollator",
+    "IdentityProcessor",
+    "IndexedDistributor",
+    "IterableDistributor",
+    "JointDataflowLoader",
+    "ListBatchCollator",
+    "MapDistributor",
+    "MixtureDistributor",
+    "PoolPackingBatcher",
+    "RankPartitionedDistributor",
+    "RawItemProcessor",
+    "SampleBatcher",
+    "SequentialPackingBatcher",
+    "SimpleBatcher",
+    "StateHistory",
+    "WorkerCoords",
+    "apportion_ranks",
+    "check_state",
+    "derive_seed",
+    "merge_rank_states",
+    "stream_slot",
+    "video_token_count",
+]

@@ -1,0 +1,202 @@
+"""Built-in distributors (spec §2 table, §6 sharding): map-style, iterable, and rank-partitioned sources.
+
+The mixture lives in ``mixture.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .base import Cursor, DataDistributor, IndexedDistributor, stream_slot
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that depends only on ``parts`` (splitmix64 chain), identical in every process.
+
+    Args:
+        parts: Integers such as (seed, epoch) or (seed, step).
+    """
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x + (int(p) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+class _MapCursor(Cursor):
+    def __init__(self, source: MapDistributor, position: int) -> None:
+        self.source, self.position = source, position
+
+    def skip(self, n: int) -> None:
+        self.position += n
+
+    def take(self) -> tuple[Any, Any]:
+        address = self.position
+        self.position += 1
+        return address, self.source.fetch(address)
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+
+class MapDistributor(IndexedDistributor):
+    """A map-style dataset, reshuffled every epoch, resumable at any position (spec §2, §5).
+
+    The global order is epoch 0's permutation, then epoch 1's, …; epoch ``e``'s permutation depends only on
+    ``(seed, e)``. Jumping to position 10^6 costs one permutation, not 10^6 reads.
+
+    Args:
+        dataset: Any object with ``__len__`` and ``__getitem__`` (a ``torch.utils.data.Dataset``, a list, …).
+        shuffle: Reshuffle every epoch; ``False`` keeps dataset order.
+        seed: Shuffle seed.
+        name: Label used in error messages and the resume fingerprint.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "") -> None:
+        if len(dataset) == 0:
+            raise ValueError(f"MapDistributor{f'({name!r})' if name else ''}: the dataset is empty")
+        self.dataset, self.shuffle, self.seed, self.name = dataset, shuffle, seed, name
+        self._perms: dict[int, torch.Tensor] = {}
+
+    @property
+    def epoch_length(self) -> int:
+        return len(self.dataset)
+
+    def permutation(self, epoch: int) -> torch.Tensor | None:
+        """Epoch ``epoch``'s order of dataset indices (``None`` when not shuffling).
+
+        Args:
+            epoch: Epoch index.
+        """
+        if not self.shuffle:
+            return None
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a cursor only ever straddles two epochs
+                self._perms.pop(min(self._perms))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
+            self._perms[epoch] = torch.randperm(len(self.dataset), generator=g)
+        return self._perms[epoch]
+
+    def index_at(self, position: int) -> int:
+        """Dataset index of global position ``position``.
+
+        Args:
+            position: Index into the global (epoch-concatenated) order.
+        """
+        epoch, offset = divmod(position, len(self.dataset))
+        perm = self.permutation(epoch)
+        return offset if perm is None else int(perm[offset])
+
+    def cursor(self, state: Mapping[str, Any] | None = None) -> Cursor:
+        return _MapCursor(self, int(state["position"]) if state else 0)
+
+    def fetch(self, address: Any) -> Any:
+        return self.dataset[self.index_at(int(address))]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "MapDistributor", "name": self.name, "length": len(self.dataset),
+                "shuffle": self.shuffle, "seed": self.seed}
+
+
+class IterableDistributor(DataDistributor):
+    """A streaming source (an ``IterableDataset``, a HF streaming split, a list, …), round-robin sharded.
+
+    Item i goes to the stream that :func:`stream_slot` names. **Not resumable**: a stream cannot be fast-forwarded
+    without reading it, so a resumed run restarts the source from its beginning (spec §5).
+
+    Args:
+        iterable: Re-iterable source; every stream iterates it and keeps its own share.
+        name: Label used in error messages and the resume fingerprint.
+    """
+
+    def __init__(self, iterable: Any, name: str = "") -> None:
+        self.iterable, self.name = iterable, name
+
+    def stream(self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int) -> Iterator[Any]:
+        for i, item in enumerate(self.iterable):
+            if stream_slot(i, 0, dp_world_size, num_workers) == (dp_rank, worker_id):
+                yield item
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "IterableDistributor", "name": self.name}
+
+
+def apportion_ranks(ratios: list[float], world_size: int) -> list[int]:
+    """Split ``world_size`` ranks among sources by ratio, at least one each (largest remainder).
+
+    Args:
+        ratios: Positive weights, one per source.
+        world_size: Ranks to split.
+    """
+    if world_size < len(ratios):
+        raise ValueError(f"RankPartitionedDistributor: {len(ratios)} datasets need at least as many data-parallel "
+                         f"ranks, found dp_world_size={world_size}")
+    spare = world_size - len(ratios)
+    total = sum(ratios)
+    exact = [spare * r / total for r in ratios]
+    counts = [1 + math.floor(e) for e in exact]
+    order = sorted(range(len(ratios)), key=lambda k: (exact[k] - math.floor(exact[k])), reverse=True)
+    for k in order[: world_size - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+class RankPartitionedDistributor(DataDistributor):
+    """Whole data-parallel ranks go to different datasets by ratio (spec §6); each dataset is sharded over the
+    ranks that share it and their workers. Not resumable (see docs/dataflow.md).
+
+    Args:
+        datasets: ``{name: {"dataset": ..., "ratio": r}}``; a dataset may be a :class:`DataDistributor`, a
+            map-style dataset (wrapped in ``MapDistributor(shuffle, seed)``) or an iterable.
+        shuffle: Shuffle map-style datasets.
+        seed: Shuffle seed for map-style datasets.
+    """
+
+    def __init__(self, datasets: Mapping[str, Mapping[str, Any]], shuffle: bool = True, seed: int = 0) -> None:
+        if not datasets:
+            raise ValueError("RankPartitionedDistributor: datasets is empty")
+        self.names = list(datasets)
+        self.ratios = [float(datasets[n]["ratio"]) for n in self.names]
+        for n, r in zip(self.names, self.ratios):
+            if not r > 0:
+                raise ValueError(f"RankPartitionedDistributor: datasets[{n!r}].ratio must be > 0, found {r}")
+        self.sources = [_as_distributor(datasets[n]["dataset"], n, shuffle, seed) for n in self.names]
+
+    def assignment(self, dp_rank: int, dp_world_size: int) -> tuple[str, int, int]:
+        """``(dataset name, rank within its group, group size)`` for a rank.
+
+        Args:
+            dp_rank: Data-parallel rank.
+            dp_world_size: Number of data-parallel ranks.
+        """
+        start = 0
+        for name, size in zip(self.names, apportion_ranks(self.ratios, dp_world_size)):
+            if dp_rank < start + size:
+                return name, dp_rank - start, size
+            start += size
+        raise AssertionError("unreachable")
+
+    def stream(self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int) -> Iterator[Any]:
+        name, group_rank, group_size = self.assignment(dp_rank, dp_world_size)
+        yield from self.sources[self.names.index(name)].stream(group_rank, group_size, worker_id, num_workers)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "RankPartitionedDistributor", "ratios": dict(zip(self.names, self.ratios)),
+                "sources": {n: s.fingerprint() for n, s in zip(self.names, self.sources)}}
+
+
+def _as_distributor(obj: Any, name: str, shuffle: bool, seed: int) -> DataDistributor:
+    if isinstance(obj, DataDistributor):
+        return obj
+    is_iterable_dataset = isinstance(obj, torch.utils.data.IterableDataset)
+    if hasattr(obj, "__len__") and hasattr(obj, "__getitem__") and not is_iterable_dataset:
+        return MapDistributor(obj, shuffle=shuffle, seed=seed, name=name)
+    return IterableDistributor(obj, name=name)

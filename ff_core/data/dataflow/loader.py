@@ -1,0 +1,248 @@
+"""DataflowLoader: a ``torch.utils.data.DataLoader`` that wires the four roles (spec §1–2) and resumes exactly.
+
+Resume modes (chosen at construction, see docs/dataflow.md):
+
+* ``"global"`` — resumable source + fixed-size batches: the state is one position in the global order, identical on
+  every rank; a run may resume under a different world size, worker count or batch size.
+* ``"stream"`` — resumable source + a packing batcher: per-(rank, stream) cursors plus the batcher's pending samples;
+  exact under the same world size and worker count (both are in the fingerprint).
+* ``"none"`` — streaming source, or ``resumable=False``: a resumed run restarts the source.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from .base import BatchCollator, DataDistributor, RawItemProcessor, SampleBatcher
+from .batchers import SimpleBatcher
+from .collators import DefaultBatchCollator
+from .coords import DataParallelCoords
+from .pipeline import DataflowStream, Plan
+from .state import FORMAT, StateHistory, check_state, merge_rank_states
+
+log = logging.getLogger(__name__)
+
+
+def _passthrough(item: Any) -> Any:
+    return item
+
+
+class DataflowLoader(DataLoader):
+    """distribute → process → batch → collate, sharded by data-parallel rank × worker, resumable (spec §1).
+
+    Args:
+        distributor: Source of raw items (``MapDistributor``, ``MixtureDistributor``, ``IterableDistributor``, …).
+        processor: Raw item → sample dict.
+        batcher: Samples → groups; give this or ``batch_size``, not both.
+        collator: Group → batch; default ``DefaultBatchCollator()``.
+        batch_size: Sugar for ``SimpleBatcher(batch_size)`` + ``DefaultBatchCollator()``.
+        num_workers: DataLoader worker processes (each runs its own stream).
+        coords: Data-parallel coordinates; default :meth:`DataParallelCoords.detect` at iteration time.
+        parallel_dims: Passed to ``DataParallelCoords.detect`` when ``coords`` is not given (FSDP+TP layouts).
+        steps_per_epoch: Batches per rank per ``iter()``; default: the rest of the source's epoch (mode
+            "global") or until the source ends (other modes; required under DDP with packing batchers so every
+            rank yields the same count).
+        resumable: ``None``: resume whenever the source allows; ``False``: never (streams restart);
+            ``True``: like ``None`` but fail if the source is not resumable.
+        stamp_key: When set, every batch (a dict) carries its delivery number under this key; call
+            :meth:`commit` with it once the model consumed the batch and ``state_dict`` returns that position.
+        pin_memory: As for DataLoader.
+        prefetch_factor: As for DataLoader (workers only).
+        persistent_workers: Must stay ``False``: workers are forked per ``iter()`` from the current position.
+        timeout: As for DataLoader.
+        multiprocessing_context: As for DataLoader; roles must be picklable under ``spawn``.
+        worker_init_fn: As for DataLoader.
+    """
+
+    def __init__(
+        self,
+        distributor: DataDistributor,
+        processor: RawItemProcessor,
+        batcher: SampleBatcher | None = None,
+        collator: BatchCollator | None = None,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        *,
+        coords: DataParallelCoords | None = None,
+        parallel_dims: Any = None,
+        steps_per_epoch: int | None = None,
+        resumable: bool | None = None,
+        stamp_key: str | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        timeout: float = 0,
+        multiprocessing_context: Any = None,
+        worker_init_fn: Any = None,
+    ) -> None:
+        if (batcher is None) == (batch_size is None):
+            raise ValueError("DataflowLoader: provide either a batcher= or a batch_size= (exactly one), found "
+                             f"batcher={type(batcher).__name__ if batcher else None}, batch_size={batch_size}")
+        if persistent_workers:
+            raise ValueError("DataflowLoader: persistent_workers=True is not supported: workers are started per "
+                             "iter() so that they begin at the loader's current resume position")
+        if steps_per_epoch is not None and steps_per_epoch < 1:
+            raise ValueError(f"DataflowLoader: steps_per_epoch must be >= 1, found {steps_per_epoch}")
+        batcher = SimpleBatcher(batch_size) if batcher is None else batcher  # type: ignore[arg-type]
+        self.mode = self._resume_mode(distributor, batcher, resumable)
+        self.distributor, self.processor, self.batcher = distributor, processor, batcher
+        self.collator = collator or DefaultBatchCollator()
+        self.coords, self.parallel_dims = coords, parallel_dims
+        self.steps_per_epoch, self.stamp_key = steps_per_epoch, stamp_key
+        self.dropped_samples = 0
+        self._stream = DataflowStream(distributor, processor, batcher, self.collator)
+        self._state: dict[str, Any] = {"format": FORMAT, "mode": self.mode, "step": 0, "epoch": 0,
+                                       "epoch_step": 0, "cursor": None, "origin": 0, "streams": {}, "dropped": 0}
+        self._history = StateHistory()
+        super().__init__(self._stream, batch_size=None, collate_fn=_passthrough, num_workers=num_workers,
+                         pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor)
+
+    @staticmethod
+    def _resume_mode(distributor: DataDistributor, batcher: SampleBatcher, resumable: bool | None) -> str:
+        if resumable is False or (not distributor.resumable and resumable is None):
+            return "none"
+        if not distributor.resumable:
+            raise ValueError(f"DataflowLoader: resumable=True but {type(distributor).__name__} cannot fast-forward "
+                             "(it has no cursor); use a MapDistributor or pass resumable=None/False")
+        if not batcher.resumable:
+            raise ValueError(
+                f"DataflowLoader: {type(batcher).__name__} over a resumable {type(distributor).__name__} cannot "
+                "resume safely: it does not declare the SampleBatcher resume contract (its pulled-but-unbatched "
+                "samples cannot be recorded, so a resume would skip or repeat them). Use SimpleBatcher, "
+                "PoolPackingBatcher or SequentialPackingBatcher, implement the contract and set resumable = True "
+                "on the batcher, or pass resumable=False to the loader")
+        return "global" if batcher.fixed_batch_size else "stream"
+
+    # -- coordinates ---------------------------------------------------------------------------------------------
+    def resolve_coords(self) -> DataParallelCoords:
+        """The data-parallel coordinates in use: the injected ones, else detected now."""
+        return self.coords if self.coords is not None else DataParallelCoords.detect(self.parallel_dims)
+
+    @property
+    def num_streams(self) -> int:
+        """Streams per rank: one per worker, or one in the main process."""
+        return max(1, self.num_workers)
+
+    # -- iteration -----------------------------------------------------------------------------------------------
+    def _plan(self) -> Plan:
+        c, st = self.resolve_coords(), self._state
+        plan = Plan(self.mode, c.rank, c.world_size, self.num_streams, None, st["step"], epoch=st["epoch"])
+        if self.steps_per_epoch is not None:
+            plan.steps = self.steps_per_epoch - st["epoch_step"]
+        if self.mode == "global":
+            plan.cursor = st["cursor"]
+            if self.steps_per_epoch is None:
+                pos = int((st["cursor"] or {}).get("position", 0))
+                length = self.distributor.epoch_length  # type: ignore[attr-defined]
+                per_step = c.world_size * self.batcher.fixed_batch_size  # type: ignore[operator]
+                # Epoch boundaries are soft: the last step of an epoch runs into the next epoch's order, so every
+                # batch is full and every rank yields the same count (spec §6's padding is not needed).
+                plan.steps = math.ceil(((pos // length + 1) * length - pos) / per_step)
+        elif self.mode == "stream":
+            plan.origin, plan.streams = st["origin"], st["streams"]
+        return plan
+
+    def __len__(self) -> int:
+        steps = self._plan().steps
+        if steps is None:
+            raise TypeError(f"DataflowLoader in resume mode {self.mode!r} has no length: set steps_per_epoch")
+        return steps
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        plan = self._plan()
+        self._stream.plan = plan
+        delivered = 0
+        for stamp, batch in self._worker_batches():
+            delivered += 1
+            self._record(stamp, plan, last=plan.steps is not None and delivered == plan.steps)
+            if self.stamp_key is not None:
+                batch[self.stamp_key] = self._state["step"]
+            yield batch
+        if plan.steps is None:  # the source ended: the epoch is over
+            self._state["epoch"] += 1
+            self._state["epoch_step"] = 0
+
+    def _worker_batches(self) -> Iterator[tuple[dict[str, Any], Any]]:
+        # The DataLoader machinery: workers (or the main process) running DataflowStream, visited round-robin.
+        return super().__iter__()
+
+    def _record(self, stamp: Mapping[str, Any], plan: Plan, last: bool) -> None:
+        st = self._state
+        st["step"] += 1
+        st["epoch_step"] += 1
+        st["dropped"] += stamp["dropped"]
+        self.dropped_samples += stamp["dropped"]
+        if self.mode == "global":
+            st["cursor"] = stamp["cursor"]
+        elif self.mode == "stream":
+            st["streams"][stamp["stream"]] = {"cursor": stamp["cursor"], "pending": stamp["pending"]}
+        if last:
+            st["epoch"] += 1
+            st["epoch_step"] = 0
+        if self.stamp_key is not None:
+            self._history.record(st["step"], st)
+
+    def commit(self, seq: int) -> None:
+        """Mark the batch stamped ``seq`` (under ``stamp_key``) as consumed; ``state_dict`` then returns the position
+        right after it, whatever the consumer has prefetched since.
+
+        Args:
+            seq: The value found under ``stamp_key`` in a delivered batch.
+        """
+        self._history.commit(seq)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved state must match to be loaded here (STYLE 13)."""
+        fp: dict[str, Any] = {"mode": self.mode, "distributor": self.distributor.fingerprint()}
+        if self.mode == "stream":
+            c = self.resolve_coords()
+            fp.update(batcher=self.batcher.fingerprint(), dp_world_size=c.world_size, num_workers=self.num_streams)
+        return fp
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's state (in mode "stream" only its own streams); see :func:`merge_rank_states`."""
+        base = self._history.committed if self.stamp_key is not None and self._history.committed else self._state
+        state = copy.deepcopy(base)
+        state["fingerprint"] = self.fingerprint()
+        if self.mode == "stream":
+            rank = self.resolve_coords().rank
+            state["streams"] = {k: v for k, v in state["streams"].items() if k.split("/")[0] == str(rank)}
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """A state from which every rank resumes (a collective over the DP group in mode "stream")."""
+        return self.globalize(self.local_state_dict())
+
+    def globalize(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Turn this rank's state into one that restores every rank (gathers over the DP group in mode "stream").
+
+        Args:
+            local: From :meth:`local_state_dict`.
+        """
+        coords = self.resolve_coords()
+        if self.mode != "stream" or coords.world_size == 1:
+            return local
+        return merge_rank_states(coords.all_gather(local))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; raises ``ValueError`` naming the field when it belongs to another order.
+
+        Args:
+            state: From :meth:`state_dict` (of any rank in mode "global").
+        """
+        if self.mode == "none" or state.get("mode") == "none":
+            log.warning("DataflowLoader: the source is not resumable (mode 'none'); restarting it from the start")
+            return
+        check_state(state, FORMAT, self.fingerprint(), "DataflowLoader")
+        self._state = copy.deepcopy(dict(state))
+        self._state.pop("fingerprint", None)
+        self.dropped_samples = self._state.get("dropped", 0)
+        self._history = StateHistory()
