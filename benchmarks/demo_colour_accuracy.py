@@ -82,7 +82,7 @@ def main() -> None:
             image_grid([img for _, img in samples[: len(prompts)]], [p for p, _ in samples[: len(prompts)]]).save(
                 grid_path)
             print(f"samples grid: {grid_path}")
-    print(f"\n| model | colour match | samples |\n|---|---|---|")
+    print("\n| model | colour match | samples |\n|---|---|---|")
     for label, acc, n in rows:
         print(f"| {label} | {acc:.1%} | {n} |")
 

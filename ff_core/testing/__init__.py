@@ -1,0 +1,1 @@
+"""Test helpers for ff and its plugin authors: synthetic datasets and tiny-component factories."""

@@ -1,0 +1,240 @@
+"""SD3Adapter: Stable Diffusion 3 / 3.5 (MMDiT on rectified flow) behind ff's stage methods.
+
+The maths follows diffusers' ``StableDiffusion3Pipeline`` (pipelines/stable_diffusion_3/
+pipeline_stable_diffusion_3.py) step for step, without instantiating the pipeline:
+
+* text: CLIP-L and CLIP-G penultimate hidden states, concatenated on features and zero-padded to the T5 width,
+  then concatenated with the T5 states along the sequence; pooled = both CLIP ``text_embeds`` concatenated
+  (``encode_prompt``). The negative prompt ("" when absent) is encoded the same way, for CFG.
+* latents: ``(z - shift_factor) * scaling_factor`` of the VAE posterior sample; decoding inverts it.
+* denoiser: ``transformer(x, timestep=sigma * num_train_timesteps, encoder_hidden_states, pooled_projections)``
+  predicts the velocity ``eps - x0``; sampling sigmas come from the checkpoint's scheduler (its shift included).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.contracts import IMAGE_OUT, PipelineIOContract
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"model.adapter_args.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[value]
+
+
+class SD3Adapter(Adapter):
+    """Stable Diffusion 3.5 text-to-image adapter (any SD3-family checkpoint in the diffusers layout).
+
+    Build it with :meth:`from_pretrained`; only the transformer is trainable.
+    """
+
+    name: ClassVar[str] = "sd3-5"
+    io_contract: ClassVar[PipelineIOContract] = PipelineIOContract(outputs=(IMAGE_OUT,))
+    preprocess_version: ClassVar[str] = "1"
+    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    lora_prefix: ClassVar[str] = "transformer"
+
+    def __init__(
+        self,
+        *,
+        transformer: nn.Module,
+        vae: nn.Module,
+        scheduler: Any,
+        text_encoder: nn.Module,
+        text_encoder_2: nn.Module,
+        text_encoder_3: nn.Module,
+        tokenizer: Any,
+        tokenizer_2: Any,
+        tokenizer_3: Any,
+        resolution: int = 1024,
+        max_sequence_length: int = 256,
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.text_encoder_2 = text_encoder_2
+        self.text_encoder_3 = text_encoder_3
+        self.scheduler = scheduler
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        multiple = self.vae_scale_factor * transformer.config.patch_size
+        if resolution % multiple:
+            raise ValueError(f"resolution must be a multiple of {multiple} (vae scale x patch size), got {resolution}")
+        self.resolution = resolution
+        # diffusers pads T5 to max_sequence_length; a tokenizer trained on shorter text cannot go further.
+        self.max_sequence_length = min(max_sequence_length, tokenizer_3.model_max_length)
+        for frozen in (vae, text_encoder, text_encoder_2, text_encoder_3):
+            frozen.requires_grad_(False).eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        resolution: int = 1024,
+        max_sequence_length: int = 256,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+    ) -> SD3Adapter:
+        """Load every component of a diffusers SD3 checkpoint (local folder or hub id).
+
+        Args:
+            pretrained_model_name_or_path: folder with ``model_index.json`` layout, or a hub id.
+            resolution: side in pixels of sampled images (``initial_noise``).
+            max_sequence_length: T5 tokens per prompt (diffusers' default 256; capped by the tokenizer).
+            dtype: weights dtype of every component (``float32``, ``bfloat16``, ``float16``).
+            revision: hub revision.
+        """
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+        from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        # diffusers models take torch_dtype, transformers 5 models take dtype.
+        diffusers_models = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+        text_models = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
+                       "text_encoder_3": T5EncoderModel}  # fmt: skip
+        models = {
+            **{k: c.from_pretrained(path, subfolder=k, torch_dtype=dt, revision=revision)
+               for k, c in diffusers_models.items()},
+            **{k: c.from_pretrained(path, subfolder=k, dtype=dt, revision=revision) for k, c in text_models.items()},
+        }  # fmt: skip
+        tokenizers = {k: AutoTokenizer.from_pretrained(path, subfolder=k, revision=revision)
+                      for k in ("tokenizer", "tokenizer_2", "tokenizer_3")}  # fmt: skip
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", revision=revision)
+        return cls(**models, **tokenizers, scheduler=scheduler, resolution=resolution,
+                   max_sequence_length=max_sequence_length)  # fmt: skip
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.transformer
+
+    # -- condition side --------------------------------------------------------------------------
+    def _clip_embeds(self, prompts: list[str], index: int) -> tuple[Tensor, Tensor]:
+        """``_get_clip_prompt_embeds``: penultimate hidden states and projected pooled output."""
+        tokenizer = self.tokenizer if index == 0 else self.tokenizer_2
+        encoder = self.text_encoder if index == 0 else self.text_encoder_2
+        ids = tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids  # fmt: skip
+        out = encoder(ids.to(encoder.device), output_hidden_states=True)
+        return out.hidden_states[-2].to(self.text_encoder.dtype), out[0]
+
+    def _t5_embeds(self, prompts: list[str]) -> Tensor:
+        """``_get_t5_prompt_embeds``: T5 last hidden state, padded to ``max_sequence_length``."""
+        ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_tensors="pt").input_ids  # fmt: skip
+        return self.text_encoder_3(ids.to(self.text_encoder_3.device))[0].to(self.text_encoder_3.dtype)
+
+    @torch.no_grad()
+    def encode_prompt(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """``(prompt_embeds (B, 2*L_clip + L_t5, D_t5), pooled_prompt_embeds (B, P_l + P_g))`` as diffusers."""
+        clip_l, pooled_l = self._clip_embeds(prompts, 0)
+        clip_g, pooled_g = self._clip_embeds(prompts, 1)
+        t5 = self._t5_embeds(prompts)
+        clip = torch.cat([clip_l, clip_g], dim=-1)
+        clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
+
+    @torch.no_grad()
+    def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
+        for i, item in enumerate(inputs):
+            if item.media:
+                raise ValueError(f"inputs[{i}]: {self.name} takes no input media, got {len(item.media)} item(s)")
+        embeds, pooled = self.encode_prompt([item.prompt for item in inputs])
+        neg_embeds, neg_pooled = self.encode_prompt([item.negative_prompt or "" for item in inputs])
+        # clone: each sample owns compact storage (no view into the batch tensor reaches the cache).
+        return [
+            {
+                "prompt_embeds": embeds[i].cpu().clone(),
+                "pooled_prompt_embeds": pooled[i].cpu().clone(),
+                "negative_prompt_embeds": neg_embeds[i].cpu().clone(),
+                "negative_pooled_prompt_embeds": neg_pooled[i].cpu().clone(),
+            }
+            for i in range(len(inputs))
+        ]
+
+    def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
+        device, dtype = self.transformer.device, self.transformer.dtype
+        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+
+    def unconditional(self, condition: Condition) -> Condition | None:
+        if "negative_prompt_embeds" not in condition:
+            return None
+        return {
+            "prompt_embeds": condition["negative_prompt_embeds"],
+            "pooled_prompt_embeds": condition["negative_pooled_prompt_embeds"],
+        }
+
+    # -- target side -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
+        images = []
+        for i, outputs in enumerate(media):
+            if len(outputs) != 1 or outputs[0].ndim != 3 or outputs[0].shape[0] != 3:
+                shapes = [tuple(t.shape) for t in outputs]
+                raise ValueError(f"media[{i}]: expected one image tensor (3, H, W), got shapes {shapes}")
+            images.append(outputs[0])
+        if len({tuple(t.shape) for t in images}) > 1:
+            raise ValueError(f"images of one batch must share a size, got {sorted({tuple(t.shape) for t in images})}")
+        x = torch.stack(images).to(self.vae.device)
+        x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 or float in [0, 1]
+        z = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample()
+        cfg = self.vae.config
+        z = (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+        return LatentState({"latent": z.to(self.transformer.dtype)})
+
+    def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
+        x = state.components["latent"]
+        # Timesteps stay fp32: sigma * 1000 in bf16 would round to whole steps.
+        timestep = sigma.to(device=x.device, dtype=torch.float32) * self.scheduler.config.num_train_timesteps
+        v = self.transformer(
+            hidden_states=x,
+            encoder_hidden_states=condition["prompt_embeds"],
+            pooled_projections=condition["pooled_prompt_embeds"],
+            timestep=timestep,
+            return_dict=False,
+        )[0]
+        return LatentState({"latent": v}, dict(state.masks))
+
+    @torch.no_grad()
+    def decode(self, state: LatentState) -> list[list[Tensor]]:
+        cfg = self.vae.config
+        z = state.components["latent"].to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        images = self.vae.decode(z, return_dict=False)[0]
+        # VaeImageProcessor.postprocess: [-1, 1] -> [0, 1] -> round(x * 255)
+        images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        return [[img] for img in images]
+
+    # -- generation ------------------------------------------------------------------------------
+    def initial_noise(self, condition: Condition, generator: torch.Generator | None = None) -> LatentState:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        embeds = condition["prompt_embeds"]
+        side = self.resolution // self.vae_scale_factor
+        shape = (embeds.shape[0], self.transformer.config.in_channels, side, side)
+        noise = randn_tensor(shape, generator=generator, device=embeds.device, dtype=embeds.dtype)
+        return LatentState({"latent": noise})
+
+    def sampling_sigmas(self, num_steps: int) -> Tensor:
+        kwargs = {}
+        if self.scheduler.config.get("use_dynamic_shifting", False):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            cfg = self.scheduler.config
+            seq_len = (self.resolution // self.vae_scale_factor // self.transformer.config.patch_size) ** 2
+            kwargs["mu"] = calculate_shift(seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
+                                           cfg.max_shift)  # fmt: skip
+        self.scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        return self.scheduler.sigmas.float().clone()

@@ -1,0 +1,107 @@
+"""The shapes demo dataset: exact record structure, determinism, and a classifier that is exact on it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from ff_core.testing.shapes import (
+    BACKGROUNDS,
+    COLOURS,
+    PALETTE,
+    SHAPES,
+    dominant_colour,
+    main,
+    prompt_colour,
+    write_shapes_dataset,
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_shapes_dataset(tmp_path_factory.mktemp("shapes"), n_train=96, n_test=12, size=32, seed=0)
+
+
+def _digest(root) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_records_have_the_exact_v2_structure(dataset):
+    lines = (dataset / "train.jsonl").read_text().splitlines()
+    assert len(lines) == 96
+    first = json.loads(lines[0])
+    meta = first["metadata"]
+    expected = {
+        "schema_version": 2,
+        "input": {"prompt": f"a {meta['colour']} {meta['shape']} on a {meta['background']} background", "media": []},
+        "supervision": {"type": "demonstration", "target": {"media": [{"type": "image", "path": "images/00000.png"}]}},
+        "metadata": meta,
+    }
+    assert first == expected
+    # Compact separators and this key order, byte for byte.
+    assert lines[0] == json.dumps(expected, separators=(",", ":"))
+    for line in lines:
+        rec = json.loads(line)
+        assert list(rec) == ["schema_version", "input", "supervision", "metadata"]
+        m = rec["metadata"]
+        assert m["colour"] in PALETTE and m["shape"] in SHAPES and m["background"] in BACKGROUNDS
+        assert (dataset / rec["supervision"]["target"]["media"][0]["path"]).is_file()
+    assert {json.loads(line)["metadata"]["colour"] for line in lines} == set(COLOURS)
+
+
+def test_test_prompts_cover_every_colour(dataset):
+    prompts = (dataset / "test.txt").read_text().splitlines()
+    assert len(prompts) == 12
+    assert sorted(prompt_colour(p) for p in prompts) == sorted(COLOURS * 2)
+
+
+def test_dataset_is_deterministic_for_a_seed(dataset, tmp_path):
+    again = write_shapes_dataset(tmp_path / "again", n_train=96, n_test=12, size=32, seed=0)
+    assert _digest(again) == _digest(dataset)
+    other = write_shapes_dataset(tmp_path / "other", n_train=96, n_test=12, size=32, seed=1)
+    assert _digest(other) != _digest(dataset)
+
+
+def test_classifier_is_exact_on_the_dataset(dataset):
+    for line in (dataset / "train.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        img = Image.open(dataset / rec["supervision"]["target"]["media"][0]["path"])
+        tensor = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(32, 32, 3).permute(2, 0, 1)
+        assert dominant_colour(img) == rec["metadata"]["colour"]
+        assert dominant_colour(tensor) == rec["metadata"]["colour"]
+        assert prompt_colour(rec["input"]["prompt"]) == rec["metadata"]["colour"]
+
+
+@pytest.mark.parametrize("background", list(BACKGROUNDS.values()))
+def test_plain_and_gray_images_have_no_colour(background):
+    img = torch.tensor(background, dtype=torch.uint8).view(3, 1, 1).expand(3, 16, 16)
+    assert dominant_colour(img) == "none"
+    noise = torch.Generator().manual_seed(0)
+    grayish = (torch.rand(1, 16, 16, generator=noise) * 255).to(torch.uint8).expand(3, 16, 16)
+    assert dominant_colour(grayish) == "none"
+
+
+def test_classifier_tolerates_off_palette_hues():
+    orange_ish_red = torch.tensor([230, 40, 20], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 8)
+    assert dominant_colour(orange_ish_red) == "red"
+    assert dominant_colour(orange_ish_red.float() / 255) == "red"
+
+
+def test_prompt_colour():
+    assert prompt_colour("A Blue square on a black background") == "blue"
+    assert prompt_colour("a dog") == "none"
+
+
+def test_cli_writes_the_dataset(tmp_path, capsys):
+    main([str(tmp_path / "d"), "--n-train", "6", "--n-test", "6"])
+    assert len((tmp_path / "d" / "train.jsonl").read_text().splitlines()) == 6
+    assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 6
