@@ -114,16 +114,22 @@ class FlowModule(L.LightningModule):
         log.info("%s: %d trainable parameters", adapter.name, trainable)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in self._trainable_names()}
+        keep = self._checkpoint_keys(checkpoint["state_dict"])
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
 
-    def _trainable_names(self) -> set[str]:
-        return {n for n, p in self.named_parameters() if p.requires_grad}
+    def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
+        """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) the whole denoiser, buffers included."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        if self.lora is not None:
+            return trainable
+        prefix = next(f"{n}." for n, m in self.named_modules() if m is self.adapter.denoiser)
+        return trainable | {k for k in state_dict if k.startswith(prefix)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        missing = self._trainable_names() - set(checkpoint["state_dict"])
+        missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
             raise KeyError(
-                f"checkpoint lacks {len(missing)} trainable tensor(s), e.g. {sorted(missing)[0]!r}: "
+                f"checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. {sorted(missing)[0]!r}: "
                 "was it written with a different model.lora setting?"
             )
 

@@ -110,7 +110,8 @@ class LossCurve(L.Callback):
         steps = [s for s, _ in self.history]
         values = [v for _, v in self.history]
         k = max(1, min(self.smoothing, len(values)))
-        smooth = [sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
+        windows = [values[max(0, i - k + 1) : i + 1] for i in range(len(values))]
+        smooth = [sum(w) / len(w) for w in windows]
         lo, hi = min(values), max(values)
         x0, y0, x1, y1 = 40, 10, width - 10, height - 25
         span_x = max(steps[-1] - steps[0], 1)

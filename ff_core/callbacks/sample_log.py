@@ -1,0 +1,57 @@
+"""Which training samples each rank consumed, step by step: one JSON line per batch, one file per rank.
+
+Useful to audit the data order of a run (shuffling, sharding across ranks, what a resumed run replays or skips):
+``<dirpath>/rank<r>.jsonl`` gets ``{"step": 12, "epoch": 1, "ids": [3, 17]}`` after every training batch, where
+``step`` is the optimiser step count after the batch. Lines are appended and flushed at once, so a killed run
+keeps every line of the steps it finished, and a resumed run continues the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+
+class SampleLog(L.Callback):
+    """Append the ids of every consumed training batch to ``<dirpath>/rank<global_rank>.jsonl``.
+
+    Args:
+        dirpath: folder of the per-rank files; ``None``: ``<log_dir>/sample_log``.
+        key: batch key holding the sample ids (a tensor or a list); ``index`` is the record's position in the
+            data module's split.
+    """
+
+    def __init__(self, dirpath: str | None = None, key: str = "index") -> None:
+        self.dirpath, self.key = dirpath, key
+        self.path: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Resolved once here, where every rank takes part: ``trainer.log_dir`` is a collective under DDP.
+        root = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "sample_log"
+        self.path = root / f"rank{trainer.global_rank}.jsonl"
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ids = batch[self.key]
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        line = json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "ids": ids})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+def read_sample_log(path: str | Path, max_step: int | None = None) -> list[dict[str, Any]]:
+    """The rows (``step``, ``epoch``, ``ids``) of a :class:`SampleLog` file, in order, optionally only up to
+    optimiser step ``max_step``.
+
+    Args:
+        path: one rank's ``.jsonl`` file.
+        max_step: keep the batches whose ``step`` is at most this (e.g. a checkpoint's ``global_step``).
+    """
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if max_step is None or r["step"] <= max_step]
