@@ -1,0 +1,151 @@
+"""The adapter conformance kit: test mixins a plugin author subclasses to check an adapter against ff's contract.
+
+A plugin's tests are a tiny-model config class plus one line (STYLE 9, after diffusers' model tests)::
+
+    from ff_core.testing.conformance import AdapterConformance
+
+    class TestMyAdapterConformance(AdapterConformance):
+        adapter_cls = MyAdapter
+        adapter_kwargs = {"resolution": 32}
+
+        def build_checkpoint(self, path):          # a tiny random checkpoint in the family's real layout
+            return build_tiny_my_family(path)
+
+Every check goes through ``from_pretrained`` on that saved folder, so the path a user's real checkpoint takes is
+the path tested. Override :meth:`AdapterConformance.make_targets` for outputs other than images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import default_collate
+
+from ff_core.adapter import Adapter, ConditionInput, LatentState
+from ff_core.contracts import MediaType, PipelineIOContract
+from ff_core.module import LoRAConfig, apply_lora, lora_state_dict
+from ff_core.objectives import SFTObjective
+from ff_core.plugins import get_adapter_class
+
+
+class AdapterConformance:
+    """Checks every adapter must pass. Subclass it as ``Test...`` and set the class attributes below.
+
+    Attributes:
+        adapter_cls: the adapter class under test.
+        adapter_kwargs: keyword arguments of its ``from_pretrained``.
+        prompts: prompts used for conditions (two, so batching is exercised).
+    """
+
+    adapter_cls: ClassVar[type[Adapter]]
+    adapter_kwargs: ClassVar[dict[str, Any]] = {}
+    prompts: ClassVar[tuple[str, ...]] = ("a red circle on a white background", "a blue square")
+
+    # -- to provide ---------------------------------------------------------------------------------------
+    def build_checkpoint(self, path: Path) -> Path:
+        """Write a tiny random-initialised checkpoint in the family's layout and return its folder."""
+        raise NotImplementedError
+
+    def make_targets(self, adapter: Adapter, n: int) -> list[list[torch.Tensor]]:
+        """Decoded target media per sample, in the contract's output order (default: images at the resolution)."""
+        if adapter.io_contract.output_types != (MediaType.IMAGE,):
+            raise NotImplementedError("override make_targets for non-image outputs")
+        size = getattr(adapter, "resolution")
+        g = torch.Generator().manual_seed(0)
+        return [[torch.randint(0, 256, (3, size, size), generator=g, dtype=torch.uint8)] for _ in range(n)]
+
+    # -- fixtures -----------------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def pretrained(self, tmp_path_factory) -> Path:
+        return self.build_checkpoint(tmp_path_factory.mktemp(self.adapter_cls.__name__))
+
+    @pytest.fixture(scope="class")
+    def adapter(self, pretrained) -> Adapter:
+        return self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+
+    @pytest.fixture(scope="class")
+    def batch(self, adapter) -> dict[str, Any]:
+        conditions = adapter.preprocess([ConditionInput(p) for p in self.prompts])
+        return {"condition": default_collate(conditions), "target": self.make_targets(adapter, len(self.prompts))}
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def test_metadata_is_readable_without_weights(self):
+        cls = self.adapter_cls
+        assert isinstance(cls.name, str) and cls.name
+        assert isinstance(cls.io_contract, PipelineIOContract)
+        assert cls.io_contract.describe()
+        assert isinstance(cls.preprocess_version, str) and cls.preprocess_version
+        assert all(isinstance(t, str) for t in cls.default_lora_targets)
+
+    def test_registered_under_its_name(self):
+        assert get_adapter_class(self.adapter_cls.name) is self.adapter_cls
+
+    def test_denoiser_is_a_submodule(self, adapter):
+        assert any(m is adapter.denoiser for m in adapter.modules())
+
+    def test_preprocess_gives_per_sample_cpu_tensors(self, adapter):
+        out = adapter.preprocess([ConditionInput(p) for p in self.prompts])
+        assert len(out) == len(self.prompts)
+        assert out[0].keys() == out[1].keys() and out[0]
+        for key, value in out[0].items():
+            assert value.device.type == "cpu", key
+            assert value.shape == out[1][key].shape, key
+            assert not value.requires_grad, key
+
+    def test_stages_agree_on_latent_geometry(self, adapter, batch):
+        condition = adapter.prepare_condition(batch["condition"])
+        clean = adapter.encode_output(batch["target"], condition)
+        assert isinstance(clean, LatentState) and clean.batch_size == len(self.prompts)
+        noise = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
+        assert list(noise.components) == list(clean.components)
+        sigma = torch.full((clean.batch_size,), 0.5)
+        velocity = adapter.velocity(clean, sigma, condition)
+        for name, tensor in clean.components.items():
+            assert noise.components[name].shape == tensor.shape, name
+            assert velocity.components[name].shape == tensor.shape, name
+            assert torch.isfinite(velocity.components[name]).all(), name
+
+    def test_decode_follows_the_output_contract(self, adapter, batch):
+        condition = adapter.prepare_condition(batch["condition"])
+        media = adapter.decode(adapter.encode_output(batch["target"], condition))
+        assert len(media) == len(self.prompts)
+        for sample in media:
+            assert len(sample) == len(adapter.io_contract.outputs)
+            for item, spec in zip(sample, adapter.io_contract.outputs):
+                if spec.type is MediaType.IMAGE:
+                    assert item.dtype == torch.uint8 and item.ndim == 3 and item.shape[0] == 3
+
+    def test_sampling_is_seeded(self, adapter, batch):
+        condition = adapter.prepare_condition(batch["condition"])
+
+        def run(seed):
+            return adapter.sample(condition, num_steps=2, generator=torch.Generator().manual_seed(seed))
+
+        a, b, c = run(0), run(0), run(1)
+        for name in a.components:
+            torch.testing.assert_close(a.components[name], b.components[name])
+            assert not torch.equal(a.components[name], c.components[name])
+
+    def test_sft_step_trains_the_denoiser_only(self, pretrained, batch):
+        adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+        adapter.requires_grad_(False)
+        adapter.denoiser.requires_grad_(True)
+        loss = SFTObjective().training_loss(adapter, batch).loss
+        assert torch.isfinite(loss)
+        loss.backward()
+        denoiser = {id(p) for p in adapter.denoiser.parameters()}
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.denoiser.parameters())
+        assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
+
+    def test_lora_export_is_prefixed_safetensors(self, pretrained, tmp_path):
+        adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=2))
+        state = lora_state_dict(adapter)
+        assert state and all("lora_" in k for k in state)
+        path = adapter.save_lora(tmp_path / "lora", state)
+        saved = load_file(path)
+        assert set(saved) == {f"{adapter.lora_prefix}.{k}" for k in state}
