@@ -60,6 +60,10 @@ class SamplingConfig:
     seed: int = 0
 
 
+# Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default.
+torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig])
+
+
 class FlowModule(L.LightningModule):
     """Post-train a flow-matching model.
 

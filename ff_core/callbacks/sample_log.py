@@ -15,6 +15,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from ff_core.callbacks.samples import log_dir
+
 
 class SampleLog(L.Callback):
     """Append the ids of every consumed training batch to ``<dirpath>/rank<global_rank>.jsonl``.
@@ -30,8 +32,7 @@ class SampleLog(L.Callback):
         self.path: Path | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Resolved once here, where every rank takes part: ``trainer.log_dir`` is a collective under DDP.
-        root = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "sample_log"
+        root = Path(self.dirpath) if self.dirpath else log_dir(trainer) / "sample_log"
         self.path = root / f"rank{trainer.global_rank}.jsonl"
 
     def on_train_batch_end(

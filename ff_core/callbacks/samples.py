@@ -19,7 +19,9 @@ from PIL import Image, ImageDraw
 from ff_core.atomic import write_bytes_atomic
 
 
-def _out_dir(trainer: L.Trainer) -> Path:
+def log_dir(trainer: L.Trainer) -> Path:
+    """The run's log folder. Call it from ``setup`` only: ``trainer.log_dir`` is a collective under DDP, so every
+    rank must ask together (asking from a rank-zero-only branch hangs or fails the others)."""
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
@@ -57,6 +59,10 @@ class SampleGrid(L.Callback):
         self._images: list[torch.Tensor] = []
         self._captions: list[str] = []
         self.last_path: Path | None = None
+        self.out_dir: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.out_dir = log_dir(trainer)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._images, self._captions = [], []
@@ -69,7 +75,7 @@ class SampleGrid(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._images or not trainer.is_global_zero or trainer.sanity_checking:
             return
-        path = _out_dir(trainer) / "samples" / f"step_{trainer.global_step:06d}.png"
+        path = self.out_dir / "samples" / f"step_{trainer.global_step:06d}.png"
         _save_png(image_grid(self._images, self._captions, self.cell, self.columns), path)
         self.last_path = path
 
@@ -84,6 +90,10 @@ class LossCurve(L.Callback):
     def __init__(self, smoothing: int = 20) -> None:
         self.smoothing = smoothing
         self.history: list[tuple[int, float]] = []
+        self.out_dir: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.out_dir = log_dir(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -99,7 +109,7 @@ class LossCurve(L.Callback):
     def write(self, trainer: L.Trainer) -> None:
         if not self.history or not trainer.is_global_zero:
             return
-        out = _out_dir(trainer)
+        out = self.out_dir
         csv = "step,loss\n" + "".join(f"{s},{v:.6f}\n" for s, v in self.history)
         write_bytes_atomic(out / "loss.csv", csv.encode())
         _save_png(self.plot(), out / "loss.png")

@@ -5,22 +5,30 @@ Order of work (spec: "Condition cache and target lifecycle"):
 * ``setup``: read and validate every split against the adapter's IO contract. No weights are loaded yet,
   so a broken dataset fails before anything heavy happens.
 * ``train_dataloader`` / ``val_dataloader``: the adapter is loaded by now (``FlowModule.configure_model``);
-  conditions are preprocessed once under no_grad (``adapter.preprocess``), targets are decoded fresh in
-  ``__getitem__`` and encoded on the fly by the objective, never cached.
+  conditions are preprocessed once under no_grad (``adapter.preprocess``) in the main process, targets are
+  decoded fresh by :class:`~ff_core.data.processors.RecordProcessor` in the loader's workers and encoded on the fly
+  by the objective, never cached.
+
+Training batches come from the composable dataflow (docs/dataflow.md): ``MapDistributor`` (shuffled per epoch,
+sharded by data-parallel rank × worker) → ``RecordProcessor`` → ``SimpleBatcher`` → ``SampleCollator``. The loader
+is stateful, so Lightning saves its position in every checkpoint (``loops.fit_loop.combined_loader``) and a run
+resumed with ``--ckpt_path`` continues the exact sample order; this module marks each batch consumed when the
+training loop takes it (``on_before_batch_transfer``), so batches fetched ahead never count.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter, ConditionInput
-from ff_core.data.media import check_files_exist, decode_media
+from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor
+from ff_core.data.media import check_files_exist
+from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.data.records import Record
 from ff_core.data.sources import DatasetConfig, TrainerType, check_dataset_configs, load_split
 from ff_core.data.validation import check_batch_size, check_records
@@ -29,42 +37,21 @@ from ff_core.plugins import get_adapter_class
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Sample:
-    """What one dataset index yields before collation."""
-
-    index: int
-    prompt: str
-    condition: dict[str, torch.Tensor]
-    target: list[torch.Tensor]
+#: Batch key under which the training loader stamps each batch's delivery number (removed before the step).
+STAMP_KEY = "dataflow_seq"
 
 
-class ConditionedDataset(Dataset):
-    """Records with their preprocessed conditions; target media are decoded on access."""
+class EpochAlignedLoader(DataflowLoader):
+    """A :class:`DataflowLoader` whose length counts the whole current epoch, as Lightning expects.
 
-    def __init__(self, records: list[Record], conditions: list[dict[str, torch.Tensor]]) -> None:
-        self.records, self.conditions = records, conditions
+    ``DataflowLoader.__len__`` is the number of batches the next ``iter()`` yields, i.e. what is left of the epoch.
+    Lightning's training loop, resumed mid-epoch, counts the batches it already ran in that epoch towards the
+    length (``batch_progress.current.ready``); reporting only the remainder would end its epoch early and shift
+    ``current_epoch`` (and ``max_epochs``) against the uninterrupted run. The sample order is unaffected either way.
+    """
 
     def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> Sample:
-        record = self.records[index]
-        # Targets are decoded fresh on every access and never cached (spec: "Condition cache and target lifecycle").
-        candidate = record.candidates[0] if record.candidates else ()
-        target = [decode_media(m, referenced_by=record.where) for m in candidate]
-        return Sample(index, record.prompt, self.conditions[index], target)
-
-
-def collate_samples(samples: list[Sample]) -> dict[str, Any]:
-    """Conditions stack (same shapes per adapter); targets stay per-sample lists (sizes may differ)."""
-    return {
-        "index": torch.tensor([s.index for s in samples]),
-        "prompt": [s.prompt for s in samples],
-        "condition": default_collate([s.condition for s in samples]),
-        "target": [s.target for s in samples],
-    }
+        return self.epoch_step + super().__len__()
 
 
 class FlowDataModule(L.LightningDataModule):
@@ -78,9 +65,12 @@ class FlowDataModule(L.LightningDataModule):
         cache_dir: where condition caches live.
         enable_preprocess: preprocess conditions before training (required by offline trainers).
         force_reprocess: rebuild conditions even when a cache exists.
-        sampler_type: ``auto`` (the trainer's distributed sampler over a shuffled source).
-        num_workers: DataLoader worker processes.
-        seed: shuffling seed.
+        sampler_type: ``auto``: every epoch a fresh permutation of all training records (seeded by ``seed`` and
+            the epoch), sharded over data-parallel ranks and loader workers, resumable mid-epoch.
+        num_workers: training loader worker processes (each decodes the targets of its own shard); validation
+            loads in the main process.
+        seed: shuffling seed (epoch ``e``'s order depends only on ``(seed, e)``; saved with the resume state).
+        shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
     """
@@ -97,6 +87,7 @@ class FlowDataModule(L.LightningDataModule):
         sampler_type: str = "auto",
         num_workers: int = 0,
         seed: int = 0,
+        shuffle: bool = True,
         adapter: str | None = None,
         trainer_type: TrainerType = "sft",
     ) -> None:
@@ -107,6 +98,8 @@ class FlowDataModule(L.LightningDataModule):
                             ("preprocessing_batch_size", preprocessing_batch_size)):
             if value < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
@@ -119,10 +112,13 @@ class FlowDataModule(L.LightningDataModule):
         self.force_reprocess = force_reprocess
         self.num_workers = num_workers
         self.seed = seed
+        self.shuffle = shuffle
         self.adapter_name = adapter
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
+        self._train_loader: DataflowLoader | None = None
+        self._train_loader_key: tuple[int, int] | None = None
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -161,34 +157,49 @@ class FlowDataModule(L.LightningDataModule):
             raise RuntimeError("FlowDataModule needs a FlowModule whose adapter is loaded (configure_model)")
         return adapter
 
-    def _dataset(self, records: list[Record]) -> ConditionedDataset:
+    def _conditioned(self, records: list[Record]) -> ConditionedRecords:
         adapter = self._adapter()
         conditions: list[dict[str, torch.Tensor]] = []
         for start in range(0, len(records), self.preprocessing_batch_size):
             chunk = records[start : start + self.preprocessing_batch_size]
             with torch.no_grad():
                 conditions.extend(adapter.preprocess([ConditionInput(r.prompt, r.negative_prompt) for r in chunk]))
-        return ConditionedDataset(records, conditions)
+        return ConditionedRecords(records, conditions)
 
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self._dataset(self.train_records),
-            batch_size=self.per_device_batch_size,
-            shuffle=True,
-            generator=generator,
-            num_workers=self.num_workers,
-            collate_fn=collate_samples,
-            drop_last=False,
-        )
+    def train_dataloader(self) -> DataflowLoader:
+        # One loader per (trainer, adapter): Lightning restores its state into this very object, and a reload
+        # (``reload_dataloaders_every_n_epochs``) must continue from its position rather than restart the order.
+        key = (id(self.trainer), id(self._adapter()))
+        if self._train_loader is None or self._train_loader_key != key:
+            self._train_loader = EpochAlignedLoader(
+                MapDistributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed,
+                               name="train"),
+                RecordProcessor(),
+                collator=SampleCollator(),
+                batch_size=self.per_device_batch_size,
+                num_workers=self.num_workers,
+                coords=DataParallelCoords.from_trainer(self.trainer),
+                stamp_key=STAMP_KEY,
+            )
+            self._train_loader_key = key
+        return self._train_loader
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # The training loop calls this for the batch it is about to run (after any fetch-ahead): from here on the
+        # batch counts as consumed, so a checkpoint written after this step resumes right after it.
+        if isinstance(batch, dict) and STAMP_KEY in batch:
+            seq = batch.pop(STAMP_KEY)
+            if self._train_loader is not None:
+                self._train_loader.commit(int(seq))
+        return batch
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.eval_records:
             return []
         return DataLoader(
-            self._dataset(self.eval_records),
+            self._conditioned(self.eval_records),
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=0,
-            collate_fn=collate_samples,
+            collate_fn=process_and_collate,
         )

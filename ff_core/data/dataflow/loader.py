@@ -149,6 +149,11 @@ class DataflowLoader(DataLoader):
             plan.origin, plan.streams = st["origin"], st["streams"]
         return plan
 
+    @property
+    def epoch_step(self) -> int:
+        """Batches of the current loader epoch already delivered (restored by ``load_state_dict``)."""
+        return int(self._state["epoch_step"])
+
     def __len__(self) -> int:
         steps = self._plan().steps
         if steps is None:

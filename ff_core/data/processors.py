@@ -1,0 +1,93 @@
+"""ff's dataflow roles for training records: record table → sample processor → batch collator.
+
+The condition side is preprocessed once in the main process (``adapter.preprocess``) and held in
+:class:`ConditionedRecords`; the target side is decoded by :class:`RecordProcessor` inside the loader's workers, on
+every access, and never cached (spec dataset-guide: "Condition cache and target lifecycle"). A resumed run never
+calls the processor for the records it skips (docs/dataflow.md, "Resume").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from ff_core.data.dataflow import BatchCollator, RawItemProcessor
+from ff_core.data.media import decode_media
+from ff_core.data.records import Record
+
+
+@dataclass(frozen=True)
+class ConditionedRecord:
+    """One raw item of the training order: a record, its position in the split and its preprocessed condition.
+
+    Attributes:
+        index: position of the record in the data module's concatenated split (stable for one dataset config).
+        record: the validated record (target media are paths, not pixels).
+        condition: CPU tensors from ``adapter.preprocess``.
+    """
+
+    index: int
+    record: Record
+    condition: dict[str, torch.Tensor]
+
+
+class ConditionedRecords:
+    """Map-style table of records and their preprocessed conditions (what ``MapDistributor`` shuffles).
+
+    Args:
+        records: the split's records, in data-module order.
+        conditions: one preprocessed condition per record.
+    """
+
+    def __init__(self, records: list[Record], conditions: list[dict[str, torch.Tensor]]) -> None:
+        if len(records) != len(conditions):
+            raise ValueError(f"ConditionedRecords: {len(records)} records but {len(conditions)} conditions")
+        self.records, self.conditions = records, conditions
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> ConditionedRecord:
+        return ConditionedRecord(index, self.records[index], self.conditions[index])
+
+
+class RecordProcessor(RawItemProcessor):
+    """Decode a record's target media (its first candidate) beside its preprocessed condition.
+
+    Runs inside DataLoader workers; targets are decoded fresh on every access and never cached.
+    """
+
+    def process(self, item: ConditionedRecord) -> dict[str, Any]:
+        record = item.record
+        candidate = record.candidates[0] if record.candidates else ()
+        target = [decode_media(m, referenced_by=record.where) for m in candidate]
+        return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target}
+
+
+class SampleCollator(BatchCollator):
+    """The batch format objectives and adapters consume.
+
+    ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: default-collated (one shape per
+    adapter); ``target``: per-sample lists of decoded media (sizes may differ between samples).
+    """
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "index": torch.tensor([s["index"] for s in samples]),
+            "prompt": [s["prompt"] for s in samples],
+            "condition": default_collate([s["condition"] for s in samples]),
+            "target": [s["target"] for s in samples],
+        }
+
+
+def process_and_collate(items: list[ConditionedRecord]) -> dict[str, Any]:
+    """``collate_fn`` of a plain ``DataLoader`` over :class:`ConditionedRecords` (the validation loader).
+
+    Args:
+        items: the raw items of one batch.
+    """
+    processor = RecordProcessor()
+    return SampleCollator().collate([processor.process(item) for item in items])

@@ -1,0 +1,106 @@
+"""FlowDataModule on the dataflow loader: the batch format, the loader state in Lightning checkpoints, and an exact
+mid-epoch resume in one process (the 2-process DDP resume through `ff fit` is tests/test_ddp_resume.py)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from ff_core.callbacks import SampleLog, read_sample_log
+from ff_core.data.dataflow import DataflowLoader
+from ff_core.data.datamodule import STAMP_KEY, FlowDataModule
+from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
+from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.module import FlowModule, LoRAConfig
+
+BATCH_KEYS = {"index", "prompt", "condition", "target"}
+
+
+def datamodule(shapes_dir, **kw) -> FlowDataModule:
+    return FlowDataModule([DatasetConfig(name="shapes", dataset_dir=str(shapes_dir))], adapter="sd3-5", **kw)
+
+
+def module(tiny_sd3) -> FlowModule:
+    return FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
+                      lora=LoRAConfig(rank=2, target_modules=["to_q"]))
+
+
+def test_record_processor_and_collator_keep_the_batch_format(shapes_dir):
+    """Conditions stack, targets stay per-sample lists of decoded media, prompts a list, indices a tensor."""
+    records = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")
+    conditions = [{"embeds": torch.full((2, 3), float(i))} for i in range(len(records))]
+    table = ConditionedRecords(records, conditions)
+    samples = [RecordProcessor().process(table[i]) for i in (3, 7)]
+    batch = SampleCollator().collate(samples)
+    assert set(batch) == BATCH_KEYS
+    assert batch["index"].tolist() == [3, 7] and batch["prompt"] == [records[3].prompt, records[7].prompt]
+    torch.testing.assert_close(batch["condition"]["embeds"], torch.stack([conditions[3]["embeds"],
+                                                                          conditions[7]["embeds"]]))
+    assert [len(t) for t in batch["target"]] == [1, 1]
+    assert batch["target"][0][0].shape == (3, 32, 32) and batch["target"][0][0].dtype == torch.uint8
+    assert process_and_collate([table[3], table[7]])["index"].tolist() == [3, 7]
+    with pytest.raises(ValueError, match="24 records but 1 conditions"):
+        ConditionedRecords(records, conditions[:1])
+
+
+def test_negative_num_workers_is_refused(shapes_dir):
+    with pytest.raises(ValueError, match=r"data\.num_workers must be >= 0, got -1"):
+        datamodule(shapes_dir, num_workers=-1)
+
+
+class Batches(L.Callback):
+    """Keeps the batches the training loop ran (after on_before_batch_transfer)."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(batch)
+
+
+def fit(tiny_sd3, shapes_dir, root, max_steps, ckpt_path=None, **data_kw):
+    dm, log, seen = datamodule(shapes_dir, per_device_batch_size=4, **data_kw), SampleLog(str(root / "ids")), Batches()
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(root / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[log, seen, ckpt])
+    trainer.fit(module(tiny_sd3), datamodule=dm, ckpt_path=ckpt_path)  # torch's safe loading (LoRAConfig allowed)
+    return dm, read_sample_log(root / "ids" / "rank0.jsonl"), seen.batches
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_yields_exactly_the_remaining_samples(tiny_sd3, shapes_dir, tmp_path, num_workers):
+    """24 records, 4 per step: 6 steps an epoch. Uninterrupted: 7 steps. Resumed from the step-2 checkpoint: steps
+    3..7, i.e. the other 16 records of epoch 0 then epoch 1's first 4 — no duplicate, no skip, and the same epoch
+    numbers (Lightning's epoch would end after step 4 if the loader's length counted only the rest of the epoch)."""
+    dm, full, batches = fit(tiny_sd3, shapes_dir, tmp_path / "full", 7, num_workers=num_workers)
+    assert all(set(b) == BATCH_KEYS for b in batches)  # the stamp is consumed before the step
+    assert dm.train_dataloader() is dm.train_dataloader()
+    (step2,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    saved = torch.load(step2, weights_only=False)
+    # Lightning saves the loader state (once); the datamodule saves none of its own.
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["mode"] == "global" and state["step"] == 2 and "FlowDataModule" not in saved
+
+    _, resumed, _ = fit(tiny_sd3, shapes_dir, tmp_path / "resumed", 7, ckpt_path=step2, num_workers=num_workers)
+    assert resumed == full[2:]
+    epoch0 = [i for r in full[:2] + resumed if r["epoch"] == 0 for i in r["ids"]]
+    assert sorted(epoch0) == list(range(24))
+
+
+def test_training_loader_is_a_stamped_dataflow_loader(tiny_sd3, shapes_dir, tmp_path):
+    dm = datamodule(shapes_dir, per_device_batch_size=5, seed=7)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    model = module(tiny_sd3)
+    trainer.strategy.connect(model)
+    dm.trainer = trainer
+    dm.setup("fit")
+    model.configure_model()
+    loader = dm.train_dataloader()
+    assert isinstance(loader, DataflowLoader) and loader.mode == "global"
+    assert loader.distributor.fingerprint() == {"kind": "MapDistributor", "name": "train", "length": 24,
+                                                "shuffle": True, "seed": 7}
+    assert len(loader) == 5  # ceil(24 / 5): the last batch runs into the next epoch's order, always full
+    batch = next(iter(loader))
+    assert set(batch) == BATCH_KEYS | {STAMP_KEY} and len(batch["prompt"]) == 5

@@ -1,0 +1,139 @@
+"""Exact resume under real 2-process DDP through `ff fit` (issue 4 acceptance).
+
+Three runs of the real console entry (`python -m ff_core.cli fit --config configs/sd3/sft_tiny.yaml ...`) with
+`--trainer.strategy ddp --trainer.devices 2` on gloo, each logging the record ids every rank consumed
+(`ff_core.callbacks.SampleLog`):
+
+* U, uninterrupted: 10 steps (24 records, 2 ranks x 2 per step: 6 steps an epoch, so it crosses an epoch);
+* A: SIGKILLed (whole process group) once its step-2 checkpoint is complete, mid-epoch and mid-run;
+* B: A resumed from that checkpoint with `--ckpt_path`, to step 10.
+
+Per rank, A's batches up to step 2 followed by B's batches equal U's — same ids, same order, same epoch numbers —
+so their union is U's and nothing is repeated or skipped. DDP is never run inside pytest (Lightning would re-execute
+the pytest command for rank 1): each run is a subprocess whose env lacks the launcher variables, and Lightning
+destroys its process group at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ff_core.callbacks import read_sample_log
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
+LAUNCHER_VARS = ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK", "GROUP_RANK")
+KILL_AT, MAX_STEPS = 2, 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str) -> subprocess.Popen:
+    """Start `ff fit` under 2-process DDP in its own process group; its rank 1 is Lightning's child of it."""
+    callbacks = [
+        {"class_path": "ff_core.callbacks.FlowCheckpoint",
+         "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "dirpath": str(root / "ckpt")}},
+        {"class_path": "ff_core.callbacks.SampleLog", "init_args": {"dirpath": str(root / "ids")}},
+        {"class_path": "ff_core.callbacks.LossCurve"},  # writes from rank 0 only; its folder is resolved by all
+    ]
+    cmd = [
+        sys.executable, "-m", "ff_core.cli", "fit", "--config", str(RECIPE),
+        "--model.pretrained_model_name_or_path", str(tiny_sd3),
+        "--data.datasets", json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}]),  # no eval split
+        "--data.per_device_batch_size", "2",
+        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+        "--trainer.max_steps", str(max_steps),
+        "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        # The recipe's callbacks are replaced: checkpoints every 2 steps, the id log, the loss curve (no validation).
+        "--trainer.callbacks", json.dumps(callbacks),
+        *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    log = (root / "ff_fit.log").open("w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, root: Path, timeout: float = 300) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 0, (root / "ff_fit.log").read_text()[-4000:]
+
+
+def rows(root: Path, rank: int, max_step: int | None = None) -> list[dict]:
+    return read_sample_log(root / "ids" / f"rank{rank}.jsonl", max_step)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_sd3, shapes_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("ddp")
+    uninterrupted, killed, resumed = base / "U", base / "A", base / "B"
+    for root in (uninterrupted, killed, resumed):
+        root.mkdir()
+    timings = {}
+
+    start = time.monotonic()
+    finish(ff_fit(tiny_sd3, shapes_dir, uninterrupted, MAX_STEPS), uninterrupted)
+    timings["uninterrupted"] = time.monotonic() - start
+
+    # A runs towards a far-away max_steps and is SIGKILLed once its step-2 checkpoint is complete (FlowCheckpoint
+    # publishes the .lora folder after the .ckpt file is written), whatever step it has reached by then.
+    start = time.monotonic()
+    proc = ff_fit(tiny_sd3, shapes_dir, killed, 1000)
+    ckpt = None
+    while ckpt is None:
+        assert proc.poll() is None, (killed / "ff_fit.log").read_text()[-4000:]
+        assert time.monotonic() - start < 300, "no step-2 checkpoint within 300 s"
+        done = [p for p in (killed / "ckpt").glob(f"*step={KILL_AT}.ckpt") if p.with_suffix(".lora").is_dir()]
+        ckpt = done[0] if done else None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    timings["killed"] = time.monotonic() - start
+
+    start = time.monotonic()
+    finish(ff_fit(tiny_sd3, shapes_dir, resumed, MAX_STEPS, "--ckpt_path", str(ckpt)), resumed)
+    timings["resumed"] = time.monotonic() - start
+    print(f"DDP run timings (s): {timings}; killed run got to step {rows(killed, 0)[-1]['step']}")
+    return uninterrupted, killed, resumed
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_killed_and_resumed_ddp_run_consumes_exactly_the_uninterrupted_samples(runs, rank):
+    uninterrupted, killed, resumed = runs
+    expected = rows(uninterrupted, rank)
+    assert [r["step"] for r in expected] == list(range(1, MAX_STEPS + 1))
+    before_kill, after_resume = rows(killed, rank, KILL_AT), rows(resumed, rank)
+    assert [r["step"] for r in after_resume] == list(range(KILL_AT + 1, MAX_STEPS + 1))
+    # Same ids in the same order, and the same epoch numbers (Lightning's epoch stays aligned with the data's).
+    assert before_kill + after_resume == expected
+    consumed = [i for r in before_kill + after_resume for i in r["ids"]]
+    assert sorted(consumed) == sorted(i for r in expected for i in r["ids"])
+
+
+def test_ranks_split_each_epoch_disjointly_and_completely(runs):
+    uninterrupted, _, _ = runs
+    epoch0 = [i for rank in (0, 1) for r in rows(uninterrupted, rank) if r["epoch"] == 0 for i in r["ids"]]
+    assert sorted(epoch0) == list(range(24))
+
+
+def test_rank_zero_writes_the_loss_curve_under_ddp(runs):
+    uninterrupted, _, _ = runs
+    lines = (uninterrupted / "loss.csv").read_text().splitlines()
+    assert lines[0] == "step,loss" and len(lines) == MAX_STEPS + 1
