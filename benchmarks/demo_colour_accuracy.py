@@ -65,7 +65,7 @@ def main() -> None:
     ckpt = args.checkpoint or latest_checkpoint(args.run_dir)
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
     with warnings.catch_warnings():  # checkpoints hold trained tensors only: the frozen rest comes from the base
-        warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the checkpoint")
+        warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
         trained = FlowModule.load_from_checkpoint(ckpt, map_location="cpu")
     base = FlowModule(adapter=trained.hparams.adapter,
                       pretrained_model_name_or_path=trained.hparams.pretrained_model_name_or_path,

@@ -202,8 +202,3 @@ def _read_legacy(cfg: DatasetConfig, path: Path) -> list[Record]:
     dirs = cfg.media_dirs()
     return read_jsonl(path, lambda obj, p, n: parse_legacy_row(obj, p, n, dirs, cfg.root))
 
-
-def describe(records: list[Record]) -> str:
-    """A short JSON summary (rows and supervision) for logs."""
-    kinds = sorted({r.supervision or "generation" for r in records})
-    return json.dumps({"rows": len(records), "supervision": kinds})
