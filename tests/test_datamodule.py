@@ -104,3 +104,15 @@ def test_training_loader_is_a_stamped_dataflow_loader(tiny_sd3, shapes_dir, tmp_
     assert len(loader) == 5  # ceil(24 / 5): the last batch runs into the next epoch's order, always full
     batch = next(iter(loader))
     assert set(batch) == BATCH_KEYS | {STAMP_KEY} and len(batch["prompt"]) == 5
+
+
+def test_accumulation_must_divide_an_offline_epoch(tiny_sd3, shapes_dir):
+    """24 records, 8 per step: 3 batches an epoch; accumulating 2 would end the epoch inside a window."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2 does not divide the 3 batches of an epoch"):
+        trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=8))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=3, limit_val_batches=0)
+    trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=8))
+    assert trainer.global_step == 1

@@ -30,7 +30,7 @@ from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistrib
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.data.records import Record
-from ff_core.data.sources import DatasetConfig, TrainerType, check_dataset_configs, load_split
+from ff_core.data.sources import OFFLINE_TRAINERS, DatasetConfig, TrainerType, check_dataset_configs, load_split
 from ff_core.data.validation import check_batch_size, check_records
 from ff_core.errors import DatasetErrors
 from ff_core.plugins import get_adapter_class
@@ -182,7 +182,19 @@ class FlowDataModule(L.LightningDataModule):
                 stamp_key=STAMP_KEY,
             )
             self._train_loader_key = key
+            self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def _check_accumulation(self, batches_per_epoch: int) -> None:
+        """Spec ("Offline dataloader and epoch semantics"): the rank-local batches of an offline epoch must divide
+        evenly by the accumulation steps; ff never pads an epoch or silently flushes a partial window."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if self.trainer_type in OFFLINE_TRAINERS and batches_per_epoch % accumulate:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches={accumulate} does not divide the {batches_per_epoch} batches of an "
+                f"epoch on each rank: an offline epoch never ends inside an accumulation window. Use a divisor of "
+                f"{batches_per_epoch}, or change data.per_device_batch_size or the dataset size"
+            )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # The training loop calls this for the batch it is about to run (after any fetch-ahead): from here on the
