@@ -5,6 +5,8 @@ Every typed ``__init__`` argument of the three is a config key (``ff fit --help`
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from ff_core.data.datamodule import FlowDataModule
@@ -23,6 +25,14 @@ class FlowCLI(LightningCLI):
         )
 
 
+# Lightning warnings that are expected in every ff run, silenced so real ones stand out:
+# - frozen components (VAE, text encoders) stay in eval mode on purpose while the denoiser trains;
+# - the dataflow loader is an IterableDataset with an exact __len__: it shards across workers itself.
+_EXPECTED_WARNINGS = (r"Found \d+ module\(s\) in eval mode", r"Your `IterableDataset` has `__len__` defined")
+
+
 def run(args: list[str] | None) -> None:
     """``ff fit ...``: ``args=None`` reads ``sys.argv`` (the console script)."""
+    for message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     FlowCLI(FlowModule, FlowDataModule, args=args, save_config_kwargs={"overwrite": True})
