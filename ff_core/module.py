@@ -147,6 +147,17 @@ class FlowModule(L.LightningModule):
         return out.loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self.generate(batch, batch_idx)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self.generate(batch, batch_idx)
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        return self.generate(batch, batch_idx)
+
+    def generate(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Sample media for a batch of evaluation prompts: ``{"index", "prompt", "media"}`` (media per sample,
+        in the contract's output order). Batch ``i`` is seeded with ``sampling.seed + i``, so runs compare."""
         condition = self.adapter.prepare_condition(batch["condition"])
         generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
         state = self.adapter.sample(
@@ -155,7 +166,7 @@ class FlowModule(L.LightningModule):
             guidance_scale=self.sampling.guidance_scale,
             generator=generator,
         )
-        return {"prompt": batch["prompt"], "media": self.adapter.decode(state)}
+        return {"index": batch["index"].tolist(), "prompt": batch["prompt"], "media": self.adapter.decode(state)}
 
     # -- optimisation --------------------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -92,6 +92,22 @@ def test_resume_continues_step_count_and_optimiser_state(first_run, tiny_sd3, sh
         torch.testing.assert_close(probe.optimizer_state[index]["exp_avg_sq"], state["exp_avg_sq"])
 
 
+def test_predict_writes_one_image_per_evaluation_prompt(first_run, tiny_sd3, shapes_dir, tmp_path):
+    """`ff predict --ckpt_path`: the recipe's MediaWriter writes each generated image with its prompt."""
+    ckpt = first_run / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    main(["predict", *recipe_args(tiny_sd3, shapes_dir, tmp_path), "--ckpt_path", str(ckpt)])
+    out = tmp_path / "logs" / "version_0" / "predictions"
+    rows = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
+    prompts = (shapes_dir / "test.txt").read_text().splitlines()
+    assert [r["index"] for r in rows] == list(range(len(prompts))) and [r["prompt"] for r in rows] == prompts
+    from PIL import Image
+
+    for row in rows:
+        [name] = row["files"]
+        with Image.open(out / name) as image:
+            assert image.size == (32, 32) and image.mode == "RGB"
+
+
 def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_dir, tmp_path):
     main(["fit", *recipe_args(tiny_sd3, shapes_dir, tmp_path, "--model.lora", "null", "--trainer.max_steps", "2",
                               "--trainer.limit_val_batches", "0")])

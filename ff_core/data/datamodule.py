@@ -205,6 +205,14 @@ class FlowDataModule(L.LightningDataModule):
                 self._train_loader.commit(int(seq))
         return batch
 
+    def test_dataloader(self) -> DataLoader | list:
+        """``ff test``: generation for the evaluation prompts, like validation."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """``ff predict``: generation for the evaluation prompts (write them with ``ff_core.callbacks.MediaWriter``)."""
+        return self.val_dataloader()
+
     def val_dataloader(self) -> DataLoader | list:
         if not self.eval_records:
             return []
