@@ -41,18 +41,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str) -> subprocess.Popen:
-    """Start `ff fit` under 2-process DDP in its own process group; its rank 1 is Lightning's child of it."""
+def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str, grid: bool = False
+           ) -> subprocess.Popen:
+    """Start `ff fit` under 2-process DDP in its own process group; its rank 1 is Lightning's child of it.
+    ``grid``: also validate once at the end (6 prompts, 2 per batch, sharded over the ranks) into a SampleGrid."""
+    dataset = {"name": "shapes", "dataset_dir": str(shapes_dir), **({"eval": {}} if grid else {})}
+    if grid:
+        extra = (*extra, "--trainer.val_check_interval", str(max_steps), "--data.eval_batch_size", "2",
+                 "--model.sampling.num_steps", "2")
     callbacks = [
         {"class_path": "ff_core.callbacks.FlowCheckpoint",
          "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "dirpath": str(root / "ckpt")}},
         {"class_path": "ff_core.callbacks.SampleLog", "init_args": {"dirpath": str(root / "ids")}},
         {"class_path": "ff_core.callbacks.LossCurve"},  # writes from rank 0 only; its folder is resolved by all
+        *([{"class_path": "ff_core.callbacks.SampleGrid"}] if grid else []),
     ]
     cmd = [
         sys.executable, "-m", "ff_core.cli", "fit", "--config", str(RECIPE),
         "--model.pretrained_model_name_or_path", str(tiny_sd3),
-        "--data.datasets", json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}]),  # no eval split
+        "--data.datasets", json.dumps([dataset]),
         "--data.per_device_batch_size", "2",
         "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
         "--trainer.max_steps", str(max_steps),
@@ -89,7 +96,7 @@ def runs(tiny_sd3, shapes_dir, tmp_path_factory):
     timings = {}
 
     start = time.monotonic()
-    finish(ff_fit(tiny_sd3, shapes_dir, uninterrupted, MAX_STEPS), uninterrupted)
+    finish(ff_fit(tiny_sd3, shapes_dir, uninterrupted, MAX_STEPS, grid=True), uninterrupted)
     timings["uninterrupted"] = time.monotonic() - start
 
     # A runs towards a far-away max_steps and is SIGKILLed once its step-2 checkpoint is complete (FlowCheckpoint
@@ -137,3 +144,11 @@ def test_rank_zero_writes_the_loss_curve_under_ddp(runs):
     uninterrupted, _, _ = runs
     lines = (uninterrupted / "loss.csv").read_text().splitlines()
     assert lines[0] == "step,loss" and len(lines) == MAX_STEPS + 1
+
+
+def test_sample_grid_gathers_every_rank_under_ddp(runs):
+    """Each rank generated a shard of the 6 evaluation prompts; rank 0's grid holds all of them, once, in order."""
+    uninterrupted, _, _ = runs
+    grid = uninterrupted / "samples" / f"step_{MAX_STEPS:06d}.json"
+    assert [row["index"] for row in json.loads(grid.read_text())] == list(range(6))
+    assert grid.with_suffix(".png").stat().st_size > 0

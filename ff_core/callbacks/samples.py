@@ -7,6 +7,7 @@ and ``loss.csv``), atomically, once per validation run.
 from __future__ import annotations
 
 import io
+import json
 import math
 import textwrap
 from pathlib import Path
@@ -56,8 +57,7 @@ class SampleGrid(L.Callback):
 
     def __init__(self, columns: int = 6, cell: int = 96) -> None:
         self.columns, self.cell = columns, cell
-        self._images: list[torch.Tensor] = []
-        self._captions: list[str] = []
+        self._rows: list[tuple[int, str, torch.Tensor]] = []
         self.last_path: Path | None = None
         self.out_dir: Path | None = None
 
@@ -65,18 +65,30 @@ class SampleGrid(L.Callback):
         self.out_dir = log_dir(trainer)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._images, self._captions = [], []
+        self._rows = []
 
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch, batch_idx, dataloader_idx=0) -> None:
-        for prompt, media in zip(outputs["prompt"], outputs["media"]):
-            self._images.append(media[0])
-            self._captions.append(prompt)
+        for index, prompt, media in zip(outputs["index"], outputs["prompt"], outputs["media"]):
+            self._rows.append((index, prompt, media[0].cpu()))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._images or not trainer.is_global_zero or trainer.sanity_checking:
+        if trainer.sanity_checking:
             return
+        rows = self._rows
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            # Under DDP every rank generated a shard of the prompts: gather them all (a collective: every rank
+            # calls it), then keep one copy per index (the distributed sampler repeats tail items to even out).
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, rows)
+            rows = list({index: (index, p, img) for part in gathered for index, p, img in part}.values())
+        if not rows or not trainer.is_global_zero:
+            return
+        rows.sort(key=lambda row: row[0])
         path = self.out_dir / "samples" / f"step_{trainer.global_step:06d}.png"
-        _save_png(image_grid(self._images, self._captions, self.cell, self.columns), path)
+        _save_png(image_grid([r[2] for r in rows], [r[1] for r in rows], self.cell, self.columns), path)
+        # The full prompts of the grid, in grid order (captions in the image are cut to fit their cell).
+        index = [{"index": i, "prompt": p} for i, p, _ in rows]
+        write_bytes_atomic(path.with_suffix(".json"), json.dumps(index, indent=1).encode())
         self.last_path = path
 
 
