@@ -98,6 +98,18 @@ class Adapter(nn.Module):
         """Load every component with its library's ``from_pretrained`` from a folder or hub id."""
         raise NotImplementedError(f"{cls.__name__} must implement from_pretrained")
 
+    def train(self, mode: bool = True) -> Adapter:
+        """Switch the mode of what trains; frozen components (no trainable parameter) always stay in eval mode.
+
+        A frozen text encoder in train mode would apply dropout (T5 has 0.1 by default) to the conditions it encodes,
+        making preprocessing random; ``module.train()`` from a training loop must not do that.
+        """
+        super().train(mode)
+        for child in self.children():
+            if not any(p.requires_grad for p in child.parameters()):
+                child.eval()
+        return self
+
     # -- what training touches -------------------------------------------------------------------
     @property
     def denoiser(self) -> nn.Module:

@@ -76,6 +76,8 @@ class FlowModule(L.LightningModule):
         lr_scheduler: optional learning-rate scheduler factory, stepped every optimiser step.
         lora: train a LoRA of the denoiser instead of all its weights.
         sampling: validation sampling options.
+        gradient_checkpointing: recompute the denoiser's activations in the backward pass (less memory, ~30 %
+            more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class FlowModule(L.LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         lora: LoRAConfig | None = None,
         sampling: SamplingConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -99,6 +102,7 @@ class FlowModule(L.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.lora = lora
         self.sampling = sampling or SamplingConfig()
+        self.gradient_checkpointing = gradient_checkpointing
         self.adapter: Adapter | None = None
         # Checkpoints hold trainable tensors only; frozen ones are reloaded from the pretrained folder.
         self.strict_loading = False
@@ -113,6 +117,10 @@ class FlowModule(L.LightningModule):
             apply_lora(adapter, self.lora)
         else:
             adapter.denoiser.requires_grad_(True)
+        if self.gradient_checkpointing:
+            if not hasattr(adapter.denoiser, "enable_gradient_checkpointing"):
+                raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} denoiser does not support it")
+            adapter.denoiser.enable_gradient_checkpointing()
         self.adapter = adapter
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ff_core.adapter import ConditionInput
 from ff_core.cli import main
 from ff_core.data.datamodule import FlowDataModule
+from ff_core.data.media import decode_media
 from ff_core.errors import DatasetErrors
 from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
@@ -117,6 +119,32 @@ def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_di
     transformer = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer")
     assert set(state) == {f"adapter.transformer.{k}" for k in transformer.state_dict()}  # buffers included
     assert not (tmp_path / "logs" / "version_0" / "checkpoints" / "last.lora").exists()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3, shapes_dir):
+    """Recomputing activations in the backward pass changes memory, not the maths. (Also: ``train()`` leaves the
+    frozen components in eval mode, so T5's dropout never randomises the conditions.)"""
+    from torch.utils.data import default_collate
+
+    from ff_core.data.sources import DatasetConfig, load_split
+
+    records = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")[:4]
+    grads = []
+    for checkpointing in (False, True):
+        module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
+                            gradient_checkpointing=checkpointing)
+        module.configure_model()
+        module.train()
+        adapter = module.adapter
+        assert adapter.denoiser.is_gradient_checkpointing is checkpointing and adapter.denoiser.training
+        assert not adapter.text_encoder_3.training and not adapter.vae.training
+        conditions = adapter.preprocess([ConditionInput(r.prompt) for r in records])
+        batch = {"condition": default_collate(conditions),
+                 "target": [[decode_media(m) for m in r.candidates[0]] for r in records]}
+        torch.manual_seed(0)
+        module.objective.training_loss(adapter, batch).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in adapter.denoiser.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_a_broken_dataset_fails_before_any_weight_loads(shapes_dir, tmp_path):

@@ -134,6 +134,9 @@ class AdapterConformance:
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
         adapter.requires_grad_(False)
         adapter.denoiser.requires_grad_(True)
+        adapter.train()  # frozen components must stay in eval mode (no dropout in the conditions)
+        assert adapter.denoiser.training
+        assert all(not m.training for m in adapter.children() if not any(p.requires_grad for p in m.parameters()))
         loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()
