@@ -106,13 +106,14 @@ def test_training_loader_is_a_stamped_dataflow_loader(tiny_sd3, shapes_dir, tmp_
     assert set(batch) == BATCH_KEYS | {STAMP_KEY} and len(batch["prompt"]) == 5
 
 
-def test_accumulation_must_divide_an_offline_epoch(tiny_sd3, shapes_dir):
+def test_accumulation_must_divide_an_offline_epoch(tiny_sd3, shapes_dir, tmp_path):
     """24 records, 8 per step: 3 batches an epoch; accumulating 2 would end the epoch inside a window."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, accumulate_grad_batches=2)
+                        enable_model_summary=False, accumulate_grad_batches=2, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2 does not divide the 3 batches of an epoch"):
         trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=8))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, accumulate_grad_batches=3, limit_val_batches=0)
+                        enable_model_summary=False, accumulate_grad_batches=3, limit_val_batches=0,
+                        default_root_dir=tmp_path)
     trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=8))
     assert trainer.global_step == 1
