@@ -104,7 +104,7 @@ class FlowModule(L.LightningModule):
         self.sampling = sampling or SamplingConfig()
         self.gradient_checkpointing = gradient_checkpointing
         self.adapter: Adapter | None = None
-        # Checkpoints hold trainable tensors only; frozen ones are reloaded from the pretrained folder.
+        # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
 
     # -- model -------------------------------------------------------------------------------------------
