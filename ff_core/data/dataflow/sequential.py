@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .base import SampleBatcher
-from .batchers import Sample, video_token_count
+from .batchers import Sample, SimpleBatcher, video_token_count
 
 
 class SequentialPackingBatcher(SampleBatcher):
@@ -70,15 +70,8 @@ class SequentialPackingBatcher(SampleBatcher):
         return tokens
 
     def batches(self, samples: Iterator[Sample]) -> Iterator[list[Sample]]:
-        if self.max_samples_per_batch is not None:
-            batch: list[Sample] = []
-            for sample in samples:
-                batch.append(sample)
-                if len(batch) == self.max_samples_per_batch:
-                    yield batch
-                    batch = []
-            if batch:
-                yield batch
+        if self.max_samples_per_batch is not None:  # count-only mode is fixed-size batching, keeping the tail
+            yield from SimpleBatcher(self.max_samples_per_batch).batches(samples)
             return
         budget, batch, used = self.max_sequence_length, [], 0
         for sample in samples:
