@@ -7,7 +7,6 @@ Files are written atomically; each rank writes the rows it generated.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
-from ff_core.atomic import write_bytes_atomic
-from ff_core.callbacks.samples import log_dir
+from ff_core.callbacks.samples import log_dir, save_png
 
 
 class MediaWriter(BasePredictionWriter):
@@ -53,7 +51,5 @@ class MediaWriter(BasePredictionWriter):
     def _write(self, item: Any, name: str) -> str:
         if not (isinstance(item, torch.Tensor) and item.dtype == torch.uint8 and item.ndim == 3):
             raise NotImplementedError(f"MediaWriter writes images (uint8 (3, H, W)) so far, got {type(item).__name__}")
-        buf = io.BytesIO()
-        Image.fromarray(item.permute(1, 2, 0).cpu().numpy()).save(buf, format="PNG")
-        write_bytes_atomic(self.out_dir / f"{name}.png", buf.getvalue())
+        save_png(Image.fromarray(item.permute(1, 2, 0).cpu().numpy()), self.out_dir / f"{name}.png")
         return f"{name}.png"

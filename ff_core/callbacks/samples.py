@@ -26,7 +26,8 @@ def log_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
-def _save_png(image: Image.Image, path: Path) -> None:
+def save_png(image: Image.Image, path: Path) -> None:
+    """Encode ``image`` as PNG and publish it at ``path`` atomically."""
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     write_bytes_atomic(path, buf.getvalue())
@@ -85,7 +86,7 @@ class SampleGrid(L.Callback):
             return
         rows.sort(key=lambda row: row[0])
         path = self.out_dir / "samples" / f"step_{trainer.global_step:06d}.png"
-        _save_png(image_grid([r[2] for r in rows], [r[1] for r in rows], self.cell, self.columns), path)
+        save_png(image_grid([r[2] for r in rows], [r[1] for r in rows], self.cell, self.columns), path)
         # The full prompts of the grid, in grid order (captions in the image are cut to fit their cell).
         index = [{"index": i, "prompt": p} for i, p, _ in rows]
         write_bytes_atomic(path.with_suffix(".json"), json.dumps(index, indent=1).encode())
@@ -124,7 +125,7 @@ class LossCurve(L.Callback):
         out = self.out_dir
         csv = "step,loss\n" + "".join(f"{s},{v:.6f}\n" for s, v in self.history)
         write_bytes_atomic(out / "loss.csv", csv.encode())
-        _save_png(self.plot(), out / "loss.png")
+        save_png(self.plot(), out / "loss.png")
 
     def plot(self, width: int = 480, height: int = 240) -> Image.Image:
         image = Image.new("RGB", (width, height), "white")
