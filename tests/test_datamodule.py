@@ -3,6 +3,9 @@ mid-epoch resume in one process (the 2-process DDP resume through `ff fit` is te
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -15,6 +18,7 @@ from ff_core.data.sources import DatasetConfig, load_split
 from ff_core.module import FlowModule, LoRAConfig
 
 BATCH_KEYS = {"index", "prompt", "condition", "target"}
+REPO = Path(__file__).resolve().parents[1]
 
 
 def datamodule(shapes_dir, **kw) -> FlowDataModule:
@@ -80,7 +84,7 @@ def test_resume_mid_epoch_yields_exactly_the_remaining_samples(tiny_sd3, shapes_
     saved = torch.load(step2, weights_only=False)
     # Lightning saves the loader state (once); the datamodule saves none of its own.
     (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    assert state["mode"] == "global" and state["step"] == 2 and "FlowDataModule" not in saved
+    assert state["mode"] == "epoch" and state["step"] == 2 and "FlowDataModule" not in saved
 
     _, resumed, _ = fit(tiny_sd3, shapes_dir, tmp_path / "resumed", 7, ckpt_path=step2, num_workers=num_workers)
     assert resumed == full[2:]
@@ -98,12 +102,13 @@ def test_training_loader_is_a_stamped_dataflow_loader(tiny_sd3, shapes_dir, tmp_
     dm.setup("fit")
     model.configure_model()
     loader = dm.train_dataloader()
-    assert isinstance(loader, DataflowLoader) and loader.mode == "global"
-    assert loader.distributor.fingerprint() == {"kind": "MapDistributor", "name": "train", "length": 24,
+    assert isinstance(loader, DataflowLoader) and loader.mode == "epoch"
+    assert loader.distributor.fingerprint() == {"kind": "SamplerDistributor", "name": "train", "length": 24,
                                                 "shuffle": True, "seed": 7}
-    assert len(loader) == 5  # ceil(24 / 5): the last batch runs into the next epoch's order, always full
-    batch = next(iter(loader))
-    assert set(batch) == BATCH_KEYS | {STAMP_KEY} and len(batch["prompt"]) == 5
+    assert len(loader) == 5  # ceil(24 / 5): one complete traversal, the last batch partial
+    batches = list(loader)
+    assert set(batches[0]) == BATCH_KEYS | {STAMP_KEY} and [len(b["prompt"]) for b in batches] == [5, 5, 5, 5, 4]
+    assert len(loader) == 5 and sorted(i for b in batches for i in b["index"].tolist()) == list(range(24))
 
 
 def test_accumulation_must_divide_an_offline_epoch(tiny_sd3, shapes_dir, tmp_path):
@@ -117,3 +122,37 @@ def test_accumulation_must_divide_an_offline_epoch(tiny_sd3, shapes_dir, tmp_pat
                         default_root_dir=tmp_path)
     trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=8))
     assert trainer.global_step == 1
+
+
+def test_ff_fit_epochs_are_complete_traversals(tiny_sd3, shapes_dir, tmp_path):
+    """`ff fit` on 24 records, 5 per batch, 4 epochs: every epoch is 5 batches (5, 5, 5, 5, 4) that consume every
+    record exactly once (before the fix, epoch 0's last batch took a record of epoch 1, so later epochs differed)."""
+    from ff_core.cli import main
+
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
+    callbacks = json.dumps([{"class_path": "ff_core.callbacks.SampleLog", "init_args": {"dirpath": str(tmp_path)}}])
+    main(["fit", "--config", str(REPO / "configs" / "sd3" / "sft_tiny.yaml"),
+          "--model.pretrained_model_name_or_path", str(tiny_sd3), "--data.datasets", datasets,
+          "--data.per_device_batch_size", "5", "--trainer.max_epochs", "4", "--trainer.max_steps", "-1",
+          "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+          "--trainer.enable_progress_bar", "false", "--trainer.callbacks", callbacks])
+    rows = read_sample_log(tmp_path / "rank0.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    for epoch in range(4):
+        batches = [r["ids"] for r in rows if r["epoch"] == epoch]
+        assert [len(b) for b in batches] == [5, 5, 5, 5, 4], epoch
+        assert sorted(i for b in batches for i in b) == list(range(24)), epoch
+
+
+def test_accumulation_check_holds_in_every_epoch(tiny_sd3, shapes_dir, tmp_path):
+    """24 records, 7 per batch: 4 batches (7, 7, 7, 3) in every epoch, so accumulating 4 closes a window exactly at
+    each epoch's end. (Before the fix epoch 1 had 3 batches, and Lightning silently stepped on a partial window.)"""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=4, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[SampleLog(str(tmp_path / "ids"))])
+    trainer.fit(module(tiny_sd3), datamodule=datamodule(shapes_dir, per_device_batch_size=7))
+    rows = read_sample_log(tmp_path / "ids" / "rank0.jsonl")
+    assert [r["epoch"] for r in rows] == [0] * 4 + [1] * 4
+    assert trainer.global_step == 2 and [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 1, 2]
+    for epoch in (0, 1):
+        assert sorted(i for r in rows if r["epoch"] == epoch for i in r["ids"]) == list(range(24))

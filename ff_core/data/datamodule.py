@@ -9,8 +9,11 @@ Order of work (spec: "Condition cache and target lifecycle"):
   decoded fresh by :class:`~ff_core.data.processors.RecordProcessor` in the loader's workers and encoded on the fly
   by the objective, never cached.
 
-Training batches come from the composable dataflow (docs/dataflow.md): ``MapDistributor`` (shuffled per epoch,
-sharded by data-parallel rank × worker) → ``RecordProcessor`` → ``SimpleBatcher`` → ``SampleCollator``. The loader
+Training batches come from the composable dataflow (docs/dataflow.md): ``SamplerDistributor`` for the offline
+trainers (spec "Offline dataloader and epoch semantics": every epoch one complete traversal, sharded over
+data-parallel ranks exactly as ``torch.utils.data.DistributedSampler`` with ``drop_last=False`` shards it, the
+same number of batches on every rank and in every epoch, a final partial batch allowed), ``MapDistributor`` for
+online ones → ``RecordProcessor`` → ``SimpleBatcher`` → ``SampleCollator``. The loader
 is stateful, so Lightning saves its position in every checkpoint (``loops.fit_loop.combined_loader``) and a run
 resumed with ``--ckpt_path`` continues the exact sample order; this module marks each batch consumed when the
 training loop takes it (``on_before_batch_transfer``), so batches fetched ahead never count.
@@ -26,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter, ConditionInput
-from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor
+from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.data.records import Record
@@ -65,11 +68,12 @@ class FlowDataModule(L.LightningDataModule):
         cache_dir: where condition caches live.
         enable_preprocess: preprocess conditions before training (required by offline trainers).
         force_reprocess: rebuild conditions even when a cache exists.
-        sampler_type: ``auto``: every epoch a fresh permutation of all training records (seeded by ``seed`` and
-            the epoch), sharded over data-parallel ranks and loader workers, resumable mid-epoch.
+        sampler_type: ``auto``: every epoch a fresh permutation of all training records (torch's
+            ``DistributedSampler`` for offline trainers: seeded by ``seed + epoch``), sharded over data-parallel ranks
+            and loader workers, resumable mid-epoch.
         num_workers: training loader worker processes (each decodes the targets of its own shard); validation
             loads in the main process.
-        seed: shuffling seed (epoch ``e``'s order depends only on ``(seed, e)``; saved with the resume state).
+        seed: shuffling seed (epoch ``e``'s order depends only on ``(seed, e)``; in the resume fingerprint).
         shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
@@ -171,9 +175,9 @@ class FlowDataModule(L.LightningDataModule):
         # (``reload_dataloaders_every_n_epochs``) must continue from its position rather than restart the order.
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
+            distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
             self._train_loader = EpochAlignedLoader(
-                MapDistributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed,
-                               name="train"),
+                distributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed, name="train"),
                 RecordProcessor(),
                 collator=SampleCollator(),
                 batch_size=self.per_device_batch_size,

@@ -20,6 +20,7 @@ from .distributors import (
     IterableDistributor,
     MapDistributor,
     RankPartitionedDistributor,
+    SamplerDistributor,
     apportion_ranks,
     derive_seed,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "RankPartitionedDistributor",
     "RawItemProcessor",
     "SampleBatcher",
+    "SamplerDistributor",
     "SequentialPackingBatcher",
     "SimpleBatcher",
     "StateHistory",

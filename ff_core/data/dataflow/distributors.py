@@ -1,15 +1,18 @@
-"""Built-in distributors (spec §2 table, §6 sharding): map-style, iterable, and rank-partitioned sources.
+"""Built-in distributors (spec §2 table, §6 sharding): map-style, epoch-sharded (torch's DistributedSampler),
+iterable, and rank-partitioned sources.
 
 The mixture lives in ``mixture.py``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from .base import Cursor, DataDistributor, IndexedDistributor, stream_slot
 
@@ -103,6 +106,85 @@ class MapDistributor(IndexedDistributor):
 
     def fingerprint(self) -> dict[str, Any]:
         return {"kind": "MapDistributor", "name": self.name, "length": len(self.dataset),
+                "shuffle": self.shuffle, "seed": self.seed}
+
+
+class SamplerDistributor(DataDistributor):
+    """A map-style dataset traversed completely every epoch, sharded by ``torch.utils.data.DistributedSampler``.
+
+    The offline trainers' epoch semantics (spec dataset-guide, "Offline dataloader and epoch semantics"): epoch ``e``
+    on rank ``r`` serves exactly the indices of ``DistributedSampler(num_replicas=W, rank=r, shuffle, seed,
+    drop_last=False)`` after ``set_epoch(e)`` — a permutation seeded by ``seed + e``, its first indices repeated to
+    fill the last round when ``W`` does not divide the dataset, taken with stride ``W``. Batched in order (a final
+    partial batch allowed), every rank has ``ceil(ceil(N / W) / B)`` batches in every epoch, and nothing crosses an
+    epoch boundary. DataflowLoader runs it in resume mode ``"epoch"``: the state is ``(epoch, batches delivered in
+    it)``, the same on every rank.
+
+    Args:
+        dataset: Any object with ``__len__`` and ``__getitem__``.
+        shuffle: Reshuffle every epoch (``DistributedSampler(shuffle=...)``); ``False`` keeps dataset order.
+        seed: The sampler's seed; epoch ``e`` is shuffled with ``seed + e``, as torch does.
+        name: Label used in error messages and the resume fingerprint.
+    """
+
+    resumable = True
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "") -> None:
+        if len(dataset) == 0:
+            raise ValueError(f"SamplerDistributor{f'({name!r})' if name else ''}: the dataset is empty")
+        self.dataset, self.shuffle, self.seed, self.name = dataset, shuffle, seed, name
+        self._indices: dict[tuple[int, int, int], list[int]] = {}
+
+    @property
+    def epoch_length(self) -> int:
+        return len(self.dataset)
+
+    def samples_per_rank(self, dp_world_size: int) -> int:
+        """Samples every rank traverses per epoch (``DistributedSampler.num_samples`` with ``drop_last=False``).
+
+        Args:
+            dp_world_size: Number of data-parallel ranks.
+        """
+        return math.ceil(len(self.dataset) / dp_world_size)
+
+    def batches_per_epoch(self, dp_world_size: int, batch_size: int) -> int:
+        """Batches every rank yields per epoch, the last one possibly partial.
+
+        Args:
+            dp_world_size: Number of data-parallel ranks.
+            batch_size: Samples per batch.
+        """
+        return math.ceil(self.samples_per_rank(dp_world_size) / batch_size)
+
+    def rank_indices(self, epoch: int, dp_rank: int, dp_world_size: int) -> list[int]:
+        """Dataset indices rank ``dp_rank`` traverses in epoch ``epoch``, in order (torch computes them).
+
+        Args:
+            epoch: Data epoch (``sampler.set_epoch``).
+            dp_rank: Data-parallel rank.
+            dp_world_size: Number of data-parallel ranks.
+        """
+        key = (epoch, dp_rank, dp_world_size)
+        if key not in self._indices:
+            self._indices.clear()  # a loader only ever reads one epoch at a time
+            sampler = DistributedSampler(range(len(self.dataset)), num_replicas=dp_world_size, rank=dp_rank,
+                                         shuffle=self.shuffle, seed=self.seed, drop_last=False)
+            sampler.set_epoch(epoch)
+            self._indices[key] = list(sampler)
+        return self._indices[key]
+
+    def fetch(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def stream(self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int) -> Iterator[Any]:
+        """Epoch after epoch, this rank's indices dealt round-robin over its streams (without DataflowLoader)."""
+        for epoch in itertools.count():
+            for k, index in enumerate(self.rank_indices(epoch, dp_rank, dp_world_size)):
+                if k % num_workers == worker_id:
+                    yield self.fetch(index)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "SamplerDistributor", "name": self.name, "length": len(self.dataset),
                 "shuffle": self.shuffle, "seed": self.seed}
 
 

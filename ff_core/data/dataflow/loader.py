@@ -6,6 +6,9 @@ Resume modes (chosen at construction, see docs/dataflow.md):
   every rank; a run may resume under a different world size, worker count or batch size.
 * ``"stream"`` — resumable source + a packing batcher: per-(rank, stream) cursors plus the batcher's pending samples;
   exact under the same world size and worker count (both are in the fingerprint).
+* ``"epoch"`` — a :class:`SamplerDistributor`: every epoch is one complete traversal sharded by torch's
+  ``DistributedSampler`` (the offline trainers' epochs); the state is (epoch, batches delivered in it), the same on
+  every rank; exact under the same world size and batch size (both are in the fingerprint), any worker count.
 * ``"none"`` — streaming source, or ``resumable=False``: a resumed run restarts the source.
 """
 
@@ -23,6 +26,7 @@ from .base import BatchCollator, DataDistributor, RawItemProcessor, SampleBatche
 from .batchers import SimpleBatcher
 from .collators import DefaultBatchCollator
 from .coords import DataParallelCoords
+from .distributors import SamplerDistributor
 from .pipeline import DataflowStream, Plan
 from .state import FORMAT, StateHistory, check_state, merge_rank_states
 
@@ -91,6 +95,9 @@ class DataflowLoader(DataLoader):
             raise ValueError(f"DataflowLoader: steps_per_epoch must be >= 1, found {steps_per_epoch}")
         batcher = SimpleBatcher(batch_size) if batcher is None else batcher  # type: ignore[arg-type]
         self.mode = self._resume_mode(distributor, batcher, resumable)
+        if self.mode == "epoch" and steps_per_epoch is not None:
+            raise ValueError("DataflowLoader: steps_per_epoch cannot be set over a SamplerDistributor: its epoch is "
+                             f"one complete traversal, found steps_per_epoch={steps_per_epoch}")
         self.distributor, self.processor, self.batcher = distributor, processor, batcher
         self.collator = collator or DefaultBatchCollator()
         self.coords, self.parallel_dims = coords, parallel_dims
@@ -106,6 +113,14 @@ class DataflowLoader(DataLoader):
 
     @staticmethod
     def _resume_mode(distributor: DataDistributor, batcher: SampleBatcher, resumable: bool | None) -> str:
+        if isinstance(distributor, SamplerDistributor):
+            if resumable is False:
+                raise ValueError("DataflowLoader: a SamplerDistributor always resumes; resumable=False is refused")
+            if batcher.fixed_batch_size is None or getattr(batcher, "drop_last", False):
+                raise ValueError(f"DataflowLoader: a SamplerDistributor is batched in order with a final partial batch "
+                                 f"(DataLoader semantics); use batch_size= or SimpleBatcher(drop_last=False), found "
+                                 f"{type(batcher).__name__}")
+            return "epoch"
         if resumable is False or (not distributor.resumable and resumable is None):
             return "none"
         if not distributor.resumable:
@@ -147,6 +162,9 @@ class DataflowLoader(DataLoader):
                 plan.steps = math.ceil(((pos // length + 1) * length - pos) / per_step)
         elif self.mode == "stream":
             plan.origin, plan.streams = st["origin"], st["streams"]
+        elif self.mode == "epoch":
+            per_epoch = self.distributor.batches_per_epoch(c.world_size, self.batcher.fixed_batch_size)  # type: ignore
+            plan.epoch_step, plan.steps = st["epoch_step"], per_epoch - st["epoch_step"]
         return plan
 
     @property
@@ -210,6 +228,8 @@ class DataflowLoader(DataLoader):
         if self.mode == "stream":
             c = self.resolve_coords()
             fp.update(batcher=self.batcher.fingerprint(), dp_world_size=c.world_size, num_workers=self.num_streams)
+        elif self.mode == "epoch":
+            fp.update(batcher=self.batcher.fingerprint(), dp_world_size=self.resolve_coords().world_size)
         return fp
 
     def local_state_dict(self) -> dict[str, Any]:

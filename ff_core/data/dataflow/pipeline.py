@@ -23,7 +23,7 @@ class Plan:
     """What one ``iter(loader)`` must produce on one rank, set by the main process before workers start.
 
     Args:
-        mode: ``"global"``, ``"stream"`` or ``"none"`` (see state.py).
+        mode: ``"global"``, ``"stream"``, ``"epoch"`` or ``"none"`` (see state.py).
         rank: Data-parallel rank.
         world_size: Data-parallel world size.
         num_streams: Streams per rank (``max(1, num_workers)``).
@@ -33,6 +33,7 @@ class Plan:
         origin: Mode "stream": global index at which the stream sharding started.
         streams: Mode "stream": ``{"rank/stream": {"cursor", "pending"}}``.
         epoch: Loader epoch; mode "none" over a resumable source serves that epoch of its order.
+        epoch_step: Mode "epoch": batches of ``epoch`` this rank delivered before this iteration.
     """
 
     mode: str
@@ -45,6 +46,7 @@ class Plan:
     origin: int = 0
     streams: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
+    epoch_step: int = 0
 
 
 def _owned(sample: Any) -> Any:
@@ -78,7 +80,8 @@ class DataflowStream(IterableDataset):
         """
         if self.plan is None:
             raise RuntimeError("DataflowStream: iterate it through DataflowLoader, which sets the plan")
-        run = {"global": self._global, "stream": self._stream, "none": self._plain}[self.plan.mode]
+        run = {"global": self._global, "stream": self._stream, "epoch": self._epoch, "none": self._plain}[
+            self.plan.mode]
         return run(self.plan, worker_id)
 
     def _global(self, plan: Plan, worker_id: int) -> Iterator[tuple[dict[str, Any], Any]]:
@@ -102,6 +105,17 @@ class DataflowStream(IterableDataset):
         for batch in self.batcher.batches(samples()):
             step, end = ends.popleft()
             yield {"step": step, "cursor": end, "dropped": 0}, self.collator.collate(batch)
+
+    def _epoch(self, plan: Plan, worker_id: int) -> Iterator[tuple[dict[str, Any], Any]]:
+        # Batch k of the epoch is items [k·B, (k+1)·B) of this rank's DistributedSampler indices (the last one may be
+        # short); worker w serves the iteration's steps s ≡ w (mod N), the DataLoader's round-robin, so the delivered
+        # order is the one a DataLoader(batch_size=B, sampler=DistributedSampler(...)) yields.
+        B, dist = self.batcher.fixed_batch_size, self.distributor
+        indices = dist.rank_indices(plan.epoch, plan.rank, plan.world_size)  # type: ignore[attr-defined]
+        for s in range(worker_id, plan.steps, plan.num_streams):
+            k = plan.epoch_step + s
+            samples = [_owned(self.processor.process(dist.fetch(i))) for i in indices[k * B : (k + 1) * B]]  # type: ignore
+            yield {"step": s, "dropped": 0}, self.collator.collate(samples)
 
     def _stream(self, plan: Plan, worker_id: int) -> Iterator[tuple[dict[str, Any], Any]]:
         # Each (rank, stream) walks its own slice at its own pace; its stamp records where its cursor is and which

@@ -2,15 +2,17 @@
 
 Layout of a ``DataflowLoader`` state (``format`` ``ff.dataflow/1``)::
 
-    {"format", "mode": "global" | "stream" | "none", "fingerprint": {...},
+    {"format", "mode": "global" | "stream" | "epoch" | "none", "fingerprint": {...},
      "step": batches delivered per rank so far, "epoch", "epoch_step",
      "cursor": global-order cursor state after the last delivered global batch   (mode "global"),
      "origin", "streams": {"rank/stream": {"cursor", "pending"}}                 (mode "stream"),
      "dropped": samples dropped by the batcher on delivered batches}
 
 Mode "global" is the same on every rank, so rank 0's copy (all Lightning saves) restores every rank, under any
-world size or worker count. Mode "stream" holds every rank's streams; :func:`merge_rank_states` builds it from
-the per-rank states (``DataflowLoader.state_dict`` gathers them over the data-parallel group).
+world size or worker count. Mode "epoch" needs only ``epoch`` and ``epoch_step`` (each rank's DistributedSampler
+indices follow from them): the same on every rank too, under the same world size. Mode "stream" holds every
+rank's streams; :func:`merge_rank_states` builds it from the per-rank states (``DataflowLoader.state_dict``
+gathers them over the data-parallel group).
 """
 
 from __future__ import annotations
