@@ -174,7 +174,7 @@ class FlowDataModule(L.LightningDataModule):
             self._train_loader = EpochAlignedLoader(
                 MapDistributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed,
                                name="train"),
-                RecordProcessor(),
+                RecordProcessor(self._adapter().output_geometry()),
                 collator=SampleCollator(),
                 batch_size=self.per_device_batch_size,
                 num_workers=self.num_workers,

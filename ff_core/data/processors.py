@@ -2,12 +2,13 @@
 
 The condition side is preprocessed once in the main process (``adapter.preprocess``) and held in
 :class:`ConditionedRecords`; the target side is decoded by :class:`RecordProcessor` inside the loader's workers, on
-every access, and never cached (spec dataset-guide: "Condition cache and target lifecycle"). A resumed run never
-calls the processor for the records it skips (docs/dataflow.md, "Resume").
+every access, fitted to the adapter's output geometry and never cached (spec dataset-guide: "Condition cache and
+target lifecycle"). A resumed run never calls the processor for the records it skips (docs/dataflow.md, "Resume").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
+from ff_core.data.geometry import MediaGeometry, fit_media
 from ff_core.data.media import decode_media
 from ff_core.data.records import Record
 
@@ -57,13 +59,24 @@ class ConditionedRecords:
 class RecordProcessor(RawItemProcessor):
     """Decode a record's target media (its first candidate) beside its preprocessed condition.
 
-    Runs inside DataLoader workers; targets are decoded fresh on every access and never cached.
+    Runs inside DataLoader workers; targets are decoded fresh on every access, fitted to ``geometry`` (so a batch
+    never mixes sizes) and never cached.
+
+    Args:
+        geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
+            (``adapter.output_geometry()``); ``None`` or a missing entry keeps the target as decoded.
     """
+
+    def __init__(self, geometry: Sequence[MediaGeometry | None] = ()) -> None:
+        self.geometry = tuple(geometry)
 
     def process(self, item: ConditionedRecord) -> dict[str, Any]:
         record = item.record
         candidate = record.candidates[0] if record.candidates else ()
-        target = [decode_media(m, referenced_by=record.where) for m in candidate]
+        target = [
+            fit_media(decode_media(m, referenced_by=record.where), self.geometry[i] if i < len(self.geometry) else None)
+            for i, m in enumerate(candidate)
+        ]
         return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target}
 
 
