@@ -42,7 +42,12 @@ class ConditionInput:
     Attributes:
         prompt: the text prompt.
         negative_prompt: CFG negative prompt (only for contracts that accept one).
-        media: decoded condition media in record order, each ``{"type", "data", "slot"?, ...}``.
+        media: decoded condition media in record order (V2 ``input.media``; legacy ``image(s)`` / ``video(s)`` /
+            ``audio(s)`` columns or Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``: ``type`` is
+            ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode_media` returns
+            (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
+            the file; ``slot`` the contract slot the item binds to, whether written in the record or filled in
+            declaration order (absent for references and grouped inputs, which bind by list order).
     """
 
     prompt: str
