@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
 from ff_core.objectives.flow_matching import euler_step
+
+if TYPE_CHECKING:  # the geometry module pulls in the media decoders; the adapter only names the type
+    from ff_core.data.geometry import MediaGeometry
 
 Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
@@ -39,7 +42,12 @@ class ConditionInput:
     Attributes:
         prompt: the text prompt.
         negative_prompt: CFG negative prompt (only for contracts that accept one).
-        media: decoded condition media in record order, each ``{"type", "data", "slot"?, ...}``.
+        media: decoded condition media in record order (V2 ``input.media``; legacy ``image(s)`` / ``video(s)`` /
+            ``audio(s)`` columns or Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``: ``type`` is
+            ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode_media` returns
+            (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
+            the file; ``slot`` the contract slot the item binds to, whether written in the record or filled in
+            declaration order (absent for references and grouped inputs, which bind by list order).
     """
 
     prompt: str
@@ -123,6 +131,16 @@ class Adapter(nn.Module):
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
         """Realise a collated batch of preprocessed conditions once, on the module's device."""
         raise NotImplementedError
+
+    def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
+        """The geometry each output is encoded at, in the contract's output order (``None``: taken as decoded).
+
+        The data loader's workers fit every decoded target to it before collation (:mod:`ff_core.data.geometry`:
+        bilinear resize of the shorter side, then a centre crop, as diffusers' training scripts), so
+        :meth:`encode_output` never sees a batch of mixed sizes. Called once per training loader; the result is
+        pickled to the workers, so return plain data.
+        """
+        return (None,) * len(self.io_contract.outputs)
 
     def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
         """Encode decoded target media (per sample, in the contract's output order) to clean latents."""

@@ -28,10 +28,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from ff_core.adapter import Adapter, ConditionInput
+from ff_core.adapter import Adapter
 from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
 from ff_core.data.media import check_files_exist
-from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
+from ff_core.data.processors import (
+    ConditionedRecords,
+    RecordProcessor,
+    SampleCollator,
+    condition_input,
+    process_and_collate,
+)
 from ff_core.data.records import Record
 from ff_core.data.sources import OFFLINE_TRAINERS, DatasetConfig, TrainerType, check_dataset_configs, load_split
 from ff_core.data.validation import check_batch_size, check_records
@@ -166,8 +172,9 @@ class FlowDataModule(L.LightningDataModule):
         conditions: list[dict[str, torch.Tensor]] = []
         for start in range(0, len(records), self.preprocessing_batch_size):
             chunk = records[start : start + self.preprocessing_batch_size]
+            # Condition media are decoded a chunk at a time, so only one chunk's pixels are ever held.
             with torch.no_grad():
-                conditions.extend(adapter.preprocess([ConditionInput(r.prompt, r.negative_prompt) for r in chunk]))
+                conditions.extend(adapter.preprocess([condition_input(r, adapter.io_contract) for r in chunk]))
         return ConditionedRecords(records, conditions)
 
     def train_dataloader(self) -> DataflowLoader:
@@ -178,7 +185,7 @@ class FlowDataModule(L.LightningDataModule):
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
             self._train_loader = EpochAlignedLoader(
                 distributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed, name="train"),
-                RecordProcessor(),
+                RecordProcessor(self._adapter().output_geometry()),
                 collator=SampleCollator(),
                 batch_size=self.per_device_batch_size,
                 num_workers=self.num_workers,

@@ -1,22 +1,55 @@
 """ff's dataflow roles for training records: record table → sample processor → batch collator.
 
-The condition side is preprocessed once in the main process (``adapter.preprocess``) and held in
-:class:`ConditionedRecords`; the target side is decoded by :class:`RecordProcessor` inside the loader's workers, on
-every access, and never cached (spec dataset-guide: "Condition cache and target lifecycle"). A resumed run never
-calls the processor for the records it skips (docs/dataflow.md, "Resume").
+The condition side (prompts and decoded condition media, :func:`condition_input`) is preprocessed once in the main
+process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the target side is decoded by
+:class:`RecordProcessor` inside the loader's workers, on every access, fitted to the adapter's output geometry and
+never cached (spec dataset-guide: "Condition cache and target lifecycle"). A resumed run never calls the processor
+for the records it skips (docs/dataflow.md, "Resume").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
+from ff_core.adapter import ConditionInput
+from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
+from ff_core.data.geometry import MediaGeometry, fit_media
 from ff_core.data.media import decode_media
 from ff_core.data.records import Record
+from ff_core.data.validation import bind_slots
+from ff_core.errors import DatasetError, raise_collected
+
+
+def condition_input(record: Record, contract: PipelineIOContract) -> ConditionInput:
+    """The input side of one record for ``adapter.preprocess``: its prompts and its decoded condition media.
+
+    Media keep record order (``inputs``, or legacy Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``
+    (see :class:`~ff_core.adapter.ConditionInput`). ``slot`` is the binding contract validation resolves
+    (:func:`~ff_core.data.validation.bind_slots`): an unslotted item that fills a declared slot carries that name.
+
+    Args:
+        record: a record already checked against ``contract``.
+        contract: the adapter's IO contract.
+    """
+    items = (*record.inputs, *record.references)
+    slot_of: dict[int, str] = {}
+    if contract.slots:
+        bound, problems = bind_slots(record.inputs, contract)
+        raise_collected([DatasetError(record.source, record.line, field, reason) for field, reason in problems])
+        slot_of = {id(item): name for name, item in bound.items()}
+    media = []
+    for item in items:
+        entry = {"type": item.type.value, "data": decode_media(item, referenced_by=record.where), "path": item.path}
+        if id(item) in slot_of:
+            entry["slot"] = slot_of[id(item)]
+        media.append(entry)
+    return ConditionInput(record.prompt, record.negative_prompt, media)
 
 
 @dataclass(frozen=True)
@@ -57,13 +90,24 @@ class ConditionedRecords:
 class RecordProcessor(RawItemProcessor):
     """Decode a record's target media (its first candidate) beside its preprocessed condition.
 
-    Runs inside DataLoader workers; targets are decoded fresh on every access and never cached.
+    Runs inside DataLoader workers; targets are decoded fresh on every access, fitted to ``geometry`` (so a batch
+    never mixes sizes) and never cached.
+
+    Args:
+        geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
+            (``adapter.output_geometry()``); ``None`` or a missing entry keeps the target as decoded.
     """
+
+    def __init__(self, geometry: Sequence[MediaGeometry | None] = ()) -> None:
+        self.geometry = tuple(geometry)
 
     def process(self, item: ConditionedRecord) -> dict[str, Any]:
         record = item.record
         candidate = record.candidates[0] if record.candidates else ()
-        target = [decode_media(m, referenced_by=record.where) for m in candidate]
+        target = [
+            fit_media(decode_media(m, referenced_by=record.where), self.geometry[i] if i < len(self.geometry) else None)
+            for i, m in enumerate(candidate)
+        ]
         return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target}
 
 

@@ -17,6 +17,7 @@ the path tested. Override :meth:`AdapterConformance.make_targets` for outputs ot
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from torch.utils.data import default_collate
 
 from ff_core.adapter import Adapter, ConditionInput, LatentState
 from ff_core.contracts import MediaType, PipelineIOContract
+from ff_core.data.geometry import MediaGeometry
 from ff_core.module import LoRAConfig, apply_lora, lora_state_dict
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
@@ -118,6 +120,18 @@ class AdapterConformance:
             for item, spec in zip(sample, adapter.io_contract.outputs):
                 if spec.type is MediaType.IMAGE:
                     assert item.dtype == torch.uint8 and item.ndim == 3 and item.shape[0] == 3
+
+    def test_output_geometry_is_what_sampling_makes(self, adapter, batch):
+        """One entry per output; training targets are fitted to the geometry the adapter samples at."""
+        geometry = adapter.output_geometry()
+        assert len(geometry) == len(adapter.io_contract.outputs)
+        assert all(g is None or isinstance(g, MediaGeometry) for g in geometry)
+        pickle.loads(pickle.dumps(geometry))  # it travels to the loader workers
+        condition = adapter.prepare_condition(batch["condition"])
+        sample = adapter.decode(adapter.initial_noise(condition, torch.Generator().manual_seed(0)))[0]
+        for item, spec, g in zip(sample, adapter.io_contract.outputs, geometry):
+            if g is not None and spec.type is MediaType.IMAGE:
+                assert tuple(item.shape[1:]) == (g.height, g.width)
 
     def test_sampling_is_seeded(self, adapter, batch):
         condition = adapter.prepare_condition(batch["condition"])

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
+from ff_core.data.geometry import MediaGeometry
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
@@ -93,7 +94,8 @@ class SD3Adapter(Adapter):
 
         Args:
             pretrained_model_name_or_path: folder with ``model_index.json`` layout, or a hub id.
-            resolution: side in pixels of sampled images (``initial_noise``).
+            resolution: side in pixels of sampled images (``initial_noise``) and of training targets (any image is
+                resized, shorter side first, and centre-cropped to it in the loader workers).
             max_sequence_length: T5 tokens per prompt (diffusers' default 256; capped by the tokenizer).
             dtype: weights dtype of every component (``float32``, ``bfloat16``, ``float16``).
             revision: hub revision.
@@ -178,6 +180,10 @@ class SD3Adapter(Adapter):
         }
 
     # -- target side -----------------------------------------------------------------------------
+    def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
+        """Targets are square ``resolution`` images, as in diffusers' train_dreambooth_lora_sd3.py."""
+        return (MediaGeometry(self.resolution, self.resolution),)
+
     @torch.no_grad()
     def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
         images = []
@@ -187,7 +193,8 @@ class SD3Adapter(Adapter):
                 raise ValueError(f"media[{i}]: expected one image tensor (3, H, W), got shapes {shapes}")
             images.append(outputs[0])
         if len({tuple(t.shape) for t in images}) > 1:
-            raise ValueError(f"images of one batch must share a size, got {sorted({tuple(t.shape) for t in images})}")
+            raise ValueError(f"images of one batch must share a size, got {sorted({tuple(t.shape) for t in images})} "
+                             "(the training loader fits targets to output_geometry(); fit others the same way)")
         x = torch.stack(images).to(self.vae.device)
         x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 or float in [0, 1]
         z = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample()
