@@ -43,12 +43,13 @@ class TimestepSampler:
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"shift must be > 0 (or null for the adapter's), got {self.shift}")
 
-    def resolve_shift(self, adapter: Adapter, clean: LatentState) -> float:
+    def resolve_shift(self, adapter: Adapter, clean: LatentState | None = None) -> float:
         """The recipe's :attr:`shift`, else the adapter's for latents shaped like ``clean``.
 
         Args:
             adapter: the model family's adapter.
-            clean: the batch's clean latents (a resolution-dependent shift depends on their size).
+            clean: the batch's clean latents (a resolution-dependent shift depends on their size); ``None``: the
+                adapter's sampling resolution.
         """
         return self.shift if self.shift is not None else float(adapter.timestep_shift(clean))
 
