@@ -89,10 +89,10 @@ class FlowModule(L.LightningModule):
         sampling: validation sampling options.
         gradient_checkpointing: recompute the denoiser's activations in the backward pass (less memory, ~30 %
             more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``.
-        noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``.
-            Each micro-batch draws from a generator seeded by (this seed, data-parallel rank, optimiser step,
-            micro-batch in the accumulation window): ranks draw different noise, and a resumed run the same noise
-            as the uninterrupted one (checkpoints keep the seed).
+        noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``
+            (0 without one). Each micro-batch draws from a generator seeded by (this seed, data-parallel rank,
+            optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
+            the same noise as the uninterrupted one (checkpoints keep the seed).
     """
 
     def __init__(
