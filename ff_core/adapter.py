@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
-from ff_core.objectives.flow_matching import euler_step
+from ff_core.objectives.flow_matching import euler_step, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders; the adapter only names the type
     from ff_core.data.geometry import MediaGeometry
@@ -163,10 +163,24 @@ class Adapter(nn.Module):
         """The negative-prompt branch of ``condition`` for CFG, or ``None`` when there is none."""
         return None
 
-    def sampling_sigmas(self, num_steps: int) -> Tensor:
-        """Noise levels from 1 towards 0 (``num_steps + 1`` values, last one 0) for Euler sampling."""
+    def timestep_shift(self, state: LatentState | None = None) -> float:
+        """The noise-schedule shift ``s`` (``sigma <- s * sigma / (1 + (s - 1) * sigma)``, SD3 eq. 23) sampling uses
+        for latents shaped like ``state`` (``None``: the adapter's sampling resolution); 1 is no shift.
+
+        Training draws its noise levels with it unless the recipe sets ``timesteps.shift``, so a model trains on the
+        schedule it is evaluated on. Families read it from their scheduler config.
+        """
+        return 1.0
+
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """Noise levels from 1 towards 0 (``num_steps + 1`` values, last one 0) for Euler sampling.
+
+        Args:
+            num_steps: Euler steps.
+            shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: :meth:`timestep_shift`.
+        """
         sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
-        return sigmas
+        return shift_sigma(sigmas, self.timestep_shift() if shift is None else shift)
 
     @torch.no_grad()
     def sample(
@@ -176,11 +190,16 @@ class Adapter(nn.Module):
         num_steps: int = 20,
         guidance_scale: float = 1.0,
         generator: torch.Generator | None = None,
+        shift: float | None = None,
     ) -> LatentState:
-        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG."""
+        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG.
+
+        Elements ``initial_noise`` pins through its masks (mask 0, e.g. a condition frame) are never changed.
+        ``shift`` overrides the schedule's shift (see :meth:`sampling_sigmas`).
+        """
         state = self.initial_noise(condition, generator)
         negative = self.unconditional(condition) if guidance_scale != 1.0 else None
-        sigmas = self.sampling_sigmas(num_steps).tolist()
+        sigmas = self.sampling_sigmas(num_steps, shift=shift).tolist()
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
             s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
             v = self.velocity(state, s, condition)

@@ -9,6 +9,7 @@ come back from ``pretrained_model_name_or_path``).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,14 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from ff_core.adapter import Adapter
+from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
 
 log = logging.getLogger(__name__)
+
+NOISE_SEED_KEY = "ff_noise_seed"
+"""Checkpoint entry holding the run's resolved training-noise seed."""
 
 
 @dataclass
@@ -53,11 +58,17 @@ class SamplingConfig:
         num_steps: Euler steps from noise to image.
         guidance_scale: classifier-free guidance scale (1 disables CFG).
         seed: base seed; batch ``i`` of a validation run uses ``seed + i`` so samples are comparable.
+        shift: noise-schedule shift of the sampling sigmas; ``None`` (default) keeps the checkpoint scheduler's.
     """
 
     num_steps: int = 20
     guidance_scale: float = 1.0
     seed: int = 0
+    shift: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"model.sampling.shift must be > 0 (or null for the scheduler's), got {self.shift}")
 
 
 # Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default.
@@ -78,6 +89,10 @@ class FlowModule(L.LightningModule):
         sampling: validation sampling options.
         gradient_checkpointing: recompute the denoiser's activations in the backward pass (less memory, ~30 %
             more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``.
+        noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``
+            (0 without one). Each micro-batch draws from a generator seeded by (this seed, data-parallel rank,
+            optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
+            the same noise as the uninterrupted one (checkpoints keep the seed).
     """
 
     def __init__(
@@ -91,6 +106,7 @@ class FlowModule(L.LightningModule):
         lora: LoRAConfig | None = None,
         sampling: SamplingConfig | None = None,
         gradient_checkpointing: bool = False,
+        noise_seed: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -103,6 +119,9 @@ class FlowModule(L.LightningModule):
         self.lora = lora
         self.sampling = sampling or SamplingConfig()
         self.gradient_checkpointing = gradient_checkpointing
+        self.noise_seed = noise_seed
+        self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
+        self._checkpoint_noise_seed: int | None = None
         self.adapter: Adapter | None = None
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
@@ -128,6 +147,8 @@ class FlowModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         keep = self._checkpoint_keys(checkpoint["state_dict"])
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        if self._run_noise_seed is not None:
+            checkpoint[NOISE_SEED_KEY] = self._run_noise_seed
 
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) the whole denoiser, buffers included."""
@@ -138,6 +159,7 @@ class FlowModule(L.LightningModule):
         return trainable | {k for k in state_dict if k.startswith(prefix)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
         missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
             raise KeyError(
@@ -145,14 +167,47 @@ class FlowModule(L.LightningModule):
                 "was it written with a different model.lora setting?"
             )
 
+    # -- training noise ----------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        self._run_noise_seed = self._resolve_noise_seed()
+
+    def _resolve_noise_seed(self) -> int:
+        """``model.noise_seed``, else the checkpoint's (a resumed run continues its noise), else the run's seed."""
+        saved = self._checkpoint_noise_seed
+        if self.noise_seed is not None:
+            if saved is not None and saved != self.noise_seed:
+                raise ValueError(
+                    f"model.noise_seed={self.noise_seed}, but the checkpoint resumed from was trained with noise seed "
+                    f"{saved}: a resumed run must draw the noise of the run it continues (set it to {saved} or drop it)"
+                )
+            return self.noise_seed
+        if saved is not None:
+            return saved
+        # Lightning's seed_everything (LightningCLI's `seed_everything:`) exports the run's seed here.
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def noise_generator(self, batch_idx: int) -> tuple[torch.Generator, int]:
+        """The CPU generator of this micro-batch's training noise, and its seed (see :func:`micro_batch_seed`)."""
+        if self._run_noise_seed is None:
+            self._run_noise_seed = self._resolve_noise_seed()
+        trainer = self.trainer
+        # Lightning steps the optimiser when batch_idx + 1 is a multiple of accumulate_grad_batches (or at the end
+        # of an epoch), so this is the micro-batch's place in its accumulation window.
+        micro_batch = batch_idx % trainer.accumulate_grad_batches
+        rank = DataParallelCoords.from_trainer(trainer).rank
+        seed = micro_batch_seed(self._run_noise_seed, rank, trainer.global_step, micro_batch)
+        return torch.Generator().manual_seed(seed), seed
+
     # -- steps -------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        out = self.objective.training_loss(self.adapter, batch)
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        generator, seed = self.noise_generator(batch_idx)
+        out = self.objective.training_loss(self.adapter, batch, generator)
         bs = len(batch["target"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
         for name, value in out.metrics.items():
             self.log(f"train/{name}", value, batch_size=bs)
-        return out.loss
+        # Lightning back-propagates "loss"; callbacks get the rest (SampleLog records the noise drawn).
+        return {"loss": out.loss, "sigma": out.sigma, "noise_seed": seed}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self.generate(batch, batch_idx)
@@ -173,6 +228,7 @@ class FlowModule(L.LightningModule):
             num_steps=self.sampling.num_steps,
             guidance_scale=self.sampling.guidance_scale,
             generator=generator,
+            shift=self.sampling.shift,
         )
         return {"index": batch["index"].tolist(), "prompt": batch["prompt"], "media": self.adapter.decode(state)}
 
@@ -188,6 +244,23 @@ class FlowModule(L.LightningModule):
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> int:
+    """The seed of one micro-batch's training noise: a function of these four numbers only.
+
+    Distinct per data-parallel rank (the coordinate that shards the data, so the ranks of one tensor-parallel group
+    share it), optimiser step and micro-batch of an accumulation window; a resumed run recomputes exactly the seeds
+    of the uninterrupted run. Seeding the global RNG instead gives every rank the same noise (seed_everything seeds
+    all ranks alike) and a resumed run different noise.
+
+    Args:
+        seed: the run's noise seed (``model.noise_seed``, else ``seed_everything``).
+        dp_rank: data-parallel rank.
+        step: optimiser steps taken before this micro-batch (``trainer.global_step``).
+        micro_batch: index of the micro-batch in its gradient-accumulation window.
+    """
+    return derive_seed(seed, dp_rank, step, micro_batch)
 
 
 def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:

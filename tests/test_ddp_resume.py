@@ -8,10 +8,11 @@ Three runs of the real console entry (`python -m ff_core.cli fit --config config
 * A: SIGKILLed (whole process group) once its step-2 checkpoint is complete, mid-epoch and mid-run;
 * B: A resumed from that checkpoint with `--ckpt_path`, to step 10.
 
-Per rank, A's batches up to step 2 followed by B's batches equal U's — same ids, same order, same epoch numbers —
-so their union is U's and nothing is repeated or skipped. DDP is never run inside pytest (Lightning would re-execute
-the pytest command for rank 1): each run is a subprocess whose env lacks the launcher variables, and Lightning
-destroys its process group at exit.
+Per rank, A's batches up to step 2 followed by B's batches equal U's — same ids, same order, same epoch numbers,
+and the same training noise (the logged sigmas and noise-generator seeds) — so their union is U's and nothing is
+repeated or skipped; and the two ranks draw different noise at every step. DDP is never run inside pytest
+(Lightning would re-execute the pytest command for rank 1): each run is a subprocess whose env lacks the launcher
+variables, and Lightning destroys its process group at exit.
 """
 
 from __future__ import annotations
@@ -128,10 +129,24 @@ def test_killed_and_resumed_ddp_run_consumes_exactly_the_uninterrupted_samples(r
     assert [r["step"] for r in expected] == list(range(1, MAX_STEPS + 1))
     before_kill, after_resume = rows(killed, rank, KILL_AT), rows(resumed, rank)
     assert [r["step"] for r in after_resume] == list(range(KILL_AT + 1, MAX_STEPS + 1))
-    # Same ids in the same order, and the same epoch numbers (Lightning's epoch stays aligned with the data's).
+    # Same ids in the same order, the same epoch numbers (Lightning's epoch stays aligned with the data's), and the
+    # same noise: every row also holds the sigmas drawn and the seed of the noise generator.
+    assert all({"sigma", "noise_seed"} <= set(r) for r in expected + before_kill + after_resume)
     assert before_kill + after_resume == expected
     consumed = [i for r in before_kill + after_resume for i in r["ids"]]
     assert sorted(consumed) == sorted(i for r in expected for i in r["ids"])
+
+
+def test_ranks_draw_different_noise_at_every_step(runs):
+    """seed_everything seeds both ranks alike; the noise generator is seeded per data-parallel rank too."""
+    for root in runs:  # A was killed: compare the steps both of its ranks logged
+        rank0, rank1 = ({r["step"]: r for r in rows(root, rank)} for rank in (0, 1))
+        steps = sorted(rank0.keys() & rank1.keys())
+        assert len(steps) >= KILL_AT
+        for step in steps:
+            assert rank0[step]["noise_seed"] != rank1[step]["noise_seed"], step
+            assert rank0[step]["sigma"] != rank1[step]["sigma"], step
+        assert len({r["noise_seed"] for r in [*rank0.values(), *rank1.values()]}) == len(rank0) + len(rank1)
 
 
 def test_ranks_split_each_epoch_disjointly_and_completely(runs):

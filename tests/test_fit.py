@@ -170,6 +170,8 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, shapes_dir, tmp_path):
     assert cli.datamodule.adapter_name == cli.model.hparams.adapter
     cli.datamodule.setup("fit")
     cli.model.configure_model()
+    # Training noise levels follow the schedule the recipe samples with (the checkpoint scheduler's shift).
+    assert cli.model.objective.timesteps.resolve_shift(cli.model.adapter) == cli.model.adapter.timestep_shift()
     batch = next(iter(_loader(cli)))
     loss = cli.model.objective.training_loss(cli.model.adapter, batch).loss
     assert torch.isfinite(loss)

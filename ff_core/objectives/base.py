@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -19,11 +20,14 @@ class LossOutput:
         loss: the scalar that is back-propagated (mean of ``per_sample``).
         per_sample: one loss per sample, shape (B,).
         metrics: detached scalars, logged as ``train/<name>``.
+        sigma: the noise levels drawn for the batch, detached, shape (draws, B) (``None`` if the objective has none);
+            ``FlowModule.training_step`` returns them so callbacks (``SampleLog``) can record them.
     """
 
     loss: Tensor
     per_sample: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    sigma: Tensor | None = None
 
 
 class Objective:
@@ -35,5 +39,9 @@ class Objective:
 
     trainer_type: ClassVar[str]
 
-    def training_loss(self, adapter: Adapter, batch: dict[str, Any]) -> LossOutput:
+    def training_loss(
+        self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
+    ) -> LossOutput:
+        """The loss of one micro-batch; every random draw (noise levels, noise) comes from ``generator``, a CPU
+        generator ``FlowModule`` seeds per data-parallel rank and micro-batch (``None``: the global generator)."""
         raise NotImplementedError

@@ -7,14 +7,14 @@ predicting the velocity ``v = eps - x0``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ff_core.adapter import LatentState
+    from ff_core.adapter import Adapter, LatentState
 
 
 @dataclass
@@ -26,28 +26,51 @@ class TimestepSampler:
         logit_mean: mean of the logit-normal.
         logit_std: standard deviation of the logit-normal.
         shift: SD3 resolution shift, ``sigma <- shift * sigma / (1 + (shift - 1) * sigma)``; 1 disables it.
+            ``None`` (default) takes the adapter's (:meth:`~ff_core.adapter.Adapter.timestep_shift`: for SD3 the
+            checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
-    shift: float = 1.0
+    shift: float | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in ("logit_normal", "uniform"):
             raise ValueError(f"weighting must be 'logit_normal' or 'uniform', got {self.weighting!r}")
         if self.logit_std <= 0:
             raise ValueError(f"logit_std must be > 0, got {self.logit_std}")
-        if self.shift <= 0:
-            raise ValueError(f"shift must be > 0, got {self.shift}")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"shift must be > 0 (or null for the adapter's), got {self.shift}")
 
-    def sample(self, batch_size: int, generator: torch.Generator | None = None, device=None) -> Tensor:
+    def resolve_shift(self, adapter: Adapter, clean: LatentState | None = None) -> float:
+        """The recipe's :attr:`shift`, else the adapter's for latents shaped like ``clean``.
+
+        Args:
+            adapter: the model family's adapter.
+            clean: the batch's clean latents (a resolution-dependent shift depends on their size); ``None``: the
+                adapter's sampling resolution.
+        """
+        return self.shift if self.shift is not None else float(adapter.timestep_shift(clean))
+
+    def sample(
+        self, batch_size: int, generator: torch.Generator | None = None, device=None, shift: float | None = None
+    ) -> Tensor:
+        """``batch_size`` noise levels in [0, 1], drawn on the CPU (from ``generator``) and moved to ``device``.
+
+        Args:
+            batch_size: how many.
+            generator: CPU random generator; ``None`` uses the global one.
+            device: where the result goes.
+            shift: the shift to apply, as :meth:`resolve_shift` gives it; ``None``: :attr:`shift`, else 1.
+        """
         if self.weighting == "logit_normal":
             n = torch.randn(batch_size, generator=generator) * self.logit_std + self.logit_mean
             sigma = torch.sigmoid(n)
         else:
             sigma = torch.rand(batch_size, generator=generator)
-        return shift_sigma(sigma, self.shift).to(device)
+        shift = shift if shift is not None else self.shift if self.shift is not None else 1.0
+        return shift_sigma(sigma, shift).to(device)
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:
@@ -56,23 +79,55 @@ def shift_sigma(sigma: Tensor, shift: float) -> Tensor:
 
 
 def _bcast(sigma: Tensor, like: Tensor) -> Tensor:
-    return sigma.to(like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
+    """Per-sample ``sigma`` (B,) as fp32, shaped to broadcast against ``like`` (B, ...)."""
+    return sigma.to(device=like.device, dtype=torch.float32).reshape(-1, *([1] * (like.ndim - 1)))
 
 
-def add_noise(x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
-    """``x_sigma = (1 - sigma) * x0 + sigma * noise``, ``sigma`` per sample (shape (B,))."""
+def add_noise(x0: Tensor, noise: Tensor, sigma: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``x_sigma = (1 - sigma) * x0 + sigma * noise``, ``sigma`` per sample (shape (B,)).
+
+    Computed in fp32 and cast once to ``x0``'s dtype: rounding sigma itself to bf16 (8 bits of mantissa) would
+    move every sample to a noise level the loss does not report. Where ``mask`` is 0 (a pinned condition element)
+    the clean value is kept: pinned elements sit at noise level 0.
+    """
     s = _bcast(sigma, x0)
-    return (1 - s) * x0 + s * noise
+    clean = x0.float()
+    noisy = (1 - s) * clean + s * noise.float()
+    return _keep_pinned(noisy, clean, mask).to(x0.dtype)
+
+
+def noise_state(clean: LatentState, noise: LatentState, sigma: Tensor) -> LatentState:
+    """:func:`add_noise` on every component; elements the clean state's masks pin stay clean."""
+    if list(clean.components) != list(noise.components):
+        raise ValueError(f"latent components differ: {list(clean.components)} vs {list(noise.components)}")
+    noisy = {k: add_noise(x, noise.components[k], sigma, clean.masks.get(k)) for k, x in clean.components.items()}
+    return replace(clean, components=noisy, masks=dict(clean.masks))
 
 
 def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
-    """The rectified-flow regression target ``noise - x0``."""
-    return noise - x0
+    """The rectified-flow regression target ``noise - x0``, in fp32 (the loss is computed in fp32)."""
+    return noise.float() - x0.float()
 
 
 def euler_step(state: LatentState, velocity: LatentState, sigma: float, sigma_next: float) -> LatentState:
-    """One ODE step ``x <- x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler.step)."""
-    return state.zip_map(velocity, lambda x, v: x + (sigma_next - sigma) * v)
+    """One ODE step ``x <- x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler.step).
+
+    Elements the state's masks pin (mask 0) are left unchanged, as in training, where they are never noised.
+    """
+    out = state.zip_map(velocity, lambda x, v: x + (sigma_next - sigma) * v)
+    kept = {k: _keep_pinned(x, state.components[k], state.masks.get(k)) for k, x in out.components.items()}
+    return replace(out, components=kept)
+
+
+def _keep_pinned(new: Tensor, old: Tensor, mask: Tensor | None) -> Tensor:
+    """``new`` where ``mask`` is 1 (generated elements), ``old`` where it is 0 (pinned by a condition).
+
+    ``torch.where`` rather than ``mask * new + (1 - mask) * old``: a non-finite ``new`` at a pinned element
+    must not leak into it (``0 * inf`` is NaN).
+    """
+    if mask is None:
+        return new
+    return torch.where(mask.to(device=new.device, dtype=torch.bool), new, old)
 
 
 def per_sample_squared_error(pred: LatentState, target: LatentState) -> Tensor:

@@ -15,7 +15,7 @@ import torch
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     TimestepSampler,
-    add_noise,
+    noise_state,
     per_sample_squared_error,
     velocity_target,
 )
@@ -40,36 +40,44 @@ class SFTObjective(Objective):
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
 
-    def training_loss(self, adapter: Adapter, batch: dict[str, Any]) -> LossOutput:
+    def training_loss(
+        self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
+    ) -> LossOutput:
         condition = adapter.prepare_condition(batch["condition"])
         with torch.no_grad():
             clean = adapter.encode_output(batch["target"], condition)
-        return self.loss(adapter, clean, condition)
+        return self.loss(adapter, clean, condition, generator)
 
     def loss(
         self, adapter: Adapter, clean: LatentState, condition: Condition, generator: torch.Generator | None = None
     ) -> LossOutput:
-        """Average of ``num_train_timesteps`` flow-matching terms on one batch of clean latents."""
+        """Average of ``num_train_timesteps`` flow-matching terms on one batch of clean latents.
+
+        Sigmas and noise are drawn from ``generator`` (CPU; ``None``: the global generator), in that order per term.
+        """
         device = next(iter(clean.components.values())).device
+        shift = self.timesteps.resolve_shift(adapter, clean)  # the recipe's, else the sampling schedule's
         terms, sigmas = [], []
         for _ in range(self.num_train_timesteps):
-            sigma = self.timesteps.sample(clean.batch_size, generator=generator, device=device)
+            sigma = self.timesteps.sample(clean.batch_size, generator=generator, device=device, shift=shift)
             noise = clean.map(lambda x: _randn_like(x, generator))
             terms.append(flow_matching_error(adapter, clean, condition, sigma, noise))
             sigmas.append(sigma)
         per_sample = torch.stack(terms).mean(0)
-        return LossOutput(
-            loss=per_sample.mean(),
-            per_sample=per_sample,
-            metrics={"sigma_mean": torch.stack(sigmas).mean().detach()},
-        )
+        sigma = torch.stack(sigmas).detach()
+        return LossOutput(loss=per_sample.mean(), per_sample=per_sample, metrics={"sigma_mean": sigma.mean()},
+                          sigma=sigma)  # fmt: skip
 
 
 def flow_matching_error(
     adapter: Adapter, clean: LatentState, condition: Condition, sigma: torch.Tensor, noise: LatentState
 ) -> torch.Tensor:
-    """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements."""
-    noisy = clean.zip_map(noise, lambda x, n: add_noise(x, n, sigma))
+    """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements.
+
+    Elements the clean state's masks pin (mask 0, e.g. an I2AV first frame) enter the denoiser clean and are
+    left out of the error.
+    """
+    noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
     return per_sample_squared_error(adapter.velocity(noisy, sigma, condition), target)
 

@@ -144,6 +144,16 @@ class AdapterConformance:
             torch.testing.assert_close(a.components[name], b.components[name])
             assert not torch.equal(a.components[name], c.components[name])
 
+    def test_noise_schedule_and_its_shift(self, adapter, batch):
+        """Training's default shift is the one sampling uses; a sampling shift override gives a valid grid."""
+        condition = adapter.prepare_condition(batch["condition"])
+        clean = adapter.encode_output(batch["target"], condition)
+        assert adapter.timestep_shift() > 0 and adapter.timestep_shift(clean) > 0
+        for shift in (None, 1.0, 3.0):
+            sigmas = adapter.sampling_sigmas(4, shift=shift)
+            assert len(sigmas) == 5 and sigmas[-1] == 0 and sigmas[0] <= 1 and (sigmas.diff() < 0).all(), shift
+        assert not torch.equal(adapter.sampling_sigmas(4, shift=1.0), adapter.sampling_sigmas(4, shift=3.0))
+
     def test_sft_step_trains_the_denoiser_only(self, pretrained, batch):
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
         adapter.requires_grad_(False)

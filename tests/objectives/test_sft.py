@@ -3,9 +3,16 @@
 import torch
 from torch.testing import assert_close
 
-from ff_core.adapter import LatentState
+from ff_core.adapter import Adapter, LatentState
 from ff_core.objectives import SFTObjective, TimestepSampler
-from ff_core.objectives.flow_matching import add_noise, per_sample_squared_error, shift_sigma
+from ff_core.objectives.flow_matching import (
+    add_noise,
+    euler_step,
+    noise_state,
+    per_sample_squared_error,
+    shift_sigma,
+    velocity_target,
+)
 from ff_core.objectives.sft import flow_matching_error
 
 
@@ -17,6 +24,9 @@ class LinearVelocity:
 
     def velocity(self, state, sigma, condition):
         return state.map(lambda x: self.a * x + sigma.reshape(-1, *([1] * (x.ndim - 1))))
+
+    def timestep_shift(self, state=None):
+        return 1.0
 
 
 def test_flow_matching_error_by_hand():
@@ -91,3 +101,99 @@ def test_invalid_objective_settings_name_the_key():
         SFTObjective(num_train_timesteps=0)
     with pytest.raises(ValueError, match="weighting"):
         TimestepSampler("cosine")
+    with pytest.raises(ValueError, match="shift must be > 0"):
+        TimestepSampler(shift=0.0)
+
+
+# -- precision and masks ------------------------------------------------------------------------------
+def test_noising_is_fp32_and_cast_once():
+    """bf16 latents: x_sigma = ((1 - s) x0 + s eps) in fp32 with the fp32 sigma, rounded to bf16 once. The old path
+    rounded sigma itself to bf16 (0.3 -> 0.30078125) and did the arithmetic in bf16."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    eps = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    sigma = torch.tensor([0.3, 0.517, 0.9001, 0.05])
+    got = add_noise(x0, eps, sigma)
+    s = sigma[:, None]
+    expected = ((1 - s) * x0.float() + s * eps.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert_close(got, expected, rtol=0, atol=0)
+    s_bf16 = sigma.to(torch.bfloat16)[:, None]
+    assert not torch.equal(got, (1 - s_bf16) * x0 + s_bf16 * eps)  # the old rounding
+    # The regression target noise - x0 is not rounded to bf16 either.
+    assert_close(velocity_target(x0, eps), eps.float() - x0.float(), rtol=0, atol=0)
+
+
+class RecordingVelocity(LinearVelocity):
+    """LinearVelocity that keeps the state it was called on."""
+
+    def velocity(self, state, sigma, condition):
+        self.seen = state
+        return super().velocity(state, sigma, condition)
+
+
+def test_pinned_elements_enter_the_denoiser_clean_and_leave_the_loss():
+    """x0 = [1, 2, 3] with the last element pinned (mask 0), eps = [3, -1, 5], sigma = 0.5, v = 2 x + sigma:
+    x_sigma = [0.5 + 1.5, 1 - 0.5, 3 (clean, not 0.5 * 3 + 0.5 * 5 = 4)] = [2, 0.5, 3];
+    v = [4.5, 1.5, 6.5]; target = eps - x0 = [2, -3, 2]; error over the two generated elements only:
+    (2.5^2 + 4.5^2) / 2 = (6.25 + 20.25) / 2 = 13.25."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    clean = LatentState({"latent": torch.tensor([[1.0, 2.0, 3.0]])}, {"latent": mask})
+    noise = LatentState({"latent": torch.tensor([[3.0, -1.0, 5.0]])})
+    denoiser = RecordingVelocity(2.0)
+    got = flow_matching_error(denoiser, clean, {}, torch.tensor([0.5]), noise)
+    assert_close(denoiser.seen.components["latent"], torch.tensor([[2.0, 0.5, 3.0]]))
+    assert denoiser.seen.masks["latent"] is not None
+    assert_close(got, torch.tensor([13.25]))
+    # A broadcastable mask (per frame of a (B, C, T) latent) pins whole frames: the first frame stays clean.
+    x0 = torch.arange(12.0).reshape(1, 2, 6)
+    frames = torch.tensor([0.0, 1, 1, 1, 1, 1]).reshape(1, 1, 6)
+    noisy = noise_state(LatentState({"v": x0}, {"v": frames}), LatentState({"v": torch.zeros(1, 2, 6)}),
+                        torch.tensor([1.0]))
+    assert_close(noisy.components["v"][..., 0], x0[..., 0]) and (noisy.components["v"][..., 1:] == 0).all()
+
+
+class PinnedToyAdapter(Adapter):
+    """A toy family whose initial state pins its first element (a condition latent) and whose velocity is 1
+    everywhere (NaN at the pinned element, which sampling must never read into the state)."""
+
+    name = "toy-pinned"
+
+    def initial_noise(self, condition, generator=None):
+        x = torch.tensor([[7.0, 0.5, -0.5]])
+        return LatentState({"latent": x}, {"latent": torch.tensor([[0.0, 1.0, 1.0]])})
+
+    def velocity(self, state, sigma, condition):
+        v = torch.ones_like(state.components["latent"])
+        v[:, 0] = float("nan")
+        return LatentState({"latent": v}, dict(state.masks))
+
+
+def test_euler_sampling_leaves_pinned_elements_unchanged():
+    """One Euler step 1 -> 0.5 with v = 1: generated elements move by -0.5, the pinned one keeps 7.
+    Full sampling (sigmas 1 -> 0, v = 1) moves generated elements by -1 in total."""
+    state = PinnedToyAdapter().initial_noise({})
+    step = euler_step(state, PinnedToyAdapter().velocity(state, torch.tensor([1.0]), {}), 1.0, 0.5)
+    assert_close(step.components["latent"], torch.tensor([[7.0, 0.0, -1.0]]))
+    assert_close(step.masks["latent"], state.masks["latent"])
+    out = PinnedToyAdapter().sample({}, num_steps=4)
+    assert_close(out.components["latent"], torch.tensor([[7.0, -0.5, -1.5]]))
+
+
+# -- the shift follows the adapter unless the recipe sets it --------------------------------------------
+class ShiftedVelocity(LinearVelocity):
+    def timestep_shift(self, state=None):
+        return 3.0
+
+
+def test_default_shift_is_the_adapters_and_the_recipe_wins():
+    """TimestepSampler.shift None draws sigma = shift_sigma(sigmoid(n), adapter's 3); shift: 1.0 overrides it."""
+    clean = LatentState({"latent": torch.zeros(5, 2)})
+    default = SFTObjective().loss(ShiftedVelocity(1.0), clean, {}, generator=torch.Generator().manual_seed(0))
+    plain = torch.sigmoid(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+    assert_close(default.sigma, shift_sigma(plain, 3.0)[None])
+    override = SFTObjective(TimestepSampler(shift=1.0)).loss(
+        ShiftedVelocity(1.0), clean, {}, generator=torch.Generator().manual_seed(0)
+    )
+    assert_close(override.sigma, plain[None])
+    assert TimestepSampler().shift is None and TimestepSampler().resolve_shift(ShiftedVelocity(1.0), clean) == 3.0

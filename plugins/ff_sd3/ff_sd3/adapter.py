@@ -13,6 +13,7 @@ pipeline_stable_diffusion_3.py) step for step, without instantiating the pipelin
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, ClassVar
 
@@ -234,14 +235,35 @@ class SD3Adapter(Adapter):
         noise = randn_tensor(shape, generator=generator, device=embeds.device, dtype=embeds.dtype)
         return LatentState({"latent": noise})
 
-    def sampling_sigmas(self, num_steps: int) -> Tensor:
-        kwargs = {}
-        if self.scheduler.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+    def _mu(self, state: LatentState | None) -> float:
+        """``calculate_shift`` of diffusers' SD3 pipeline: the dynamic-shifting ``mu`` for this latent size."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-            cfg = self.scheduler.config
-            seq_len = (self.resolution // self.vae_scale_factor // self.transformer.config.patch_size) ** 2
-            kwargs["mu"] = calculate_shift(seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
-                                           cfg.max_shift)  # fmt: skip
-        self.scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        return self.scheduler.sigmas.float().clone()
+        cfg, patch = self.scheduler.config, self.transformer.config.patch_size
+        if state is None:
+            height = width = self.resolution // self.vae_scale_factor
+        else:
+            height, width = state.components["latent"].shape[-2:]
+        seq_len = (height // patch) * (width // patch)
+        return calculate_shift(seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+
+    def timestep_shift(self, state: LatentState | None = None) -> float:
+        """The scheduler's ``shift``; with ``use_dynamic_shifting``, the one its ``time_shift`` applies for this latent
+        size: ``exp(mu)`` (exponential) or ``mu`` (linear), since ``e^mu / (e^mu + 1/t - 1)`` is SD3's shift of ``t``
+        by ``e^mu`` (diffusers' FlowMatchEulerDiscreteScheduler ``_time_shift_exponential``)."""
+        cfg = self.scheduler.config
+        if not cfg.get("use_dynamic_shifting", False):
+            return float(self.scheduler.shift)
+        mu = self._mu(state)
+        return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """The checkpoint scheduler's sigmas (``set_timesteps``, with ``mu`` when it shifts dynamically, as the
+        pipeline); ``shift`` builds a copy of that scheduler with this static shift (``from_config``)."""
+        scheduler, kwargs = self.scheduler, {}
+        if shift is not None:
+            scheduler = type(scheduler).from_config(scheduler.config, shift=shift, use_dynamic_shifting=False)
+        elif scheduler.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = self._mu(None)
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        return scheduler.sigmas.float().clone()

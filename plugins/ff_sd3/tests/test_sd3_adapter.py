@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -254,3 +255,99 @@ def test_trained_vae_reconstructs_held_out_shapes(trained_sd3_dir, tiny_sd3_dir,
     # the CLI default (300 steps on 384 images) reaches ~16.5.
     assert errors["trained"] < 50, errors
     assert errors["trained"] < errors["random"] / 2.5, errors
+
+
+# -- noise-schedule shift: training and sampling follow the checkpoint's scheduler ---------------------
+@pytest.fixture(scope="module")
+def shift3_dir(tmp_path_factory):
+    """The tiny checkpoint (same weights as ``tiny_sd3_dir``) with SD3.5's scheduler shift 3."""
+    from ff_sd3.testing import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_shift3"), seed=0, scheduler_shift=3.0)
+
+
+def _pipeline_sigmas(pipe, num_steps: int) -> torch.Tensor:
+    """The sigmas ``StableDiffusion3Pipeline.__call__`` integrates over (read from its scheduler mid-run)."""
+    seen = {}
+
+    def grab(pipeline, step, timestep, kwargs):
+        seen["sigmas"] = pipeline.scheduler.sigmas.clone()
+        return kwargs
+
+    pipe(PROMPTS[0], num_inference_steps=num_steps, height=RES, width=RES, output_type="latent",
+         generator=torch.Generator().manual_seed(0), max_sequence_length=16, callback_on_step_end=grab)  # fmt: skip
+    return seen["sigmas"].float()
+
+
+def test_training_shift_and_sampling_sigmas_follow_the_checkpoint_scheduler(shift3_dir, tiny_sd3_dir):
+    """Default: training draws sigma = shift_sigma(sigmoid(n), 3) and sampling uses the pipeline's sigmas; the
+    recipe's timesteps.shift / sampling.shift win (shift 1 on the shift-3 checkpoint samples on exactly the grid
+    diffusers' pipeline uses for the shift-1 checkpoint)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from ff_core.objectives import SFTObjective, TimestepSampler
+    from ff_core.objectives.flow_matching import shift_sigma
+
+    adapter = SD3Adapter.from_pretrained(shift3_dir, resolution=RES)
+    assert adapter.scheduler.config.shift == 3.0 and adapter.timestep_shift() == 3.0
+    shift3 = _pipeline_sigmas(StableDiffusion3Pipeline.from_pretrained(shift3_dir), 4)
+    shift1 = _pipeline_sigmas(StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir), 4)
+    torch.testing.assert_close(adapter.sampling_sigmas(4), shift3, rtol=0, atol=0)
+    torch.testing.assert_close(adapter.sampling_sigmas(4, shift=1.0), shift1, rtol=0, atol=0)
+    torch.testing.assert_close(adapter.sampling_sigmas(4), shift3, rtol=0, atol=0)  # the adapter's scheduler is intact
+
+    clean = LatentState({"latent": torch.zeros(3, 4, 8, 8)})
+    plain = torch.sigmoid(torch.randn(3, generator=torch.Generator().manual_seed(0)))
+    zero = type("Zero", (), {"velocity": lambda self, s, sigma, c: s, "timestep_shift": adapter.timestep_shift})()
+    default = SFTObjective().loss(zero, clean, {}, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(default.sigma, shift_sigma(plain, 3.0)[None])
+    override = SFTObjective(TimestepSampler(shift=1.0)).loss(zero, clean, {}, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(override.sigma, plain[None])
+
+
+def test_dynamic_shifting_trains_on_the_resolution_dependent_shift(tiny_sd3_dir):
+    """With ``use_dynamic_shifting`` the pipeline warps sigmas by ``exp(mu)`` with ``mu = calculate_shift(seq_len)``;
+    the training shift is that ``exp(mu)`` for the batch's latent size, so shift_sigma(unshifted grid, shift)
+    reproduces the pipeline's grid."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    from ff_core.objectives.flow_matching import shift_sigma
+
+    dynamic = dict(use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256, base_shift=0.5,
+                   max_shift=1.15)  # fmt: skip
+    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter.scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config, **dynamic)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, **dynamic)
+    expected = _pipeline_sigmas(pipe, 4)
+    torch.testing.assert_close(adapter.sampling_sigmas(4), expected, rtol=0, atol=0)
+    # 8x8 latents (64 tokens): mu = 0.5 + (1.15 - 0.5) / (256 - 16) * (64 - 16) = 0.63
+    shift = adapter.timestep_shift()
+    assert shift == pytest.approx(math.exp(0.63))
+    unshifted = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    unshifted.set_timesteps(4)
+    torch.testing.assert_close(shift_sigma(unshifted.sigmas.double(), shift).float(), expected)
+    # Larger training images shift more (16x16 latents: 256 tokens, mu = max_shift).
+    assert adapter.timestep_shift(LatentState({"latent": torch.zeros(1, 4, 16, 16)})) == pytest.approx(math.exp(1.15))
+
+
+def test_sampling_shift_override_reaches_generation(shift3_dir, tiny_sd3_dir):
+    """``model.sampling.shift: 1`` on the shift-3 checkpoint generates what diffusers' pipeline generates from the
+    shift-1 checkpoint (same weights, same seed: batch 0 is seeded with ``sampling.seed``)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from ff_core.module import FlowModule, SamplingConfig
+
+    module = FlowModule("sd3-5", str(shift3_dir), adapter_kwargs={"resolution": RES},
+                        sampling=SamplingConfig(num_steps=3, seed=5, shift=1.0))  # fmt: skip
+    module.configure_model()
+    rows = module.adapter.preprocess([ConditionInput(p) for p in PROMPTS])
+    batch = {"condition": default_collate(rows), "index": torch.arange(2), "prompt": PROMPTS}
+    ours = torch.stack([m[0] for m in module.generate(batch, 0)["media"]])
+    theirs = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)(
+        PROMPTS, num_inference_steps=3, guidance_scale=1.0, height=RES, width=RES, output_type="pt",
+        generator=torch.Generator().manual_seed(5), max_sequence_length=module.adapter.max_sequence_length,
+    ).images  # fmt: skip
+    assert (ours.float() - theirs * 255).abs().max() <= 1.0
+    with pytest.raises(ValueError, match=r"model\.sampling\.shift must be > 0"):
+        SamplingConfig(shift=-1.0)
