@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,12 @@ from torch import Tensor, nn
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
 from ff_core.objectives.flow_matching import euler_step
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+"""The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
 
 Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
@@ -173,20 +179,35 @@ class Adapter(nn.Module):
         return state
 
     # -- LoRA export ----------------------------------------------------------------------------
-    def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor]) -> Path:
+    def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:
         """Write a diffusers-loadable LoRA (``pytorch_lora_weights.safetensors``) atomically.
 
-        ``state_dict`` is peft's state dict of the denoiser (``get_peft_model_state_dict``); keys are
-        prefixed with :attr:`lora_prefix` the way diffusers' ``load_lora_weights`` expects.
+        Args:
+            directory: the folder to publish (replaced whole if it exists).
+            state_dict: peft's state dict of the denoiser (``get_peft_model_state_dict``); keys are prefixed with
+                :attr:`lora_prefix` the way diffusers' ``load_lora_weights`` expects.
+            config: the peft ``LoraConfig`` the denoiser was trained with. It is stored, prefixed the same way, as
+                the file's ``lora_adapter_metadata`` (diffusers' ``save_lora_weights(...,
+                transformer_lora_adapter_metadata=...)`` format), from which diffusers rebuilds the adapter: without
+                it a loader assumes ``lora_alpha == r`` and applies the update at scale 1 instead of ``alpha / r``.
         """
-        from safetensors.torch import save_file
+        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
+        from diffusers.loaders.lora_base import LoraBaseMixin
 
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
         tensors = {f"{self.lora_prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        save_file(tensors, tmp / "pytorch_lora_weights.safetensors", metadata={"format": "pt"})
+        metadata = {f"{self.lora_prefix}.{k}": v for k, v in config.to_dict().items()}
+        LoraBaseMixin.write_lora_layers(
+            state_dict=tensors,
+            save_directory=str(tmp),
+            is_main_process=True,
+            weight_name=LORA_WEIGHT_NAME,
+            save_function=None,
+            safe_serialization=True,
+            lora_adapter_metadata=metadata,
+        )
         replace_dir(tmp, directory)
-        return directory / "pytorch_lora_weights.safetensors"
-
+        return directory / LORA_WEIGHT_NAME

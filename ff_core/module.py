@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -20,6 +20,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from ff_core.adapter import Adapter
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +211,11 @@ def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:
         denoiser.peft_config = {"default": config}
     for name, p in denoiser.named_parameters():
         p.requires_grad_("lora_" in name)
+
+
+def lora_config(adapter: Adapter) -> LoraConfig:
+    """The peft ``LoraConfig`` :func:`apply_lora` gave the denoiser (rank, alpha, targets): what an export records."""
+    return adapter.denoiser.peft_config["default"]
 
 
 def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:

@@ -17,17 +17,21 @@ the path tested. Override :meth:`AdapterConformance.make_targets` for outputs ot
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from peft import LoraConfig
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import default_collate
 
 from ff_core.adapter import Adapter, ConditionInput, LatentState
 from ff_core.contracts import MediaType, PipelineIOContract
-from ff_core.module import LoRAConfig, apply_lora, lora_state_dict
+from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
 
@@ -146,9 +150,17 @@ class AdapterConformance:
 
     def test_lora_export_is_prefixed_safetensors(self, pretrained, tmp_path):
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
-        apply_lora(adapter, LoRAConfig(rank=2, alpha=2))
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=6))  # alpha != rank: a file without it loads at scale 1
         state = lora_state_dict(adapter)
         assert state and all("lora_" in k for k in state)
-        path = adapter.save_lora(tmp_path / "lora", state)
+        path = adapter.save_lora(tmp_path / "lora", state, lora_config(adapter))
         saved = load_file(path)
         assert set(saved) == {f"{adapter.lora_prefix}.{k}" for k in state}
+        # The peft config round-trips through the header the way diffusers' load_lora_adapter rebuilds it.
+        with safe_open(path, framework="pt") as f:
+            header = json.loads(f.metadata()[LORA_ADAPTER_METADATA_KEY])
+        prefix = f"{adapter.lora_prefix}."
+        assert header and all(k.startswith(prefix) for k in header)
+        config = LoraConfig(**{k.removeprefix(prefix): v for k, v in header.items()})
+        assert (config.r, config.lora_alpha) == (2, 6)
+        assert set(config.target_modules) == set(adapter.default_lora_targets)

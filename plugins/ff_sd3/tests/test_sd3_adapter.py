@@ -217,7 +217,7 @@ def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
     adapter.transformer.add_adapter(config)
     saved = get_peft_model_state_dict(adapter.transformer)
     assert saved and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in saved)
-    adapter.save_lora(tmp_path / "lora", saved)
+    adapter.save_lora(tmp_path / "lora", saved, config)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
     pipe.load_lora_weights(tmp_path / "lora", adapter_name="ff")
@@ -232,6 +232,57 @@ def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
         ours = adapter.transformer(x, ctx, pooled, t).sample
         theirs = pipe.transformer(x, ctx, pooled, t).sample
     torch.testing.assert_close(ours, theirs)
+
+
+def lora_merged_by_hand(transformer: torch.nn.Module, scale: float) -> dict[str, torch.Tensor]:
+    """The weights a LoRA-wrapped transformer computes with: ``W + scale * B @ A`` per wrapped layer, keyed as in the
+    plain transformer's state dict (a hand computation, independent of peft's and diffusers' merge code)."""
+    merged = {}
+    for name, module in transformer.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            merged[f"{name}.weight"] = module.base_layer.weight + scale * b @ a
+            merged[f"{name}.bias"] = module.base_layer.bias
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("rank", "alpha", "targets"),
+    [
+        (4, 16, None),  # the adapter's default targets, update 4x larger than at scale 1
+        (8, 2, ["to_q", "add_k_proj", "ff.net.2", "proj_out"]),  # alpha < rank; targets beyond the defaults
+        (3, 7.5, ["to_v", "to_add_out", "ff_context.net.0.proj", "context_embedder"]),
+    ],
+)
+def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3_dir, tmp_path, rank, alpha, targets):
+    """STYLE 16: ff's LoRA export, loaded and fused by ``StableDiffusion3Pipeline``, gives the weights ff trained
+    (``W + alpha / rank * B @ A``), not the update at scale 1 that a file without its alpha would give."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+
+    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    apply_lora(adapter, LoRAConfig(rank=rank, alpha=alpha, target_modules=targets))
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():  # a trained LoRA: lora_B is zero at initialisation
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        expected = lora_merged_by_hand(adapter.transformer, alpha / rank)
+    wrapped = {k.removesuffix(".weight") for k in expected if k.endswith(".weight")}
+    for target in targets or SD3Adapter.default_lora_targets:
+        assert any(n == target or n.endswith(f".{target}") for n in wrapped), target
+    adapter.save_lora(tmp_path / "lora", lora_state_dict(adapter), lora_config(adapter))
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe.load_lora_weights(tmp_path / "lora")
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # keeps the fused weights, drops the LoRA layers: plain state-dict keys again
+    fused = pipe.transformer.state_dict()
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer").state_dict()
+    assert fused.keys() == base.keys()
+    for key, value in fused.items():
+        torch.testing.assert_close(value, expected.get(key, base[key]), msg=lambda m: f"{key}: {m}")
 
 
 # -- VAE trained on the shapes dataset ---------------------------------------------------------------
