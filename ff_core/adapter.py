@@ -105,16 +105,51 @@ class Adapter(nn.Module):
         raise NotImplementedError(f"{cls.__name__} must implement from_pretrained")
 
     def train(self, mode: bool = True) -> Adapter:
-        """Switch the mode of what trains; frozen components (no trainable parameter) always stay in eval mode.
+        """Switch the :meth:`trained_networks` (whole, LoRA base layers included) to ``mode``; every other module
+        stays in eval mode, however deeply it is nested in containers.
 
         A frozen text encoder in train mode would apply dropout (T5 has 0.1 by default) to the conditions it encodes,
-        making preprocessing random; ``module.train()`` from a training loop must not do that.
+        making preprocessing random; ``module.train()`` from a training loop must not do that. A trained network in
+        eval mode would silently train without its dropout (diffusers' training scripts call ``transformer.train()``).
         """
         super().train(mode)
-        for child in self.children():
-            if not any(p.requires_grad for p in child.parameters()):
-                child.eval()
+        if mode:
+            trained = {id(m) for m in self.trained_networks()}
+            self._eval_frozen(self, trained)
         return self
+
+    @staticmethod
+    def _eval_frozen(module: nn.Module, trained: set[int]) -> None:
+        """Eval mode for the children of ``module`` outside the trained networks, looking through the ones that hold
+        a trained network (``nn.ModuleDict`` of experts, say) rather than switching them whole."""
+        for child in module.children():
+            if id(child) in trained:
+                continue
+            if any(id(m) in trained for m in child.modules()):
+                Adapter._eval_frozen(child, trained)
+            else:
+                child.eval()
+
+    def trained_networks(self) -> list[nn.Module]:
+        """The networks that train: the outermost submodules holding a trainable parameter, looking through
+        ``nn.ModuleDict`` / ``nn.ModuleList`` containers (which hold networks but are none).
+
+        Usually ``[self.denoiser]``; an adapter with several trained networks (two experts) gets each of them. Override
+        it when a trained network shares a non-container parent module with frozen ones.
+        """
+        found: list[nn.Module] = []
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                if not any(p.requires_grad for p in child.parameters()):
+                    continue
+                if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                    visit(child)
+                else:
+                    found.append(child)
+
+        visit(self)
+        return found
 
     # -- what training touches -------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
 from ff_core.objectives import Objective, SFTObjective
@@ -124,7 +125,8 @@ class FlowModule(L.LightningModule):
             if not hasattr(adapter.denoiser, "enable_gradient_checkpointing"):
                 raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} denoiser does not support it")
             adapter.denoiser.enable_gradient_checkpointing()
-        self.adapter = adapter
+        # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
+        self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
 
@@ -147,6 +149,18 @@ class FlowModule(L.LightningModule):
                 f"checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. {sorted(missing)[0]!r}: "
                 "was it written with a different model.lora setting?"
             )
+
+    # -- modes -------------------------------------------------------------------------------------------
+    # Lightning (2.x) never calls train(): it keeps each module's mode, and restores the modes it saw before a
+    # validation run. The trained networks would train in the eval mode from_pretrained left them in (no dropout),
+    # so training sets the modes itself; Adapter.train keeps frozen components in eval mode. Generation
+    # (validation/test/predict) runs after Lightning's on_*_model_eval hooks: everything in eval mode.
+    def on_train_start(self) -> None:
+        self.trainer.model.train()  # the strategy's wrapper (DDP, ...) around this module, as Lightning's hooks do
+
+    def on_validation_model_train(self) -> None:
+        # Back to training after a validation inside fit (sanity check included); a lone `ff validate` stays eval.
+        self.trainer.model.train(self.trainer.state.fn == TrainerFn.FITTING)
 
     # -- steps -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

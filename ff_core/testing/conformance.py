@@ -139,8 +139,12 @@ class AdapterConformance:
         adapter.requires_grad_(False)
         adapter.denoiser.requires_grad_(True)
         adapter.train()  # frozen components must stay in eval mode (no dropout in the conditions)
-        assert adapter.denoiser.training
-        assert all(not m.training for m in adapter.children() if not any(p.requires_grad for p in m.parameters()))
+        assert adapter.trained_networks() == [adapter.denoiser]
+        assert all(m.training for m in adapter.denoiser.modules())
+        in_denoiser = {id(m) for m in adapter.denoiser.modules()}
+        frozen = [n for n, m in adapter.named_modules() if id(m) not in in_denoiser and n  # n: not the adapter itself
+                  and not any(p.requires_grad for p in m.parameters())]  # fmt: skip
+        assert frozen and not any(adapter.get_submodule(n).training for n in frozen), frozen  # nested ones included
         loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()

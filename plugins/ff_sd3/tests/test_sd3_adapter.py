@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from ff_sd3 import SD3Adapter
+from torch import nn
 from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput, LatentState
@@ -283,6 +284,46 @@ def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3_dir, t
     assert fused.keys() == base.keys()
     for key, value in fused.items():
         torch.testing.assert_close(value, expected.get(key, base[key]), msg=lambda m: f"{key}: {m}")
+
+
+# -- train / eval modes ------------------------------------------------------------------------------
+class SD3WithContainers(SD3Adapter):
+    """SD3 plus networks kept in containers: a trained and a frozen head in one ``nn.ModuleDict`` (as two experts
+    of which one trains would be), and frozen modules in an ``nn.ModuleList``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = nn.ModuleDict({"trained": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)),
+                                    "frozen": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))})  # fmt: skip
+        self.extras = nn.ModuleList([nn.Dropout(0.1), nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_eval(tiny_sd3_dir, lora):
+    from ff_core.module import LoRAConfig, apply_lora
+
+    adapter = SD3WithContainers.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter.requires_grad_(False)
+    if lora:  # only the LoRA layers hold trainable parameters; the whole transformer trains, base layers included
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=4, dropout=0.1))
+    else:
+        adapter.transformer.requires_grad_(True)
+    adapter.heads["trained"].requires_grad_(True)
+    trained = [adapter.transformer, adapter.heads["trained"]]
+    inside = {id(m) for net in trained for m in net.modules()}
+    holders = {id(adapter), id(adapter.heads)}  # hold a trained network: they follow the mode
+    frozen = [m for m in adapter.modules() if id(m) not in inside | holders]
+    assert len(frozen) > 10 and adapter.heads["frozen"][1] in frozen and adapter.extras[1][1] in frozen
+
+    adapter.train()
+    assert all(m.training for net in trained for m in net.modules())
+    assert not any(m.training for m in frozen)
+    assert adapter.training and adapter.heads.training
+    adapter.train(False)
+    assert not any(m.training for m in adapter.modules())
+    adapter.train()
+    assert all(m.training for net in trained for m in net.modules()) and not any(m.training for m in frozen)
+    assert adapter.trained_networks() == trained
 
 
 # -- VAE trained on the shapes dataset ---------------------------------------------------------------
