@@ -145,7 +145,7 @@ class Adapter(nn.Module):
                     continue
                 if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
                     visit(child)
-                else:
+                elif not any(child is m for m in found):  # a network may also be listed in a container
                     found.append(child)
 
         visit(self)
