@@ -31,6 +31,12 @@ from ff_core.objectives.flow_matching import euler_step, shift_sigma
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders; the adapter only names the type
     from ff_core.data.geometry import MediaGeometry
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+"""The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
+
 Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
 
@@ -107,16 +113,51 @@ class Adapter(nn.Module):
         raise NotImplementedError(f"{cls.__name__} must implement from_pretrained")
 
     def train(self, mode: bool = True) -> Adapter:
-        """Switch the mode of what trains; frozen components (no trainable parameter) always stay in eval mode.
+        """Switch the :meth:`trained_networks` (whole, LoRA base layers included) to ``mode``; every other module
+        stays in eval mode, however deeply it is nested in containers.
 
         A frozen text encoder in train mode would apply dropout (T5 has 0.1 by default) to the conditions it encodes,
-        making preprocessing random; ``module.train()`` from a training loop must not do that.
+        making preprocessing random; ``module.train()`` from a training loop must not do that. A trained network in
+        eval mode would silently train without its dropout (diffusers' training scripts call ``transformer.train()``).
         """
         super().train(mode)
-        for child in self.children():
-            if not any(p.requires_grad for p in child.parameters()):
-                child.eval()
+        if mode:
+            trained = {id(m) for m in self.trained_networks()}
+            self._eval_frozen(self, trained)
         return self
+
+    @staticmethod
+    def _eval_frozen(module: nn.Module, trained: set[int]) -> None:
+        """Eval mode for the children of ``module`` outside the trained networks, looking through the ones that hold
+        a trained network (``nn.ModuleDict`` of experts, say) rather than switching them whole."""
+        for child in module.children():
+            if id(child) in trained:
+                continue
+            if any(id(m) in trained for m in child.modules()):
+                Adapter._eval_frozen(child, trained)
+            else:
+                child.eval()
+
+    def trained_networks(self) -> list[nn.Module]:
+        """The networks that train: the outermost submodules holding a trainable parameter, looking through
+        ``nn.ModuleDict`` / ``nn.ModuleList`` containers (which hold networks but are none).
+
+        Usually ``[self.denoiser]``; an adapter with several trained networks (two experts) gets each of them. Override
+        it when a trained network shares a non-container parent module with frozen ones.
+        """
+        found: list[nn.Module] = []
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                if not any(p.requires_grad for p in child.parameters()):
+                    continue
+                if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                    visit(child)
+                elif not any(child is m for m in found):  # a network may also be listed in a container
+                    found.append(child)
+
+        visit(self)
+        return found
 
     # -- what training touches -------------------------------------------------------------------
     @property
@@ -210,20 +251,35 @@ class Adapter(nn.Module):
         return state
 
     # -- LoRA export ----------------------------------------------------------------------------
-    def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor]) -> Path:
+    def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:
         """Write a diffusers-loadable LoRA (``pytorch_lora_weights.safetensors``) atomically.
 
-        ``state_dict`` is peft's state dict of the denoiser (``get_peft_model_state_dict``); keys are
-        prefixed with :attr:`lora_prefix` the way diffusers' ``load_lora_weights`` expects.
+        Args:
+            directory: the folder to publish (replaced whole if it exists).
+            state_dict: peft's state dict of the denoiser (``get_peft_model_state_dict``); keys are prefixed with
+                :attr:`lora_prefix` the way diffusers' ``load_lora_weights`` expects.
+            config: the peft ``LoraConfig`` the denoiser was trained with. It is stored, prefixed the same way, as
+                the file's ``lora_adapter_metadata`` (diffusers' ``save_lora_weights(...,
+                transformer_lora_adapter_metadata=...)`` format), from which diffusers rebuilds the adapter: without
+                it a loader assumes ``lora_alpha == r`` and applies the update at scale 1 instead of ``alpha / r``.
         """
-        from safetensors.torch import save_file
+        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
+        from diffusers.loaders.lora_base import LoraBaseMixin
 
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
         tensors = {f"{self.lora_prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        save_file(tensors, tmp / "pytorch_lora_weights.safetensors", metadata={"format": "pt"})
+        metadata = {f"{self.lora_prefix}.{k}": v for k, v in config.to_dict().items()}
+        LoraBaseMixin.write_lora_layers(
+            state_dict=tensors,
+            save_directory=str(tmp),
+            is_main_process=True,
+            weight_name=LORA_WEIGHT_NAME,
+            save_function=None,
+            safe_serialization=True,
+            lora_adapter_metadata=metadata,
+        )
         replace_dir(tmp, directory)
-        return directory / "pytorch_lora_weights.safetensors"
-
+        return directory / LORA_WEIGHT_NAME

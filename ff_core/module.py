@@ -11,17 +11,21 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +144,8 @@ class FlowModule(L.LightningModule):
             if not hasattr(adapter.denoiser, "enable_gradient_checkpointing"):
                 raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} denoiser does not support it")
             adapter.denoiser.enable_gradient_checkpointing()
-        self.adapter = adapter
+        # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
+        self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
 
@@ -167,10 +172,20 @@ class FlowModule(L.LightningModule):
                 "was it written with a different model.lora setting?"
             )
 
-    # -- training noise ----------------------------------------------------------------------------------
+    # -- modes -------------------------------------------------------------------------------------------
+    # Lightning (2.x) never calls train(): it keeps each module's mode, and restores the modes it saw before a
+    # validation run. The trained networks would train in the eval mode from_pretrained left them in (no dropout),
+    # so training sets the modes itself; Adapter.train keeps frozen components in eval mode. Generation
+    # (validation/test/predict) runs after Lightning's on_*_model_eval hooks: everything in eval mode.
     def on_train_start(self) -> None:
+        self.trainer.model.train()  # the strategy's wrapper (DDP, ...) around this module, as Lightning's hooks do
         self._run_noise_seed = self._resolve_noise_seed()
 
+    def on_validation_model_train(self) -> None:
+        # Back to training after a validation inside fit (sanity check included); a lone `ff validate` stays eval.
+        self.trainer.model.train(self.trainer.state.fn == TrainerFn.FITTING)
+
+    # -- training noise ----------------------------------------------------------------------------------
     def _resolve_noise_seed(self) -> int:
         """``model.noise_seed``, else the checkpoint's (a resumed run continues its noise), else the run's seed."""
         saved = self._checkpoint_noise_seed
@@ -281,6 +296,11 @@ def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:
         denoiser.peft_config = {"default": config}
     for name, p in denoiser.named_parameters():
         p.requires_grad_("lora_" in name)
+
+
+def lora_config(adapter: Adapter) -> LoraConfig:
+    """The peft ``LoraConfig`` :func:`apply_lora` gave the denoiser (rank, alpha, targets): what an export records."""
+    return adapter.denoiser.peft_config["default"]
 
 
 def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:

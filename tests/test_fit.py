@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.trainer.states import RunningStage
 from safetensors.torch import load_file
 
 from ff_core.adapter import ConditionInput
@@ -108,6 +109,87 @@ def test_predict_writes_one_image_per_evaluation_prompt(first_run, tiny_sd3, sha
         [name] = row["files"]
         with Image.open(out / name) as image:
             assert image.size == (32, 32) and image.mode == "RGB"
+
+
+class ModeProbe(L.Callback):
+    """At every denoiser forward, records the stage and the modes: is every module of the trained network (the
+    denoiser) in train mode, is every other module of the adapter (VAE, text encoders, ...) in eval mode?"""
+
+    def on_fit_start(self, trainer, pl_module):
+        adapter, self.records = pl_module.adapter, []
+        trained = {id(m) for m in adapter.denoiser.modules()}
+        others = [m for m in adapter.modules() if id(m) not in trained and m is not adapter]
+        assert others and len(trained) > 10
+
+        def record(*_):
+            self.records.append((trainer.state.stage, trainer.global_step,
+                                 all(m.training for m in adapter.denoiser.modules()),
+                                 not any(m.training for m in adapter.denoiser.modules()),
+                                 not any(m.training for m in others)))  # fmt: skip
+
+        self.handle = adapter.denoiser.register_forward_pre_hook(record)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.handle.remove()
+
+
+LORA = {"rank": 4, "alpha": 16, "dropout": 0.1,
+        "target_modules": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "ff.net.2", "proj_out"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def probed_run(tiny_sd3, shapes_dir, tmp_path_factory):
+    """4 LoRA steps (alpha 4x the rank) with a sanity check and a validation every 2 steps, modes probed."""
+    root = tmp_path_factory.mktemp("probed")
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=recipe_args(
+        tiny_sd3, shapes_dir, root, "--model.lora", json.dumps(LORA), "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "1"))  # fmt: skip
+    probe = ModeProbe()
+    cli.trainer.callbacks.append(probe)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return root, probe.records
+
+
+def test_denoiser_trains_in_train_mode_and_generates_in_eval_mode(probed_run):
+    """Lightning keeps modules' modes, and from_pretrained returns them in eval mode: without FlowModule setting
+    them, the denoiser would train without its dropout. Frozen components stay in eval mode throughout."""
+    _, records = probed_run
+    stages = [stage for stage, *_ in records]
+    assert stages[0] == RunningStage.SANITY_CHECKING
+    train = [r for r in records if r[0] == RunningStage.TRAINING]
+    generate = [r for r in records if r[0] != RunningStage.TRAINING]
+    assert len(train) == 4 and generate
+    assert all(denoiser_train and others_eval for _, _, denoiser_train, _, others_eval in train), train
+    assert all(denoiser_eval and others_eval for _, _, _, denoiser_eval, others_eval in generate), generate
+    # A validation in the middle of training, then training again (in train mode, checked above).
+    first_val = stages.index(RunningStage.VALIDATING)
+    assert RunningStage.TRAINING in stages[first_val:] and records[first_val][1] == 2
+
+
+def test_fit_exports_the_lora_at_its_trained_scale(probed_run, tiny_sd3):
+    """FlowCheckpoint's export, fused by the diffusers pipeline, gives the checkpoint's W + alpha / rank * B @ A."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    root, _ = probed_run
+    ckpts = root / "logs" / "version_0" / "checkpoints"
+    state = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").state_dict()
+    expected, scale, layers = dict(base), LORA["alpha"] / LORA["rank"], set()
+    for key, a in state.items():
+        if ".lora_A." in key:
+            b = state[key.replace(".lora_A.", ".lora_B.")]
+            assert b.abs().sum() > 0  # trained
+            layers.add(layer := key.removeprefix("adapter.transformer.").split(".lora_A.")[0])
+            expected[f"{layer}.weight"] = base[f"{layer}.weight"] + scale * b @ a
+    assert all(any(n == t or n.endswith(f".{t}") for n in layers) for t in LORA["target_modules"]), layers
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
+    pipe.load_lora_weights(ckpts / "last.lora")
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # keeps the fused weights under the plain state-dict keys
+    fused = pipe.transformer.state_dict()
+    assert fused.keys() == base.keys()
+    for key, value in fused.items():
+        torch.testing.assert_close(value, expected[key], msg=lambda m: f"{key}: {m}")
 
 
 def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_dir, tmp_path):

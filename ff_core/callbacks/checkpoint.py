@@ -1,7 +1,8 @@
 """Lightning checkpoints plus, when training a LoRA, a diffusers-loadable LoRA folder beside each one.
 
 ``epoch=0-step=20.ckpt`` gets ``epoch=0-step=20.lora/pytorch_lora_weights.safetensors``, loadable with the
-family's diffusers pipeline (``pipe.load_lora_weights(folder)``). Both are published atomically.
+family's diffusers pipeline (``pipe.load_lora_weights(folder)``) at the trained scale ``alpha / rank``: the file's
+``lora_adapter_metadata`` holds the peft config the run applied. Both are published atomically.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ff_core.module import lora_state_dict
+from ff_core.module import lora_config, lora_state_dict
 
 
 def lora_dir_for(checkpoint_path: str | Path) -> Path:
@@ -33,7 +34,7 @@ class FlowCheckpoint(ModelCheckpoint):
             return
         state = lora_state_dict(module.adapter)  # every rank takes part (sharded strategies gather here)
         if trainer.is_global_zero:
-            module.adapter.save_lora(lora_dir_for(filepath), state)
+            module.adapter.save_lora(lora_dir_for(filepath), state, lora_config(module.adapter))
         trainer.strategy.barrier("ff_lora_export")
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:

@@ -17,19 +17,23 @@ the path tested. Override :meth:`AdapterConformance.make_targets` for outputs ot
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from peft import LoraConfig
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import default_collate
 
 from ff_core.adapter import Adapter, ConditionInput, LatentState
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
-from ff_core.module import LoRAConfig, apply_lora, lora_state_dict
+from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
 
@@ -159,8 +163,12 @@ class AdapterConformance:
         adapter.requires_grad_(False)
         adapter.denoiser.requires_grad_(True)
         adapter.train()  # frozen components must stay in eval mode (no dropout in the conditions)
-        assert adapter.denoiser.training
-        assert all(not m.training for m in adapter.children() if not any(p.requires_grad for p in m.parameters()))
+        assert adapter.trained_networks() == [adapter.denoiser]
+        assert all(m.training for m in adapter.denoiser.modules())
+        in_denoiser = {id(m) for m in adapter.denoiser.modules()}
+        frozen = [n for n, m in adapter.named_modules() if id(m) not in in_denoiser and n  # n: not the adapter itself
+                  and not any(p.requires_grad for p in m.parameters())]  # fmt: skip
+        assert frozen and not any(adapter.get_submodule(n).training for n in frozen), frozen  # nested ones included
         loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()
@@ -170,9 +178,17 @@ class AdapterConformance:
 
     def test_lora_export_is_prefixed_safetensors(self, pretrained, tmp_path):
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
-        apply_lora(adapter, LoRAConfig(rank=2, alpha=2))
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=6))  # alpha != rank: a file without it loads at scale 1
         state = lora_state_dict(adapter)
         assert state and all("lora_" in k for k in state)
-        path = adapter.save_lora(tmp_path / "lora", state)
+        path = adapter.save_lora(tmp_path / "lora", state, lora_config(adapter))
         saved = load_file(path)
         assert set(saved) == {f"{adapter.lora_prefix}.{k}" for k in state}
+        # The peft config round-trips through the header the way diffusers' load_lora_adapter rebuilds it.
+        with safe_open(path, framework="pt") as f:
+            header = json.loads(f.metadata()[LORA_ADAPTER_METADATA_KEY])
+        prefix = f"{adapter.lora_prefix}."
+        assert header and all(k.startswith(prefix) for k in header)
+        config = LoraConfig(**{k.removeprefix(prefix): v for k, v in header.items()})
+        assert (config.r, config.lora_alpha) == (2, 6)
+        assert set(config.target_modules) == set(adapter.default_lora_targets)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from ff_sd3 import SD3Adapter
+from torch import nn
 from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput, LatentState
@@ -218,7 +219,7 @@ def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
     adapter.transformer.add_adapter(config)
     saved = get_peft_model_state_dict(adapter.transformer)
     assert saved and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in saved)
-    adapter.save_lora(tmp_path / "lora", saved)
+    adapter.save_lora(tmp_path / "lora", saved, config)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
     pipe.load_lora_weights(tmp_path / "lora", adapter_name="ff")
@@ -233,6 +234,97 @@ def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
         ours = adapter.transformer(x, ctx, pooled, t).sample
         theirs = pipe.transformer(x, ctx, pooled, t).sample
     torch.testing.assert_close(ours, theirs)
+
+
+def lora_merged_by_hand(transformer: torch.nn.Module, scale: float) -> dict[str, torch.Tensor]:
+    """The weights a LoRA-wrapped transformer computes with: ``W + scale * B @ A`` per wrapped layer, keyed as in the
+    plain transformer's state dict (a hand computation, independent of peft's and diffusers' merge code)."""
+    merged = {}
+    for name, module in transformer.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            merged[f"{name}.weight"] = module.base_layer.weight + scale * b @ a
+            merged[f"{name}.bias"] = module.base_layer.bias
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("rank", "alpha", "targets"),
+    [
+        (4, 16, None),  # the adapter's default targets, update 4x larger than at scale 1
+        (8, 2, ["to_q", "add_k_proj", "ff.net.2", "proj_out"]),  # alpha < rank; targets beyond the defaults
+        (3, 7.5, ["to_v", "to_add_out", "ff_context.net.0.proj", "context_embedder"]),
+    ],
+)
+def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3_dir, tmp_path, rank, alpha, targets):
+    """STYLE 16: ff's LoRA export, loaded and fused by ``StableDiffusion3Pipeline``, gives the weights ff trained
+    (``W + alpha / rank * B @ A``), not the update at scale 1 that a file without its alpha would give."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+
+    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    apply_lora(adapter, LoRAConfig(rank=rank, alpha=alpha, target_modules=targets))
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():  # a trained LoRA: lora_B is zero at initialisation
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        expected = lora_merged_by_hand(adapter.transformer, alpha / rank)
+    wrapped = {k.removesuffix(".weight") for k in expected if k.endswith(".weight")}
+    for target in targets or SD3Adapter.default_lora_targets:
+        assert any(n == target or n.endswith(f".{target}") for n in wrapped), target
+    adapter.save_lora(tmp_path / "lora", lora_state_dict(adapter), lora_config(adapter))
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe.load_lora_weights(tmp_path / "lora")
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # keeps the fused weights, drops the LoRA layers: plain state-dict keys again
+    fused = pipe.transformer.state_dict()
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer").state_dict()
+    assert fused.keys() == base.keys()
+    for key, value in fused.items():
+        torch.testing.assert_close(value, expected.get(key, base[key]), msg=lambda m: f"{key}: {m}")
+
+
+# -- train / eval modes ------------------------------------------------------------------------------
+class SD3WithContainers(SD3Adapter):
+    """SD3 plus networks kept in containers: a trained and a frozen head in one ``nn.ModuleDict`` (as two experts
+    of which one trains would be), and frozen modules in an ``nn.ModuleList``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = nn.ModuleDict({"trained": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)),
+                                    "frozen": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))})  # fmt: skip
+        self.extras = nn.ModuleList([nn.Dropout(0.1), nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_eval(tiny_sd3_dir, lora):
+    from ff_core.module import LoRAConfig, apply_lora
+
+    adapter = SD3WithContainers.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter.requires_grad_(False)
+    if lora:  # only the LoRA layers hold trainable parameters; the whole transformer trains, base layers included
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=4, dropout=0.1))
+    else:
+        adapter.transformer.requires_grad_(True)
+    adapter.heads["trained"].requires_grad_(True)
+    trained = [adapter.transformer, adapter.heads["trained"]]
+    inside = {id(m) for net in trained for m in net.modules()}
+    holders = {id(adapter), id(adapter.heads)}  # hold a trained network: they follow the mode
+    frozen = [m for m in adapter.modules() if id(m) not in inside | holders]
+    assert len(frozen) > 10 and adapter.heads["frozen"][1] in frozen and adapter.extras[1][1] in frozen
+
+    adapter.train()
+    assert all(m.training for net in trained for m in net.modules())
+    assert not any(m.training for m in frozen)
+    assert adapter.training and adapter.heads.training
+    adapter.train(False)
+    assert not any(m.training for m in adapter.modules())
+    adapter.train()
+    assert all(m.training for net in trained for m in net.modules()) and not any(m.training for m in frozen)
+    assert adapter.trained_networks() == trained
 
 
 # -- VAE trained on the shapes dataset ---------------------------------------------------------------
