@@ -28,11 +28,10 @@ from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
 from ff_core.objectives.flow_matching import euler_step, shift_sigma
 
-if TYPE_CHECKING:  # the geometry module pulls in the media decoders; the adapter only names the type
-    from ff_core.data.geometry import MediaGeometry
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
     from peft import LoraConfig
+
+    from ff_core.data.geometry import MediaGeometry
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
