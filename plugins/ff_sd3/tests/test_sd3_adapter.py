@@ -20,8 +20,8 @@ PROMPTS = ["a red circle on a white background", "a blue square on a black backg
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny_sd3_dir):
-    return SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+def adapter(tiny_sd3):
+    return SD3Adapter.from_pretrained(tiny_sd3, resolution=RES)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,10 @@ def condition(adapter):
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_sd3_dir):
+def pipe(tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
-    return StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    return StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
 
 
 def _images(n: int, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -51,21 +51,21 @@ def test_discovered_through_the_real_entry_point(monkeypatch):
     assert "CFG" in info.summary and "image" in info.summary
 
 
-def test_from_pretrained_freezes_all_but_the_transformer(adapter, tiny_sd3_dir):
+def test_from_pretrained_freezes_all_but_the_transformer(adapter, tiny_sd3):
     assert adapter.denoiser is adapter.transformer
     trainable = {n.split(".")[0] for n, p in adapter.named_parameters() if p.requires_grad}
     assert trainable == {"transformer"}
     assert adapter.resolution == RES and adapter.vae_scale_factor == 4
     assert adapter.max_sequence_length == 16  # 256 requested, capped by the tiny T5 tokenizer
-    index = json.loads((tiny_sd3_dir / "model_index.json").read_text())
+    index = json.loads((tiny_sd3 / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusion3Pipeline"
-    loaded = get_adapter_class("sd3-5").from_pretrained(tiny_sd3_dir, resolution=RES)
+    loaded = get_adapter_class("sd3-5").from_pretrained(tiny_sd3, resolution=RES)
     assert isinstance(loaded, SD3Adapter)
 
 
-def test_resolution_must_fit_the_latent_grid(tiny_sd3_dir):
+def test_resolution_must_fit_the_latent_grid(tiny_sd3):
     with pytest.raises(ValueError, match="multiple of 4"):
-        SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=30)
+        SD3Adapter.from_pretrained(tiny_sd3, resolution=30)
 
 
 def test_demo_words_tokenize_distinctly(adapter):
@@ -157,8 +157,8 @@ def test_velocity_is_the_transformer_at_sigma_times_1000(adapter, condition):
     adapter.zero_grad(set_to_none=True)
 
 
-def test_bfloat16_loading(tiny_sd3_dir):
-    bf = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES, dtype="bfloat16")
+def test_bfloat16_loading(tiny_sd3):
+    bf = SD3Adapter.from_pretrained(tiny_sd3, resolution=RES, dtype="bfloat16")
     cond = bf.prepare_condition(default_collate(bf.preprocess([ConditionInput(PROMPTS[0])])))
     assert cond["prompt_embeds"].dtype == torch.bfloat16
     state = bf.encode_output(_images(1), cond)
@@ -166,7 +166,7 @@ def test_bfloat16_loading(tiny_sd3_dir):
     v = bf.velocity(state, torch.tensor([0.5]), cond)
     assert v.components["latent"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
-        SD3Adapter.from_pretrained(tiny_sd3_dir, dtype="float8")
+        SD3Adapter.from_pretrained(tiny_sd3, dtype="float8")
 
 
 # -- generation --------------------------------------------------------------------------------------
@@ -207,12 +207,12 @@ def test_cfg_changes_the_sample(adapter, condition):
 
 
 # -- LoRA export -------------------------------------------------------------------------------------
-def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
+def test_saved_lora_loads_into_diffusers(tiny_sd3, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter = SD3Adapter.from_pretrained(tiny_sd3, resolution=RES)
     torch.manual_seed(0)
     targets = list(SD3Adapter.default_lora_targets)
     config = LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=False)
@@ -221,7 +221,7 @@ def test_saved_lora_loads_into_diffusers(tiny_sd3_dir, tmp_path):
     assert saved and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in saved)
     adapter.save_lora(tmp_path / "lora", saved, config)
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.load_lora_weights(tmp_path / "lora", adapter_name="ff")
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="ff")
     assert set(loaded) == set(saved)
@@ -256,14 +256,14 @@ def lora_merged_by_hand(transformer: torch.nn.Module, scale: float) -> dict[str,
         (3, 7.5, ["to_v", "to_add_out", "ff_context.net.0.proj", "context_embedder"]),
     ],
 )
-def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3_dir, tmp_path, rank, alpha, targets):
+def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3, tmp_path, rank, alpha, targets):
     """STYLE 16: ff's LoRA export, loaded and fused by ``StableDiffusion3Pipeline``, gives the weights ff trained
     (``W + alpha / rank * B @ A``), not the update at scale 1 that a file without its alpha would give."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
 
-    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter = SD3Adapter.from_pretrained(tiny_sd3, resolution=RES)
     apply_lora(adapter, LoRAConfig(rank=rank, alpha=alpha, target_modules=targets))
     g = torch.Generator().manual_seed(rank)
     with torch.no_grad():  # a trained LoRA: lora_B is zero at initialisation
@@ -276,12 +276,12 @@ def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3_dir, t
         assert any(n == target or n.endswith(f".{target}") for n in wrapped), target
     adapter.save_lora(tmp_path / "lora", lora_state_dict(adapter), lora_config(adapter))
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.load_lora_weights(tmp_path / "lora")
     pipe.fuse_lora()
     pipe.unload_lora_weights()  # keeps the fused weights, drops the LoRA layers: plain state-dict keys again
     fused = pipe.transformer.state_dict()
-    base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer").state_dict()
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").state_dict()
     assert fused.keys() == base.keys()
     for key, value in fused.items():
         torch.testing.assert_close(value, expected.get(key, base[key]), msg=lambda m: f"{key}: {m}")
@@ -300,10 +300,10 @@ class SD3WithContainers(SD3Adapter):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_eval(tiny_sd3_dir, lora):
+def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_eval(tiny_sd3, lora):
     from ff_core.module import LoRAConfig, apply_lora
 
-    adapter = SD3WithContainers.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter = SD3WithContainers.from_pretrained(tiny_sd3, resolution=RES)
     adapter.requires_grad_(False)
     if lora:  # only the LoRA layers hold trainable parameters; the whole transformer trains, base layers included
         apply_lora(adapter, LoRAConfig(rank=2, alpha=4, dropout=0.1))
@@ -328,13 +328,13 @@ def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_
 
 
 # -- VAE trained on the shapes dataset ---------------------------------------------------------------
-def test_trained_vae_reconstructs_held_out_shapes(trained_sd3_dir, tiny_sd3_dir, shapes_dirs):
+def test_trained_vae_reconstructs_held_out_shapes(trained_sd3, tiny_sd3, shapes_dirs):
     from ff_sd3.testing import load_images
 
     held = ((load_images(shapes_dirs[1] / "images", RES) + 1) * 127.5).round().to(torch.uint8)
     media = [[img] for img in held]
     errors = {}
-    for name, path in (("trained", trained_sd3_dir), ("random", tiny_sd3_dir)):
+    for name, path in (("trained", trained_sd3), ("random", tiny_sd3)):
         ad = SD3Adapter.from_pretrained(path, resolution=RES)
         torch.manual_seed(0)
         state = ad.encode_output(media, {})
@@ -352,10 +352,10 @@ def test_trained_vae_reconstructs_held_out_shapes(trained_sd3_dir, tiny_sd3_dir,
 # -- noise-schedule shift: training and sampling follow the checkpoint's scheduler ---------------------
 @pytest.fixture(scope="module")
 def shift3_dir(tmp_path_factory):
-    """The tiny checkpoint (same weights as ``tiny_sd3_dir``) with SD3.5's scheduler shift 3."""
+    """The tiny checkpoint (same weights as ``tiny_sd3``) with SD3.5's scheduler shift 3."""
     from ff_sd3.testing import build_tiny_sd3
 
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_shift3"), seed=0, scheduler_shift=3.0)
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_shift3"), num_layers=2, scheduler_shift=3.0)
 
 
 def _pipeline_sigmas(pipe, num_steps: int) -> torch.Tensor:
@@ -371,7 +371,7 @@ def _pipeline_sigmas(pipe, num_steps: int) -> torch.Tensor:
     return seen["sigmas"].float()
 
 
-def test_training_shift_and_sampling_sigmas_follow_the_checkpoint_scheduler(shift3_dir, tiny_sd3_dir):
+def test_training_shift_and_sampling_sigmas_follow_the_checkpoint_scheduler(shift3_dir, tiny_sd3):
     """Default: training draws sigma = shift_sigma(sigmoid(n), 3) and sampling uses the pipeline's sigmas; the
     recipe's timesteps.shift / sampling.shift win (shift 1 on the shift-3 checkpoint samples on exactly the grid
     diffusers' pipeline uses for the shift-1 checkpoint)."""
@@ -383,7 +383,7 @@ def test_training_shift_and_sampling_sigmas_follow_the_checkpoint_scheduler(shif
     adapter = SD3Adapter.from_pretrained(shift3_dir, resolution=RES)
     assert adapter.scheduler.config.shift == 3.0 and adapter.timestep_shift() == 3.0
     shift3 = _pipeline_sigmas(StableDiffusion3Pipeline.from_pretrained(shift3_dir), 4)
-    shift1 = _pipeline_sigmas(StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir), 4)
+    shift1 = _pipeline_sigmas(StableDiffusion3Pipeline.from_pretrained(tiny_sd3), 4)
     torch.testing.assert_close(adapter.sampling_sigmas(4), shift3, rtol=0, atol=0)
     torch.testing.assert_close(adapter.sampling_sigmas(4, shift=1.0), shift1, rtol=0, atol=0)
     torch.testing.assert_close(adapter.sampling_sigmas(4), shift3, rtol=0, atol=0)  # the adapter's scheduler is intact
@@ -397,7 +397,7 @@ def test_training_shift_and_sampling_sigmas_follow_the_checkpoint_scheduler(shif
     torch.testing.assert_close(override.sigma, plain[None])
 
 
-def test_dynamic_shifting_trains_on_the_resolution_dependent_shift(tiny_sd3_dir):
+def test_dynamic_shifting_trains_on_the_resolution_dependent_shift(tiny_sd3):
     """With ``use_dynamic_shifting`` the pipeline warps sigmas by ``exp(mu)`` with ``mu = calculate_shift(seq_len)``;
     the training shift is that ``exp(mu)`` for the batch's latent size, so shift_sigma(unshifted grid, shift)
     reproduces the pipeline's grid."""
@@ -407,9 +407,9 @@ def test_dynamic_shifting_trains_on_the_resolution_dependent_shift(tiny_sd3_dir)
 
     dynamic = dict(use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256, base_shift=0.5,
                    max_shift=1.15)  # fmt: skip
-    adapter = SD3Adapter.from_pretrained(tiny_sd3_dir, resolution=RES)
+    adapter = SD3Adapter.from_pretrained(tiny_sd3, resolution=RES)
     adapter.scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config, **dynamic)
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, **dynamic)
     expected = _pipeline_sigmas(pipe, 4)
     torch.testing.assert_close(adapter.sampling_sigmas(4), expected, rtol=0, atol=0)
@@ -423,7 +423,7 @@ def test_dynamic_shifting_trains_on_the_resolution_dependent_shift(tiny_sd3_dir)
     assert adapter.timestep_shift(LatentState({"latent": torch.zeros(1, 4, 16, 16)})) == pytest.approx(math.exp(1.15))
 
 
-def test_sampling_shift_override_reaches_generation(shift3_dir, tiny_sd3_dir):
+def test_sampling_shift_override_reaches_generation(shift3_dir, tiny_sd3):
     """``model.sampling.shift: 1`` on the shift-3 checkpoint generates what diffusers' pipeline generates from the
     shift-1 checkpoint (same weights, same seed: batch 0 is seeded with ``sampling.seed``)."""
     from diffusers import StableDiffusion3Pipeline
@@ -436,7 +436,7 @@ def test_sampling_shift_override_reaches_generation(shift3_dir, tiny_sd3_dir):
     rows = module.adapter.preprocess([ConditionInput(p) for p in PROMPTS])
     batch = {"condition": default_collate(rows), "index": torch.arange(2), "prompt": PROMPTS}
     ours = torch.stack([m[0] for m in module.generate(batch, 0)["media"]])
-    theirs = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)(
+    theirs = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)(
         PROMPTS, num_inference_steps=3, guidance_scale=1.0, height=RES, width=RES, output_type="pt",
         generator=torch.Generator().manual_seed(5), max_sequence_length=module.adapter.max_sequence_length,
     ).images  # fmt: skip

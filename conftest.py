@@ -1,0 +1,46 @@
+"""Session fixtures shared by every test folder (tests/ and plugins/*/tests): tiny checkpoints in the real diffusers
+layout, built once per test session, and small synthetic datasets. Nothing here reaches the network."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before diffusers/transformers read it
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory):
+    """24 training images of coloured shapes with captions, 6 evaluation prompts."""
+    from ff_core.testing.shapes import write_shapes_dataset
+
+    return write_shapes_dataset(tmp_path_factory.mktemp("shapes"), n_train=24, n_test=6, size=32)
+
+
+@pytest.fixture(scope="session")
+def shapes_dirs(tmp_path_factory):
+    """(train, held-out) shapes datasets with different seeds: 192 and 48 images."""
+    from ff_core.testing.shapes import write_shapes_dataset
+
+    root = tmp_path_factory.mktemp("shapes_vae")
+    train = write_shapes_dataset(root / "train", n_train=192, n_test=6, seed=0)
+    held = write_shapes_dataset(root / "held", n_train=48, n_test=6, seed=123)
+    return train, held
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    """The tiny SD3.5 checkpoint every test shares (random VAE: fast to build)."""
+    from ff_sd3.testing import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3"), num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def trained_sd3(tmp_path_factory, shapes_dirs):
+    """The same tiny checkpoint with its VAE trained briefly on shapes images: the one trained VAE of the session
+    (the slowest fixture; every test that needs a VAE that really reconstructs uses this one)."""
+    from ff_sd3.testing import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3-vae"), num_layers=2,
+                          vae_train_dir=shapes_dirs[0] / "images", vae_steps=100)
