@@ -182,8 +182,17 @@ class Adapter(nn.Module):
         """
         return (None,) * len(self.io_contract.outputs)
 
-    def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
-        """Encode decoded target media (per sample, in the contract's output order) to clean latents."""
+    def encode_output(
+        self, media: list[list[Tensor]], condition: Condition, generator: torch.Generator | None = None
+    ) -> LatentState:
+        """Encode decoded target media (per sample, in the contract's output order) to clean latents.
+
+        Args:
+            media: per sample, the decoded outputs in the contract's order.
+            condition: the batch's prepared condition (:meth:`prepare_condition`).
+            generator: draws the codec's randomness (a VAE posterior sample); ``None``: the global generator.
+                Training passes one seeded per rank and micro-batch, so ranks differ and resumed runs repeat.
+        """
         raise NotImplementedError
 
     def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:

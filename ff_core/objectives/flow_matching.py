@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from ff_core.data.dataflow.distributors import derive_seed
+
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, LatentState
 
@@ -71,6 +73,20 @@ class TimestepSampler:
             sigma = torch.rand(batch_size, generator=generator)
         shift = shift if shift is not None else self.shift if self.shift is not None else 1.0
         return shift_sigma(sigma, shift).to(device)
+
+
+def child_generator(generator: torch.Generator | None, stream: int) -> torch.Generator | None:
+    """A CPU generator seeded from ``generator``'s seed and ``stream``: an independent, reproducible stream for a
+    second kind of draw (the target codec's posterior sample) that leaves ``generator``'s own draws (noise levels,
+    noise) untouched. ``None`` stays ``None`` (the global generator).
+
+    Args:
+        generator: a generator seeded once with ``manual_seed`` (its ``initial_seed`` names it).
+        stream: which child stream.
+    """
+    if generator is None:
+        return None
+    return torch.Generator().manual_seed(derive_seed(generator.initial_seed(), stream))
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     TimestepSampler,
+    child_generator,
     noise_state,
     per_sample_squared_error,
     velocity_target,
@@ -45,7 +46,7 @@ class SFTObjective(Objective):
     ) -> LossOutput:
         condition = adapter.prepare_condition(batch["condition"])
         with torch.no_grad():
-            clean = adapter.encode_output(batch["target"], condition)
+            clean = adapter.encode_output(batch["target"], condition, generator=child_generator(generator, 1))
         return self.loss(adapter, clean, condition, generator)
 
     def loss(

@@ -148,6 +148,24 @@ class AdapterConformance:
             torch.testing.assert_close(a.components[name], b.components[name])
             assert not torch.equal(a.components[name], c.components[name])
 
+    def test_encoding_is_seeded_by_its_generator(self, adapter, batch):
+        """``encode_output`` draws its randomness (a VAE posterior sample) from the generator it is given, never the
+        global RNG: training passes one per rank and micro-batch, so a resumed run encodes what the uninterrupted
+        one did."""
+        condition = adapter.prepare_condition(batch["condition"])
+        state = torch.random.get_rng_state()
+
+        def run(seed):
+            return adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(seed))
+
+        a = run(0)
+        torch.manual_seed(1234)  # another global state must not matter
+        b = run(0)
+        torch.random.set_rng_state(state)
+        for name in a.components:
+            torch.testing.assert_close(a.components[name], b.components[name], rtol=0, atol=0,
+                                       msg=f"encode_output({name!r}) differs for the same generator seed")
+
     def test_noise_schedule_and_its_shift(self, adapter, batch):
         """Training's default shift is the one sampling uses; a sampling shift override gives a valid grid."""
         condition = adapter.prepare_condition(batch["condition"])

@@ -197,3 +197,29 @@ def test_default_shift_is_the_adapters_and_the_recipe_wins():
     )
     assert_close(override.sigma, plain[None])
     assert TimestepSampler().shift is None and TimestepSampler().resolve_shift(ShiftedVelocity(1.0), clean) == 3.0
+
+
+def test_a_micro_batch_loss_is_a_function_of_its_generator_alone(tiny_sd3, shapes_dir):
+    """Every random draw of an SFT step (the VAE posterior sample of the targets, the noise levels, the noise) comes
+    from the step's generator: the same seed gives the same loss whatever the global RNG, so a resumed run and an
+    uninterrupted one compute the same step; another seed gives another loss."""
+    from torch.utils.data import default_collate
+
+    from ff_core.adapter import ConditionInput
+    from ff_core.data.media import decode_media
+    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.module import FlowModule
+
+    records = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")[:3]
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32})
+    module.configure_model()
+    adapter = module.adapter
+    batch = {"condition": default_collate(adapter.preprocess([ConditionInput(r.prompt) for r in records])),
+             "target": [[decode_media(m) for m in r.candidates[0]] for r in records]}
+    losses = []
+    for global_seed, seed in ((0, 11), (1, 11), (0, 12)):
+        torch.manual_seed(global_seed)
+        with torch.no_grad():
+            losses.append(module.objective.training_loss(adapter, batch, torch.Generator().manual_seed(seed)).loss)
+    assert_close(losses[0], losses[1], rtol=0, atol=0)
+    assert not torch.equal(losses[0], losses[2])

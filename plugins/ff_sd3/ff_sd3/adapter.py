@@ -186,7 +186,9 @@ class SD3Adapter(Adapter):
         return (MediaGeometry(self.resolution, self.resolution),)
 
     @torch.no_grad()
-    def encode_output(self, media: list[list[Tensor]], condition: Condition) -> LatentState:
+    def encode_output(
+        self, media: list[list[Tensor]], condition: Condition, generator: torch.Generator | None = None
+    ) -> LatentState:
         images = []
         for i, outputs in enumerate(media):
             if len(outputs) != 1 or outputs[0].ndim != 3 or outputs[0].shape[0] != 3:
@@ -198,7 +200,8 @@ class SD3Adapter(Adapter):
                              "(the training loader fits targets to output_geometry(); fit others the same way)")
         x = torch.stack(images).to(self.vae.device)
         x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 or float in [0, 1]
-        z = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample()
+        # A posterior sample, as diffusers' SD3 training scripts take (latent_dist.sample()), drawn from `generator`.
+        z = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(generator=generator)
         cfg = self.vae.config
         z = (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
         return LatentState({"latent": z.to(self.transformer.dtype)})

@@ -141,6 +141,26 @@ def test_encode_output_scales_vae_latents(adapter, condition):
         adapter.encode_output([[torch.zeros(3, RES, RES), torch.zeros(3, RES, RES)]], condition)
 
 
+def test_encode_output_draws_the_posterior_sample_from_the_generator(adapter, condition):
+    """The posterior sample comes from the given generator (diffusers' ``latent_dist.sample(generator=...)``), not
+    the global RNG: the same seed gives the same latents whatever the global state, and the global state is
+    untouched, so training (which passes one generator per rank and micro-batch) is reproducible on resume."""
+    media = _images(2)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(4)).components["latent"]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(321)
+    b = adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(4)).components["latent"]
+    c = adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(5)).components["latent"]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c)
+    x = torch.stack([m[0] for m in media]).float() / 127.5 - 1
+    raw = adapter.vae.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(4))
+    cfg = adapter.vae.config
+    torch.testing.assert_close(a, (raw - cfg.shift_factor) * cfg.scaling_factor)
+
+
 def test_velocity_is_the_transformer_at_sigma_times_1000(adapter, condition):
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.25, 0.9])
