@@ -90,15 +90,20 @@ def test_fit_media_keeps_unfitted_outputs_and_refuses_audio():
     assert pickle.loads(pickle.dumps(G32)) == G32
 
 
+def write_sft_dataset(root, sizes) -> None:
+    """A V2 SFT dataset of random-noise target images, one per ``(width, height)`` in ``sizes``."""
+    (root / "images").mkdir(parents=True)
+    rows = []
+    for i, wh in enumerate(sizes):
+        noise_png(root / "images" / f"{i}.png", *wh, seed=i)
+        rows.append({"schema_version": 2, "input": {"prompt": f"a picture number {i}"}, "supervision": {
+            "type": "demonstration", "target": {"media": [{"type": "image", "path": f"images/{i}.png"}]}}})
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_record_processor_fits_mixed_targets_to_the_geometry(tmp_path):
     """Wider, taller, smaller and larger targets all reach the batch at the adapter's size, pixel-exact."""
-    (tmp_path / "images").mkdir()
-    rows = []
-    for i, wh in enumerate(HAND):
-        noise_png(tmp_path / "images" / f"{i}.png", *wh, seed=i)
-        rows.append({"schema_version": 2, "input": {"prompt": f"p{i}"}, "supervision": {
-            "type": "demonstration", "target": {"media": [{"type": "image", "path": f"images/{i}.png"}]}}})
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_sft_dataset(tmp_path, list(HAND))
     records = load_split(DatasetConfig(name="mixed", dataset_dir=str(tmp_path)), "train", "sft")
     table = ConditionedRecords(records, [{} for _ in records])
     processor = pickle.loads(pickle.dumps(RecordProcessor((G32,))))  # it runs in the loader workers
@@ -122,15 +127,8 @@ class Targets(L.Callback):
 def test_mixed_size_dataset_trains_through_ff_fit(tiny_sd3, tmp_path):
     """`ff fit` (the recipe, 2 loader workers) on targets wider, taller, smaller and larger than the resolution: every
     batch reaches the step at 32x32, equal to the hand reference (the unfitted batch failed in encode_output)."""
-    data = tmp_path / "mixed"
-    (data / "images").mkdir(parents=True)
-    sizes = [*HAND, (100, 40)]
-    rows = []
-    for i, wh in enumerate(sizes):
-        noise_png(data / "images" / f"{i}.png", *wh, seed=i)
-        rows.append({"schema_version": 2, "input": {"prompt": f"a picture number {i}"}, "supervision": {
-            "type": "demonstration", "target": {"media": [{"type": "image", "path": f"images/{i}.png"}]}}})
-    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, sizes = tmp_path / "mixed", [*HAND, (100, 40)]
+    write_sft_dataset(data, sizes)
     datasets = json.dumps([{"name": "mixed", "dataset_dir": str(data)}])
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(RECIPE), "--model.pretrained_model_name_or_path", str(tiny_sd3),
