@@ -5,8 +5,18 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before diffusers/transformers read it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread (this process and the `ff fit` subprocesses): every model here is tiny, and torch's thread pool
+# on a 2-core machine that runs anything else stalls at its barriers. Measured (benchmarks/RESULTS.md, "Test suite"):
+# the trained-VAE fixture takes 14 s instead of 49 s with one core busy; the idle suite 114 s instead of 100 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
