@@ -156,3 +156,31 @@ def test_accumulation_check_holds_in_every_epoch(tiny_sd3, shapes_dir, tmp_path)
     assert trainer.global_step == 2 and [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 1, 2]
     for epoch in (0, 1):
         assert sorted(i for r in rows if r["epoch"] == epoch for i in r["ids"]) == list(range(24))
+
+
+@pytest.mark.parametrize("change", ["target replaced in place", "prompt edited", "row removed"])
+def test_resume_onto_changed_records_fails_naming_the_dataset(tiny_sd3, shapes_dir, tmp_path, change):
+    """The resume fingerprint covers the records' identity (prompts and every media file's bytes, targets included):
+    resuming onto a dataset changed since the checkpoint fails, saying which dataset and what kind of change, instead
+    of silently continuing another order (spec: "Condition cache and target lifecycle")."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dir, data)
+    fit(tiny_sd3, data, tmp_path / "first", 2)
+    (step2,) = (tmp_path / "first" / "ckpt").glob("*step=2.ckpt")
+    lines = (data / "train.jsonl").read_text().splitlines()
+    if change == "target replaced in place":
+        first = json.loads(lines[0])["supervision"]["target"]["media"][0]["path"]
+        shutil.copyfile(data / json.loads(lines[1])["supervision"]["target"]["media"][0]["path"], data / first)
+        expected = r"'distributor\.records\.shapes\.sha256'.*records of dataset 'shapes' changed.*replaced in place"
+    elif change == "prompt edited":
+        lines[3] = lines[3].replace('"prompt":"a ', '"prompt":"one ', 1)
+        assert lines[3] != (data / "train.jsonl").read_text().splitlines()[3]
+        expected = r"'distributor\.records\.shapes\.sha256'.*records of dataset 'shapes' changed"
+    else:
+        lines = lines[:-1]
+        expected = r"'distributor\.length' is 24 in the checkpoint but 23"
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=expected):
+        fit(tiny_sd3, data, tmp_path / "resumed", 4, ckpt_path=step2)

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
 from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
+from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
     ConditionedRecords,
@@ -127,6 +128,7 @@ class FlowDataModule(L.LightningDataModule):
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
+        self._train_rows: dict[str, int] = {}  # dataset name -> its rows in train_records, in order
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
 
@@ -145,6 +147,8 @@ class FlowDataModule(L.LightningDataModule):
                     errors.extend(exc.errors)
                     continue
                 (self.train_records if split == "train" else self.eval_records).extend(records)
+                if split == "train":
+                    self._train_rows[cfg.name] = len(records)
         if errors:
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
@@ -184,7 +188,8 @@ class FlowDataModule(L.LightningDataModule):
         if self._train_loader is None or self._train_loader_key != key:
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
             self._train_loader = EpochAlignedLoader(
-                distributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed, name="train"),
+                distributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed, name="train",
+                            identity=self.train_identity()),
                 RecordProcessor(self._adapter().output_geometry()),
                 collator=SampleCollator(),
                 batch_size=self.per_device_batch_size,
@@ -195,6 +200,23 @@ class FlowDataModule(L.LightningDataModule):
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def train_identity(self, digests: MediaDigests | None = None) -> dict[str, dict[str, Any]]:
+        """Per dataset, the training rows and the SHA-256 of their content (prompts, metadata, every input and
+        supervision media file's bytes): the loader's resume fingerprint, so a resume onto changed data fails naming
+        the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
+        used by exact-resume checks").
+
+        Args:
+            digests: the build's media digest memo (each file is streamed once); ``None``: a new one.
+        """
+        digests = digests if digests is not None else MediaDigests()
+        identity, start = {}, 0
+        for name, rows in self._train_rows.items():
+            chunk = self.train_records[start : start + rows]
+            identity[name] = {"rows": rows, "sha256": records_identity(chunk, digests)}
+            start += rows
+        return identity
 
     def _check_accumulation(self, batches_per_epoch: int) -> None:
         """Spec ("Offline dataloader and epoch semantics"): the rank-local batches of an offline epoch must divide

@@ -61,12 +61,16 @@ class MapDistributor(IndexedDistributor):
         shuffle: Reshuffle every epoch; ``False`` keeps dataset order.
         seed: Shuffle seed.
         name: Label used in error messages and the resume fingerprint.
+        identity: The dataset's content identity (e.g. ``{dataset: {"rows", "sha256"}}``), added to the resume
+            fingerprint so a state saved for other content is refused.
     """
 
-    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "") -> None:
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "",
+                 identity: Mapping[str, Any] | None = None) -> None:
         if len(dataset) == 0:
             raise ValueError(f"MapDistributor{f'({name!r})' if name else ''}: the dataset is empty")
         self.dataset, self.shuffle, self.seed, self.name = dataset, shuffle, seed, name
+        self.identity = identity
         self._perms: dict[int, torch.Tensor] = {}
 
     @property
@@ -105,8 +109,8 @@ class MapDistributor(IndexedDistributor):
         return self.dataset[self.index_at(int(address))]
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"kind": "MapDistributor", "name": self.name, "length": len(self.dataset),
-                "shuffle": self.shuffle, "seed": self.seed}
+        return _with_identity({"kind": "MapDistributor", "name": self.name, "length": len(self.dataset),
+                               "shuffle": self.shuffle, "seed": self.seed}, self.identity)
 
 
 class SamplerDistributor(DataDistributor):
@@ -125,14 +129,17 @@ class SamplerDistributor(DataDistributor):
         shuffle: Reshuffle every epoch (``DistributedSampler(shuffle=...)``); ``False`` keeps dataset order.
         seed: The sampler's seed; epoch ``e`` is shuffled with ``seed + e``, as torch does.
         name: Label used in error messages and the resume fingerprint.
+        identity: The dataset's content identity, added to the resume fingerprint (see :class:`MapDistributor`).
     """
 
     resumable = True
 
-    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "") -> None:
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, name: str = "",
+                 identity: Mapping[str, Any] | None = None) -> None:
         if len(dataset) == 0:
             raise ValueError(f"SamplerDistributor{f'({name!r})' if name else ''}: the dataset is empty")
         self.dataset, self.shuffle, self.seed, self.name = dataset, shuffle, seed, name
+        self.identity = identity
         self._indices: dict[tuple[int, int, int], list[int]] = {}
 
     @property
@@ -184,8 +191,13 @@ class SamplerDistributor(DataDistributor):
                     yield self.fetch(index)
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"kind": "SamplerDistributor", "name": self.name, "length": len(self.dataset),
-                "shuffle": self.shuffle, "seed": self.seed}
+        return _with_identity({"kind": "SamplerDistributor", "name": self.name, "length": len(self.dataset),
+                               "shuffle": self.shuffle, "seed": self.seed}, self.identity)
+
+
+def _with_identity(fingerprint: dict[str, Any], identity: Mapping[str, Any] | None) -> dict[str, Any]:
+    # Without an identity the fingerprint stays as it was, so states saved before identities existed still load.
+    return fingerprint if identity is None else {**fingerprint, "records": dict(identity)}
 
 
 class IterableDistributor(DataDistributor):

@@ -58,7 +58,20 @@ def check_state(state: Mapping[str, Any], fmt: str, fingerprint: Mapping[str, An
         field, saved, expected = diff
         raise ValueError(f"{owner}.load_state_dict: the checkpoint was saved for a different data order: "
                          f"fingerprint field {field!r} is {saved!r} in the checkpoint but {expected!r} in this "
-                         "loader; resuming would repeat or skip samples")
+                         f"loader{_records_hint(field)}; resuming would repeat or skip samples")
+
+
+def _records_hint(field: str) -> str:
+    """What a difference in the records' identity (``distributor.records.<dataset>.<rows|sha256>``) means."""
+    parts = field.split(".")
+    if "records" not in parts or parts.index("records") + 1 >= len(parts):
+        return ""
+    dataset = parts[parts.index("records") + 1]
+    if parts[-1] == "rows":
+        return f" (dataset {dataset!r} has a different number of training rows than when the checkpoint was written)"
+    return (f" (the training records of dataset {dataset!r} changed since the checkpoint was written: a row edited, "
+            "added, removed or moved, or a prompt, condition, target, chosen or rejected media file replaced in "
+            "place)")
 
 
 def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
