@@ -125,6 +125,15 @@ def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: Train
         raise ValueError("\n".join(problems))
 
 
+def folder_error(cfg: DatasetConfig) -> DatasetError | None:
+    """The error of a ``dataset_dir`` that is not a folder, or ``None``; callers report it once per dataset,
+    not once per split."""
+    if cfg.root.is_dir():
+        return None
+    what = "is not a folder" if cfg.root.exists() else "folder does not exist"
+    return DatasetError(cfg.root, None, "dataset_dir", f"dataset {cfg.name!r}: {what}")
+
+
 def split_file(cfg: DatasetConfig, split: Split) -> Path | None:
     """The split's file (``<split>.jsonl`` or ``<split>.txt``), or ``None`` when both are absent."""
     jsonl, txt = cfg.root / f"{split}.jsonl", cfg.root / f"{split}.txt"
@@ -162,9 +171,9 @@ def load_split(cfg: DatasetConfig, split: Split, trainer_type: TrainerType | Non
             trainer consumes, homogeneous across the file. ``grpo``: legacy generation rows. ``None``: detect
             (V2 when the file's records carry ``schema_version``, then homogeneous). ``test`` is always legacy.
     """
-    if not cfg.root.is_dir():
-        reason = f"dataset {cfg.name!r}: folder does not exist"
-        raise DatasetErrors([DatasetError(cfg.root, None, "dataset_dir", reason)])
+    missing = folder_error(cfg)
+    if missing is not None:
+        raise DatasetErrors([missing])
     path = split_file(cfg, split)
     if path is None:
         if split == "test":
@@ -200,5 +209,5 @@ def _read_legacy(cfg: DatasetConfig, path: Path) -> list[Record]:
     if path.suffix == ".txt":
         return read_prompts_txt(path)
     dirs = cfg.media_dirs()
-    return read_jsonl(path, lambda obj, p, n: parse_legacy_row(obj, p, n, dirs, cfg.root))
+    return read_jsonl(path, lambda obj, p, n: parse_legacy_row(obj, p, n, dirs, cfg.root), skip_blank=True)
 

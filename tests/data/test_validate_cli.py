@@ -84,13 +84,13 @@ def test_summary_counts(examples):
 def test_broken_rows_print_every_diagnostic(broken, table_registry):
     d = broken("sd3_sft")
     lines = (d / "train.jsonl").read_text().splitlines()
-    bad = ['{"schema_version": 2, "input": {"prompt": ""}, "supervision": {"type": "demonstration"}}',
+    bad = ['{"schema_version": 2, "input": {"prompt": null}, "supervision": {"type": "demonstration"}}',
            lines[0].replace('"image"', '"picture"'), "", "{not json"]
     (d / "train.jsonl").write_text("\n".join(lines + bad) + "\n")
     code, out = run("validate", d)
     assert code == 2
     assert out.splitlines() == [
-        f"{d}/train.jsonl:3: input.prompt: must not be empty",
+        f"{d}/train.jsonl:3: input.prompt: expected a string, found null",
         f"{d}/train.jsonl:4: supervision.target.media[0].type: unknown media type 'picture' (image, video or audio)",
         f"{d}/train.jsonl:5: blank line (every line must hold one JSON object)",
         f"{d}/train.jsonl:6: invalid JSON: Expecting property name enclosed in double quotes at column 2",
@@ -102,7 +102,10 @@ def test_missing_train_split(broken):
     d = broken("sd3_dpo")
     (d / "train.jsonl").unlink()
     code, out = run("validate", d)
-    assert code == 2 and f"{d}:0: dataset 'validate': no training split" in out
+    assert out.splitlines() == [
+        f"{d}: dataset 'sd3_dpo': no training split (neither train.jsonl nor train.txt exists)",
+        f"ff data validate: 1 problem(s) in {d}",
+    ] and code == 2
 
 
 def test_missing_and_corrupt_media(broken):
@@ -140,11 +143,11 @@ def test_usage_errors(examples, table_registry, capsys):
     code, out = run("validate", examples / "t2i_prompts", "--split", "test")
     assert code == 0
     code, out = run("validate", examples / "wan_i2v_sft", "--split", "test", "--image-dir", "/nowhere")
-    assert code == 2 and "test.jsonl:1: image.path: /nowhere/first.png: file not found" in out
+    assert code == 2 and "test.jsonl:1: image: /nowhere/first.png: file not found" in out  # the column as written
     (examples / "empty").mkdir(exist_ok=True)
     (examples / "empty" / "train.txt").write_text("a prompt\n")
     code, out = run("validate", examples / "empty", "--split", "test")
-    assert code == 2 and "no evaluation split" in out
+    assert code == 2 and f"{examples / 'empty'}: dataset 'empty': no evaluation split" in out
     assert run("validate", "--trainer", "ppo", "x")[0] == 2
     assert run()[0] == 2
     capsys.readouterr()
@@ -160,8 +163,7 @@ def test_subprocess_with_dotted_adapter_path(broken, tmp_path):
     )
     d = broken("h3_ref2va_dpo")
     with (d / "test.jsonl").open("a") as f:
-        f.write('{"prompt": "audio only", "negative_prompt": "x",'
-                ' "references": [{"type": "audio", "path": "a.wav"}]}\n')
+        f.write('{"prompt": "no cfg", "negative_prompt": "x", "references": [{"type": "image", "path": "a.png"}]}\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "FF_DISABLE_PLUGIN_AUTOLOAD": "1"}
     # `python -m ff_core.data.commands` is `ff data` without the Lightning CLI imports (seconds faster).
     proc = subprocess.run([sys.executable, "-m", "ff_core.data.commands", "validate", str(d), "--model",
@@ -169,7 +171,6 @@ def test_subprocess_with_dotted_adapter_path(broken, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [
         f"{d}/test.jsonl:3: negative_prompt: this adapter has no classifier-free guidance; remove negative_prompt",
-        f"{d}/test.jsonl:3: references: needs at least one image or video reference (found only audio)",
-        f"{d}/test.jsonl:3: references[0].path: {d}/a.wav: file not found",
-        f"ff data validate: 3 problem(s) in {d}",
+        f"{d}/test.jsonl:3: references[0].path: {d}/a.png: file not found",
+        f"ff data validate: 2 problem(s) in {d}",
     ]
