@@ -9,6 +9,7 @@ folder may hold a V2 ``train.jsonl`` beside a legacy prompt-only ``test.jsonl``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,17 +92,22 @@ class DatasetConfig:
 
     @property
     def root(self) -> Path:
-        return Path(self.dataset_dir).expanduser()
+        """``dataset_dir``, ``~`` expanded and normalised (``a/../b`` -> ``b``), so messages name files one way."""
+        return _normalised(self.dataset_dir)
 
     def media_dir(self, mtype: MediaType | str) -> Path:
         """The root of relative ordinary media paths of one type (spec: ``image_dir`` and friends)."""
         mtype = MediaType(mtype)
         override = {MediaType.IMAGE: self.image_dir, MediaType.VIDEO: self.video_dir, MediaType.AUDIO: self.audio_dir}
         value = override[mtype]
-        return Path(value).expanduser() if value else self.root / f"{mtype.value}s"
+        return _normalised(value) if value else self.root / f"{mtype.value}s"
 
     def media_dirs(self) -> dict[MediaType, Path]:
         return {t: self.media_dir(t) for t in MediaType}
+
+
+def _normalised(path: str) -> Path:
+    return Path(os.path.normpath(Path(path).expanduser()))
 
 
 def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: TrainerType) -> None:

@@ -71,6 +71,16 @@ def test_media_dir_defaults_and_overrides(tmp_path):
     assert over.media_dir("image") == tmp_path and cfg(tmp_path).media_dir(MediaType.AUDIO) == tmp_path / "audios"
 
 
+def test_dataset_and_media_dirs_are_normalised(tmp_path):
+    write_lines(tmp_path / "train.jsonl", [{"prompt": "p", "image": "a.png"}, {"prompt": "p", "images": 3}])
+    c = cfg(tmp_path / "x" / ".." / ".", audio_dir=f"{tmp_path}/y/../z")
+    assert c.root == tmp_path and c.media_dir("audio") == tmp_path / "z"
+    with pytest.raises(DatasetErrors) as info:
+        load_split(c, "train", "grpo")
+    assert str(info.value) == (f"{tmp_path}/train.jsonl:2: images: expected a path or an array of paths, "
+                               "found a number (3)")
+
+
 def test_v2_paths_ignore_media_dir_overrides(tmp_path):
     write_lines(tmp_path / "train.jsonl", [DEMO])
     record = load_split(cfg(tmp_path, image_dir="/elsewhere"), "train", "sft")[0]
