@@ -58,6 +58,23 @@ def test_missing_folder_is_reported_once_not_per_split(tmp_path):
         f"{tmp_path}/gone: dataset_dir: dataset 'gone': folder does not exist"]
 
 
+def test_references_are_metadata_for_an_adapter_without_references(tmp_path, caplog):
+    """Flow-Factory hands a pipeline only the columns it preprocesses: an SD3.5 run keeps a row's references as
+    metadata (with a warning), never opens them, and never passes them to the adapter."""
+    (tmp_path / "train.txt").write_text("a prompt\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(
+        {"prompt": "p", "references": [{"type": "image", "path": "gone.png"}], "tag": "t"}) + "\n")
+    dm = FlowDataModule([DatasetConfig(name="refs", dataset_dir=str(tmp_path), eval={})], adapter="sd3-5",
+                        trainer_type="grpo")
+    with caplog.at_level("WARNING", logger="ff_core.data.datamodule"):
+        dm.setup("fit")
+    (record,) = dm.eval_records
+    assert record.references == () and record.metadata == {
+        "tag": "t", "references": [{"type": "image", "path": str(tmp_path / "gone.png")}]}
+    assert f"{tmp_path}/test.jsonl:1: warning: references: kept as metadata, not a model input: adapter 'sd3-5' " \
+           "takes no ordered references" in caplog.text
+
+
 def test_negative_num_workers_is_refused(shapes_dir):
     with pytest.raises(ValueError, match=r"data\.num_workers must be >= 0, got -1"):
         datamodule(shapes_dir, num_workers=-1)
