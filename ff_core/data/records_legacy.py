@@ -132,7 +132,8 @@ def _prompt(reader: FieldReader, obj: dict[str, Any]) -> str:
 def parse_legacy_row(
     obj: Any, path: Path, line: int, media_dirs: dict[MediaType, Path], root: Path | None = None
 ) -> Record:
-    """Validate one legacy JSONL row; singular media columns are normalised to the list form.
+    """Validate one legacy JSONL row; media columns are normalised to the list form, every column that is not a
+    known column becomes reward metadata.
 
     Args:
         obj: the decoded JSON value of one line.
