@@ -17,6 +17,7 @@ support"). The vocabulary covers every row of that table:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -108,6 +109,19 @@ class ReferenceSpec:
         object.__setattr__(self, "requires_one_of", frozenset(MediaType(t) for t in self.requires_one_of))
         if not 0 <= self.min_count <= self.max_count:
             raise ValueError(f"need 0 <= min_count <= max_count, got {self.min_count}..{self.max_count}")
+
+    def count_problem(self, types: Sequence[MediaType]) -> str | None:
+        """Why an ordered reference list of these types breaks the count or the image-or-video rule, or ``None``.
+
+        Args:
+            types: the type of each reference, in list order.
+        """
+        if not self.min_count <= len(types) <= self.max_count:
+            return f"needs {self.min_count}-{self.max_count} references, found {len(types)}"
+        if self.requires_one_of and not any(t in self.requires_one_of for t in types):
+            need = " or ".join(sorted(t.value for t in self.requires_one_of))
+            return f"needs at least one {need} reference (found only {', '.join(t.value for t in types)})"
+        return None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The one-line form is ``path:line: field: reason`` (``path:line: reason`` without a field), the shape compilers
 and linters print, so editors can jump to it. A file-level problem (a missing split file, a folder that does
-not exist) has no line and prints as ``path:0:``. Validation collects every problem of a file and raises them
-together as :class:`DatasetErrors`; ``ff data validate`` prints one diagnostic per line.
+not exist) has no line and prints as ``path: reason`` - no made-up ``:0``. Validation collects every problem of
+a file and raises them together as :class:`DatasetErrors`; ``ff data validate`` prints one diagnostic per line,
+and :class:`DatasetWarning` s (kept, but worth a look) as ``path:line: warning: field: reason``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ class DatasetError(ValueError):
         return [self]
 
     def format(self) -> str:
-        """``path:line: field: reason`` (``path:line: reason`` when there is no field)."""
-        where = f"{self.path}:{self.line if self.line is not None else 0}:"
-        return f"{where} {self.field}: {self.reason}" if self.field else f"{where} {self.reason}"
+        """``path:line: field: reason`` (``path:line: reason`` without a field; ``path: ...`` without a line)."""
+        return f"{self.where}{self.field}: {self.reason}" if self.field else f"{self.where}{self.reason}"
+
+    @property
+    def where(self) -> str:
+        """``path:line: `` or, for a problem of a whole file or folder, ``path: ``."""
+        return f"{self.path}:{self.line}: " if self.line is not None else f"{self.path}: "
 
     def sort_key(self) -> tuple[str, int, str]:
         return (self.path, self.line or 0, self.field or "")
@@ -80,6 +85,20 @@ class DatasetErrors(DatasetError):
 
     def __reduce__(self):
         return (DatasetErrors, (self._errors,))
+
+
+class DatasetWarning(DatasetError):
+    """Something ``ff data validate`` kept but the user should look at (``path:line: warning: field: reason``).
+
+    Same arguments and attributes as :class:`DatasetError`; it is reported, never raised.
+    """
+
+    def format(self) -> str:
+        what = f"{self.field}: {self.reason}" if self.field else self.reason
+        return f"{self.where}warning: {what}"
+
+    def __reduce__(self):
+        return (DatasetWarning, (self.path, self.line, self.field, self.reason))
 
 
 def raise_collected(errors: list[DatasetError]) -> None:

@@ -234,8 +234,9 @@ class FlowModule(L.LightningModule):
         return self.generate(batch, batch_idx)
 
     def generate(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        """Sample media for a batch of evaluation prompts: ``{"index", "prompt", "media"}`` (media per sample,
-        in the contract's output order). Batch ``i`` is seeded with ``sampling.seed + i``, so runs compare."""
+        """Sample media for a batch of evaluation prompts: ``{"index", "prompt", "media", "metadata"}`` (media per
+        sample, in the contract's output order; each row's reward metadata, for whatever scores the samples).
+        Batch ``i`` is seeded with ``sampling.seed + i``, so runs compare."""
         condition = self.adapter.prepare_condition(batch["condition"])
         generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
         state = self.adapter.sample(
@@ -245,7 +246,8 @@ class FlowModule(L.LightningModule):
             generator=generator,
             shift=self.sampling.shift,
         )
-        return {"index": batch["index"].tolist(), "prompt": batch["prompt"], "media": self.adapter.decode(state)}
+        return {"index": batch["index"].tolist(), "prompt": batch["prompt"], "media": self.adapter.decode(state),
+                "metadata": batch.get("metadata", [{} for _ in batch["prompt"]])}
 
     # -- optimisation --------------------------------------------------------------------------------------
     def configure_optimizers(self):

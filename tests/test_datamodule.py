@@ -15,9 +15,10 @@ from ff_core.data.dataflow import DataflowLoader
 from ff_core.data.datamodule import STAMP_KEY, FlowDataModule
 from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.errors import DatasetErrors
 from ff_core.module import FlowModule, LoRAConfig
 
-BATCH_KEYS = {"index", "prompt", "condition", "target"}
+BATCH_KEYS = {"index", "prompt", "condition", "target", "metadata"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,10 +43,36 @@ def test_record_processor_and_collator_keep_the_batch_format(shapes_dir):
     torch.testing.assert_close(batch["condition"]["embeds"], torch.stack([conditions[3]["embeds"],
                                                                           conditions[7]["embeds"]]))
     assert [len(t) for t in batch["target"]] == [1, 1]
+    assert batch["metadata"] == [records[3].metadata, records[7].metadata]  # reward metadata reaches the batch
     assert batch["target"][0][0].shape == (3, 32, 32) and batch["target"][0][0].dtype == torch.uint8
     assert process_and_collate([table[3], table[7]])["index"].tolist() == [3, 7]
     with pytest.raises(ValueError, match="24 records but 1 conditions"):
         ConditionedRecords(records, conditions[:1])
+
+
+def test_missing_folder_is_reported_once_not_per_split(tmp_path):
+    dm = FlowDataModule([DatasetConfig(name="gone", dataset_dir=str(tmp_path / "gone"), eval={})])
+    with pytest.raises(DatasetErrors) as info:
+        dm.setup("fit")
+    assert [e.format() for e in info.value.errors] == [
+        f"{tmp_path}/gone: dataset_dir: dataset 'gone': folder does not exist"]
+
+
+def test_references_are_metadata_for_an_adapter_without_references(tmp_path, caplog):
+    """Flow-Factory hands a pipeline only the columns it preprocesses: an SD3.5 run keeps a row's references as
+    metadata (with a warning), never opens them, and never passes them to the adapter."""
+    (tmp_path / "train.txt").write_text("a prompt\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(
+        {"prompt": "p", "references": [{"type": "image", "path": "gone.png"}], "tag": "t"}) + "\n")
+    dm = FlowDataModule([DatasetConfig(name="refs", dataset_dir=str(tmp_path), eval={})], adapter="sd3-5",
+                        trainer_type="grpo")
+    with caplog.at_level("WARNING", logger="ff_core.data.datamodule"):
+        dm.setup("fit")
+    (record,) = dm.eval_records
+    assert record.references == () and record.metadata == {
+        "tag": "t", "references": [{"type": "image", "path": str(tmp_path / "gone.png")}]}
+    assert f"{tmp_path}/test.jsonl:1: warning: references: kept as metadata, not a model input: adapter 'sd3-5' " \
+           "takes no ordered references" in caplog.text
 
 
 def test_negative_num_workers_is_refused(shapes_dir):

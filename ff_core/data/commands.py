@@ -4,7 +4,9 @@
 [--check-media]`` reads a dataset folder exactly as training would (spec: dataset-guide, "Directory and
 split layout", "Offline V2 records", "Common task formats"), checks it against an adapter's IO contract when
 ``--model`` is given, and with ``--check-media`` opens and decodes every referenced file. Exit status 0 prints
-a summary; exit status 2 prints every diagnostic as ``path:line: field: reason``.
+a summary (with the reward-metadata columns legacy rows carry, so a misspelt column is visible); exit status 2
+prints every diagnostic as ``path:line: field: reason``. Warnings (``path:line: warning: field: reason``) name
+what was kept but deserves a look, and never change the exit status.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.media import check_media, missing_files
 from ff_core.data.records import Record
-from ff_core.data.sources import DatasetConfig, load_split, split_file
-from ff_core.data.validation import record_errors
-from ff_core.errors import DatasetError
+from ff_core.data.records_legacy import closest_column
+from ff_core.data.sources import DatasetConfig, folder_error, load_split, split_file
+from ff_core.data.validation import conform, record_errors, record_warnings
+from ff_core.errors import DatasetError, DatasetWarning
 
 EXIT_OK, EXIT_INVALID = 0, 2
 
@@ -37,6 +41,7 @@ class SplitSummary:
         media: referenced files by media type (a video's separate soundtrack counts as audio).
         video_seconds: total decoded video duration (with ``--check-media``).
         audio_seconds: total decoded audio duration, soundtracks included (with ``--check-media``).
+        metadata: how many legacy rows carry each reward-metadata key (their extra columns and ``metadata`` keys).
     """
 
     file: str
@@ -45,13 +50,27 @@ class SplitSummary:
     media: Counter = field(default_factory=Counter)
     video_seconds: float = 0.0
     audio_seconds: float = 0.0
+    metadata: Counter = field(default_factory=Counter)
 
     def format(self, decoded: bool) -> str:
+        """One line, plus an indented ``metadata:`` line when legacy rows carry reward metadata."""
         media = ", ".join(f"{t.value} {self.media[t]}" for t in MediaType if self.media[t]) or "none"
-        text = f"{self.file}: {self.rows} row{'s' if self.rows != 1 else ''}, {self.supervision}; media: {media}"
+        text = f"{self.file}: {_rows(self.rows)}, {self.supervision}; media: {media}"
         if decoded:
             text += f"; decoded video {self.video_seconds:.2f} s, audio {self.audio_seconds:.2f} s"
+        if self.metadata:
+            text += "\n    metadata: " + ", ".join(_metadata_key(k, n) for k, n in sorted(self.metadata.items()))
         return text
+
+
+def _rows(n: int) -> str:
+    return f"{n} row{'s' if n != 1 else ''}"
+
+
+def _metadata_key(key: str, rows: int) -> str:
+    # A column one edit away from a known column is most likely a typo that silently became metadata.
+    near = closest_column(key)
+    return f"{key} ({_rows(rows)}; did you mean {near!r}?)" if near else f"{key} ({_rows(rows)})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,10 +123,14 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
     contract = _contract(args.model, out)
     if isinstance(contract, int):
         return contract
-    cfg = DatasetConfig(name="validate", dataset_dir=args.dataset_dir, image_dir=args.image_dir,
+    # The dataset's own name (its folder's), as messages name it in training too.
+    name = Path(args.dataset_dir).expanduser().resolve().name or args.dataset_dir
+    cfg = DatasetConfig(name=name, dataset_dir=args.dataset_dir, image_dir=args.image_dir,
                         video_dir=args.video_dir, audio_dir=args.audio_dir)
-    splits = [args.split] if args.split else ["train", "test"]
-    errors: list[DatasetError] = []
+    missing = folder_error(cfg)
+    splits = [] if missing else [args.split] if args.split else ["train", "test"]
+    errors: list[DatasetError] = [missing] if missing else []
+    warnings: list[DatasetWarning] = []
     summaries: list[SplitSummary] = []
     for split in splits:
         try:
@@ -115,18 +138,27 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
             if path is None and split == "test" and args.split is None:
                 continue  # the evaluation split is optional
             if path is None and split == "test":
-                raise DatasetError(cfg.root, None, None, "no evaluation split (neither test.jsonl nor test.txt exists)")
+                raise DatasetError(cfg.root, None, None,
+                                   f"dataset {name!r}: no evaluation split (neither test.jsonl nor test.txt exists)")
             records = load_split(cfg, split, args.trainer)
         except DatasetError as exc:
             errors.extend(exc.errors)
             continue
         if contract is not None:
             errors.extend(e for r in records for e in record_errors(r, contract[1]))
+            warnings.extend(w for r in records for w in record_warnings(r, contract[1], contract[0]))
+            records = [conform(r, contract[1]) for r in records]  # what the adapter will see, as in training
         summary, media_errors = _summarise(path.name, records, args.check_media)
         errors.extend(media_errors)
         summaries.append(summary)
+    return _report(args, contract, summaries, errors, _grouped(warnings), out)
+
+
+def _report(args: argparse.Namespace, contract: tuple[str, PipelineIOContract] | None,
+            summaries: list[SplitSummary], errors: list[DatasetError], warnings: list[DatasetWarning],
+            out: TextIO) -> int:
     if errors:
-        for e in errors:
+        for e in [*errors, *warnings]:
             print(e.format(), file=out)
         print(f"ff data validate: {len(errors)} problem(s) in {args.dataset_dir}", file=out)
         return EXIT_INVALID
@@ -134,7 +166,23 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
     print(f"{args.dataset_dir}: OK{against}", file=out)
     for s in summaries:
         print(f"  {s.format(args.check_media)}", file=out)
+    for w in warnings:
+        print(w.format(), file=out)
     return EXIT_OK
+
+
+def _grouped(warnings: list[DatasetWarning], shown: int = 5) -> list[DatasetWarning]:
+    """One warning per (file, field, reason), at its first line, naming the rows it covers."""
+    groups: dict[tuple[str, str | None, str], list[int]] = {}
+    for w in warnings:
+        groups.setdefault((w.path, w.field, w.reason), []).append(w.line or 0)
+    out = []
+    for (path, fld, reason), lines in groups.items():
+        if len(lines) > 1:
+            listed = ", ".join(map(str, lines[:shown])) + (", ..." if len(lines) > shown else "")
+            reason = f"{reason} ({len(lines)} rows: lines {listed})"
+        out.append(DatasetWarning(path, lines[0], fld, reason))
+    return out
 
 
 def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSummary, list[DatasetError]]:
@@ -142,17 +190,19 @@ def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSum
     summary = SplitSummary(name, len(records), ", ".join(kinds))
     errors: list[DatasetError] = []
     for record in records:
-        for origin, item in record.media():
+        if record.schema == "legacy":
+            summary.metadata.update(record.metadata.keys())
+        for _, item in record.media():
             summary.media[item.type] += 1
             if item.audio_path is not None:
                 summary.media[MediaType.AUDIO] += 1
             if not decode:
-                errors.extend(missing_files(record, origin, item))
+                errors.extend(missing_files(record, item))
                 continue
             try:
-                found = check_media(item, referenced_by=record.where, field=f"{origin}.path")
+                found = check_media(item, referenced_by=record.where)
             except DatasetError as exc:
-                errors.append(exc)
+                errors.extend(exc.errors)
                 continue
             summary.video_seconds += found.video_seconds
             summary.audio_seconds += found.audio_seconds

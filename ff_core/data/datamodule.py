@@ -40,8 +40,15 @@ from ff_core.data.processors import (
     process_and_collate,
 )
 from ff_core.data.records import Record
-from ff_core.data.sources import OFFLINE_TRAINERS, DatasetConfig, TrainerType, check_dataset_configs, load_split
-from ff_core.data.validation import check_batch_size, check_records
+from ff_core.data.sources import (
+    OFFLINE_TRAINERS,
+    DatasetConfig,
+    TrainerType,
+    check_dataset_configs,
+    folder_error,
+    load_split,
+)
+from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import DatasetErrors
 from ff_core.plugins import get_adapter_class
 
@@ -138,6 +145,10 @@ class FlowDataModule(L.LightningDataModule):
             return
         errors = []
         for cfg in self.datasets:
+            missing = folder_error(cfg)
+            if missing is not None:  # once per dataset, not once per split
+                errors.append(missing)
+                continue
             for split, enabled in (("train", cfg.train is not None), ("test", cfg.eval is not None)):
                 if not enabled:
                     continue
@@ -158,6 +169,11 @@ class FlowDataModule(L.LightningDataModule):
                 preprocessing_batch_size=self.preprocessing_batch_size, eval_batch_size=self.eval_batch_size,
             )
             check_records(self.train_records + self.eval_records, cls.io_contract)
+            for warning in (w for r in self.train_records + self.eval_records
+                            for w in record_warnings(r, cls.io_contract, cls.name)):
+                log.warning("%s", warning.format())
+            self.train_records = [conform(r, cls.io_contract) for r in self.train_records]
+            self.eval_records = [conform(r, cls.io_contract) for r in self.eval_records]
         check_files_exist(self.train_records + self.eval_records)
         if stage == "fit" and not self.train_records:
             raise ValueError("data.datasets: no dataset has a train split enabled")

@@ -295,7 +295,7 @@ def decode_media(
     A video's soundtrack is its separate ``audio_path`` (required to decode, with the item's ``sample_rate``
     as declared clock) or else its embedded audio stream, if any (spec: Ref2VA "Supported entries").
     """
-    field = field if field is not None else (f"{item.origin}.path" if item.origin else None)
+    field = field if field is not None else item.field_of("path")
     if item.type is MediaType.IMAGE:
         return decode_image(item.path, referenced_by=referenced_by, field=field)
     if item.type is MediaType.AUDIO:
@@ -304,7 +304,7 @@ def decode_media(
     video = decode_video(item.path, start=start, end=end, declared_fps=item.fps, referenced_by=referenced_by,
                          field=field)
     if item.audio_path is not None:
-        audio_field = f"{item.origin}.audio_path" if item.origin else field
+        audio_field = item.field_of("audio_path") or field
         audio = decode_audio(item.audio_path, start=start, end=end, declared_sample_rate=item.sample_rate,
                              referenced_by=referenced_by, field=audio_field)
     else:
@@ -328,50 +328,67 @@ class MediaCheck:
 
 
 def check_media(item: MediaItem, *, referenced_by: Where = None, field: str | None = None) -> MediaCheck:
-    """Open and decode every frame / sample of an item's files without keeping them; return durations."""
-    field = field if field is not None else (f"{item.origin}.path" if item.origin else None)
+    """Open and decode every frame / sample of an item's files without keeping them; return durations.
+
+    Every file of the item is checked, so a video and its separate ``audio_path`` that are both missing are
+    both reported (raised together as :class:`~ff_core.errors.DatasetErrors`).
+    """
+    field = field if field is not None else item.field_of("path")
     if item.type is MediaType.IMAGE:
         decode_image(item.path, referenced_by=referenced_by, field=field)
         return MediaCheck(item.type)
     video = audio = 0.0
+    errors: list[DatasetError] = []
     for path, is_video, fld in _files_to_check(item, field):
-        _check_file(path, referenced_by, fld)
         try:
-            if is_video:
-                _, _, fps, count = _video_frames(path, None, None, convert=False)
-                if not count:
-                    raise ValueError("no video frames decoded (empty or truncated file?)")
-                video = count / (item.fps or fps or 1.0)
-            result = _audio_samples(path, None, None, convert=False)
-        except _DECODE_ERRORS as exc:
-            what = "video" if is_video else "audio"
-            raise media_error(path, referenced_by, fld, f"cannot decode {what}: {exc}") from None
-        if result is None and not is_video:
-            raise media_error(path, referenced_by, fld, "no audio stream")
-        if result is not None and not result[1] and not is_video:
-            raise media_error(path, referenced_by, fld, "no audio samples decoded (empty or truncated file?)")
-        if result is not None and (not is_video or item.audio_path is None):
-            audio = result[1] / (item.sample_rate if not is_video and item.sample_rate else result[2])
+            v, a = _check_stream_file(item, path, is_video, referenced_by, fld)
+        except DatasetError as exc:
+            errors.append(exc)
+            continue
+        video, audio = video + v, audio + a
+    raise_collected(errors)
     return MediaCheck(item.type, video, audio)
 
 
-def missing_files(record_or_where: Record | tuple[Path, int], origin: str, item: MediaItem) -> list[DatasetError]:
-    """A cheap existence check (no decoding) of an item's files; one error per missing file."""
+def _check_stream_file(
+    item: MediaItem, path: Path, is_video: bool, referenced_by: Where, field: str | None
+) -> tuple[float, float]:
+    """Decode one file of a video / audio item fully; return its (video, audio) seconds."""
+    _check_file(path, referenced_by, field)
+    video = audio = 0.0
+    try:
+        if is_video:
+            _, _, fps, count = _video_frames(path, None, None, convert=False)
+            if not count:
+                raise ValueError("no video frames decoded (empty or truncated file?)")
+            video = count / (item.fps or fps or 1.0)
+        result = _audio_samples(path, None, None, convert=False)
+    except _DECODE_ERRORS as exc:
+        what = "video" if is_video else "audio"
+        raise media_error(path, referenced_by, field, f"cannot decode {what}: {exc}") from None
+    if result is None and not is_video:
+        raise media_error(path, referenced_by, field, "no audio stream")
+    if result is not None and not result[1] and not is_video:
+        raise media_error(path, referenced_by, field, "no audio samples decoded (empty or truncated file?)")
+    # A video's embedded soundtrack counts unless a separate audio_path replaces it.
+    if result is not None and (not is_video or item.audio_path is None):
+        audio = result[1] / (item.sample_rate if not is_video and item.sample_rate else result[2])
+    return video, audio
+
+
+def missing_files(record_or_where: Record | tuple[Path, int], item: MediaItem) -> list[DatasetError]:
+    """A cheap existence check (no decoding) of an item's files; one error per missing file, at the field the
+    user wrote (``image`` for a bare string column, ``references[0].audio_path`` for an object key)."""
     src, line = record_or_where.where if isinstance(record_or_where, Record) else record_or_where
-    keys = ("path", "audio_path")
-    return [
-        DatasetError(src, line, f"{origin}.{key}" if origin else key, f"{p}: file not found")
-        for p, key in zip(item.files(), keys)
-        if not p.is_file()
-    ]
+    return [DatasetError(src, line, fld, f"{p}: file not found") for p, fld in item.file_fields() if not p.is_file()]
 
 
 def check_files_exist(records: list[Record]) -> None:
     """Raise DatasetErrors naming every referenced media file that does not exist (before weights load)."""
-    raise_collected([e for r in records for origin, item in r.media() for e in missing_files(r, origin, item)])
+    raise_collected([e for r in records for _, item in r.media() for e in missing_files(r, item)])
 
 
 def _files_to_check(item: MediaItem, field: str | None) -> Iterator[tuple[Path, bool, str | None]]:
     yield item.path, item.type is MediaType.VIDEO, field
     if item.audio_path is not None:
-        yield item.audio_path, False, f"{item.origin}.audio_path" if item.origin else field
+        yield item.audio_path, False, item.field_of("audio_path") or field

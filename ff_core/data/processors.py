@@ -108,14 +108,17 @@ class RecordProcessor(RawItemProcessor):
             fit_media(decode_media(m, referenced_by=record.where), self.geometry[i] if i < len(self.geometry) else None)
             for i, m in enumerate(candidate)
         ]
-        return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target}
+        return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target,
+                "metadata": record.metadata}
 
 
 class SampleCollator(BatchCollator):
     """The batch format objectives and adapters consume.
 
     ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: default-collated (one shape per
-    adapter); ``target``: per-sample lists of decoded media (sizes may differ between samples).
+    adapter); ``target``: per-sample lists of decoded media (sizes may differ between samples); ``metadata``: each
+    record's reward metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands
+    every sample's non-model columns to its rewards.
     """
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -124,6 +127,7 @@ class SampleCollator(BatchCollator):
             "prompt": [s["prompt"] for s in samples],
             "condition": default_collate([s["condition"] for s in samples]),
             "target": [s["target"] for s in samples],
+            "metadata": [s["metadata"] for s in samples],
         }
 
 

@@ -2,9 +2,10 @@
 
 Spec: dataset-guide, "Offline V2 records" (strict, supervised, ``schema_version: 2``; see
 :mod:`ff_core.data.records_v2`) and "Common task formats" (legacy prompt / condition rows used for generation
-and evaluation; see :mod:`ff_core.data.records_legacy`). Parsing is strict: unknown keys, wrong types and
-empty values are errors naming the file, the 1-based line and the field; a whole file is checked and every
-problem reported together.
+and evaluation; see :mod:`ff_core.data.records_legacy`). Parsing is strict where Flow-Factory is strict (V2 records:
+unknown keys, wrong types, blank lines) and forgiving where it is forgiving (legacy rows: extra columns are
+reward metadata, blank lines are skipped); every error names the file, the 1-based line and the field, and a
+whole file is checked and every problem reported together.
 """
 
 from __future__ import annotations
@@ -72,23 +73,33 @@ def parse_json_line(text: str, path: Path, line: int) -> Any:
         raise DatasetError(path, line, None, f"invalid JSON: {exc.msg} at column {exc.colno}") from None
 
 
-def read_jsonl(path: Path, parse: Parser) -> list[Record]:
+def read_jsonl(path: Path, parse: Parser, *, skip_blank: bool = False) -> list[Record]:
     """Parse every line of a JSONL file with ``parse``; collect every error and raise them together.
 
-    A blank line, an empty file and invalid JSON are errors with their line (spec: manifests are strict).
+    Args:
+        path: the file.
+        parse: turns one decoded line into a Record (raising DatasetError).
+        skip_blank: skip blank lines (legacy rows) instead of reporting them (strict V2 manifests).
     """
-    records, errors = scan_jsonl(path, parse)
+    records, errors = scan_jsonl(path, parse, skip_blank=skip_blank)
     raise_collected(errors)
     return records
 
 
-def scan_jsonl(path: Path, parse: Parser) -> tuple[list[Record], list[DatasetError]]:
-    """Like :func:`read_jsonl`, but return the rows that parsed and the errors of the others."""
+def scan_jsonl(path: Path, parse: Parser, *, skip_blank: bool = False) -> tuple[list[Record], list[DatasetError]]:
+    """Like :func:`read_jsonl`, but return the rows that parsed and the errors of the others.
+
+    A blank line is an error unless ``skip_blank``; line numbers always count it. An empty file and invalid JSON
+    are errors with their line.
+    """
     records: list[Record] = []
     errors: list[DatasetError] = []
     for line_no, text in enumerate(_lines(path), start=1):
         if not text.strip():
-            errors.append(DatasetError(path, line_no, None, "blank line (every line must hold one JSON object)"))
+            # Flow-Factory's strict V2 manifest loader refuses a blank line; its legacy loader (HF datasets'
+            # JSON builder on pyarrow's line-delimited reader) skips blank and whitespace-only lines.
+            if not skip_blank:
+                errors.append(DatasetError(path, line_no, None, "blank line (every line must hold one JSON object)"))
             continue
         try:
             records.append(parse(parse_json_line(text, path, line_no), path, line_no))
@@ -98,14 +109,9 @@ def scan_jsonl(path: Path, parse: Parser) -> tuple[list[Record], list[DatasetErr
 
 
 def read_prompts_txt(path: Path) -> list[Record]:
-    """One prompt per line (surrounding whitespace stripped); a blank line is an error (an empty prompt)."""
-    lines = _lines(path)
-    raise_collected([
-        DatasetError(path, i, None, "blank line (every line must hold one prompt)")
-        for i, text in enumerate(lines, start=1)
-        if not text.strip()
-    ])
-    return [Record(path, i, text.strip()) for i, text in enumerate(lines, start=1)]
+    """One prompt per line, surrounding whitespace stripped; blank lines are skipped, as Flow-Factory does
+    (``[line.strip() for line in f if line.strip()]``), but still counted, so every record keeps its file line."""
+    return [Record(path, i, text.strip()) for i, text in enumerate(_lines(path), start=1) if text.strip()]
 
 
 def supervision_errors(records: list[Record], wanted: Supervision | None = None) -> list[DatasetError]:

@@ -6,7 +6,8 @@ the dotted field path (``supervision.chosen.media[1].sample_rate``, ``references
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +43,8 @@ class MediaItem:
             soundtrack (a logical clock; decoding never resamples).
         audio_path: a Ref2VA video's separate soundtrack file (``None``: the embedded soundtrack, if any).
         origin: where the item was written in its record (``input.media[1]``, ``images[0]``), for messages.
+        bare: the path was written as a plain string (a legacy ``image(s)`` / ``video(s)`` / ``audio(s)`` column),
+            not as an object with a ``path`` key, so messages about the file name the column itself.
     """
 
     type: MediaType
@@ -51,10 +54,25 @@ class MediaItem:
     sample_rate: float | None = None
     audio_path: Path | None = None
     origin: str = field(default="", compare=False)
+    bare: bool = field(default=False, compare=False)
 
     def files(self) -> tuple[Path, ...]:
         """Every file this item references (the media file, then a separate soundtrack)."""
         return (self.path,) if self.audio_path is None else (self.path, self.audio_path)
+
+    def field_of(self, key: str = "path") -> str | None:
+        """The field that holds one of this item's files, as the user wrote it (``None`` without an origin).
+
+        Args:
+            key: ``path`` or ``audio_path``. A bare string column is its own path: ``image``, not ``image.path``.
+        """
+        if not self.origin:
+            return None
+        return self.origin if key == "path" and self.bare else join(self.origin, key)
+
+    def file_fields(self) -> list[tuple[Path, str | None]]:
+        """``(file, field)`` of every file this item references, in :meth:`files` order."""
+        return list(zip(self.files(), (self.field_of("path"), self.field_of("audio_path"))))
 
 
 @dataclass(frozen=True)
@@ -64,13 +82,17 @@ class Record:
     Attributes:
         source: the file the row came from.
         line: its 1-based line.
-        prompt: text prompt.
-        negative_prompt: CFG negative prompt (legacy rows only; ``None`` when absent).
+        prompt: text prompt (a V2 prompt may be empty; whether that is usable is the adapter's decision).
+        negative_prompt: CFG negative prompt (legacy ``negative_prompt`` column or V2 ``input.negative_prompt``;
+            ``None`` when absent or null).
         inputs: condition media in record order (legacy ``image(s)``/``video(s)``/``audio(s)`` columns in that
             column order, or V2 ``input.media``).
         supervision: ``demonstration``, ``preference`` or ``None`` for a generation row.
         candidates: output media sequences: ``(target,)`` or ``(chosen, rejected)``.
-        metadata: free JSON provenance, never a model input.
+        metadata: never a model input; what rewards and evaluation may read. A legacy row's reward metadata:
+            every column that is not a prompt, media or references column, plus the keys of its ``metadata``
+            object (Flow-Factory packs the same columns into each sample's metadata); a V2 record's
+            ``metadata`` object.
         references: legacy MiniMax H3 Ref2VA ``references``, globally ordered (V2 records carry their ordered
             references in ``inputs``).
         schema: ``legacy`` (txt / legacy JSONL generation row) or ``v2`` (strict supervised record).
@@ -92,6 +114,14 @@ class Record:
         """``(source, line)``: what media decoders take as ``referenced_by``."""
         return (self.source, self.line)
 
+    def field_path(self, name: str) -> str:
+        """Where a prompt field lives in this record's format: ``prompt`` or V2 ``input.prompt``.
+
+        Args:
+            name: ``prompt`` or ``negative_prompt``.
+        """
+        return f"input.{name}" if self.schema == "v2" else name
+
     @property
     def input_field(self) -> str:
         """The field that holds this record's condition media, for messages."""
@@ -100,10 +130,13 @@ class Record:
         return "references" if self.references else "images"
 
     def media(self) -> list[tuple[str, MediaItem]]:
-        """Every media item with its field path: inputs, references, then each candidate's outputs."""
+        """Every media item with its field path: inputs, references, then each candidate's outputs (an output
+        built without an ``origin`` gets its ``supervision...media[i]`` one, so its messages name it too)."""
         out = [(m.origin, m) for m in (*self.inputs, *self.references)]
         for name, cand in zip(CANDIDATE_FIELDS.get(self.supervision or "", ()), self.candidates):
-            out.extend((m.origin or f"{name}.media[{i}]", m) for i, m in enumerate(cand))
+            for i, m in enumerate(cand):
+                item = m if m.origin else replace(m, origin=f"{name}.media[{i}]")
+                out.append((item.origin, item))
         return out
 
 
@@ -124,12 +157,20 @@ class FieldReader:
         return DatasetError(self.path, self.line, field or None, reason)
 
     def obj(self, value: Any, field: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
-        """An object with no key outside ``allowed`` and every key of ``required``."""
+        """An object with no key outside ``allowed`` and every key of ``required``.
+
+        Every unknown key is named in one message, which lists only the keys valid at this place (one key:
+        ``input.media[0].fps: unknown key (allowed here: path, slot, type)``; several:
+        ``input.media[0]: unknown keys 'fps', 'rate' (allowed here: ...)``).
+        """
         if not isinstance(value, dict):
             raise self.error(field, f"expected a JSON object, found {kind(value)}")
         unknown = sorted(set(value) - allowed)
+        valid = f"(allowed here: {', '.join(sorted(allowed))})"
+        if len(unknown) == 1:
+            raise self.error(join(field, unknown[0]), f"unknown key {valid}")
         if unknown:
-            raise self.error(join(field, unknown[0]), f"unknown key (allowed here: {', '.join(sorted(allowed))})")
+            raise self.error(field, f"unknown keys {', '.join(map(repr, unknown))} {valid}")
         missing = sorted(required - set(value))
         if missing:
             raise self.error(join(field, missing[0]), "required key is missing")
@@ -149,6 +190,28 @@ class FieldReader:
         if not math.isfinite(value) or value <= 0:
             raise self.error(field, f"must be a finite positive number, found {value}")
         return float(value)
+
+    def count(self, value: Any, field: str) -> int:
+        """A positive JSON integer: ``16000``, not ``16000.0`` (a V2 ``sample_rate``, strict like Flow-Factory's
+        ``sample_rate: int`` in its strict pydantic schema)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(field, f"expected an integer, found {kind(value)}")
+        if value <= 0:
+            raise self.error(field, f"must be a positive integer, found {value}")
+        return value
+
+    def finite_json(self, value: Any, field: str) -> Any:
+        """``value`` when it holds no ``NaN`` / ``Infinity`` at any depth (they are not JSON; Python's parser
+        accepts them, Flow-Factory's strict V2 schema does not)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.error(field, f"must be finite JSON (NaN and Infinity are not JSON), found {value}")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                self.finite_json(item, join(field, key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                self.finite_json(item, join(field, i))
+        return value
 
     def media_type(self, value: dict[str, Any], field: str) -> MediaType:
         """The ``type`` discriminator: ``image``, ``video`` or ``audio`` and nothing else."""
@@ -174,9 +237,11 @@ def join(parent: str, child: str | int) -> str:
 
 
 def resolve(path: str, root: Path) -> Path:
-    """``~`` expanded; an absolute path is kept, a relative one is joined to ``root``."""
+    """``~`` expanded; an absolute path is kept, a relative one is joined to ``root``; then normalised
+    (``a/./b/../c`` -> ``a/c``, as Flow-Factory's V2 loader does with ``os.path.normpath``), so messages and
+    cache identities show one spelling of each file."""
     p = Path(path).expanduser()
-    return p if p.is_absolute() else root / p
+    return Path(os.path.normpath(p if p.is_absolute() else root / p))
 
 
 def _show(value: Any) -> str:

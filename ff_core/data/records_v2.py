@@ -4,13 +4,16 @@
 ::
 
     {"schema_version": 2,
-     "input": {"prompt": "...", "media": [{"type": "image", "path": "...", "slot": "first_frame"}]},
+     "input": {"prompt": "...", "negative_prompt": "..." | null,
+               "media": [{"type": "image", "path": "...", "slot": "first_frame"}]},
      "supervision": {"type": "demonstration", "target": {"media": [...]}}
                   | {"type": "preference", "chosen": {"media": [...]}, "rejected": {"media": [...]}},
      "metadata": {...}}
 
-Format rules live here; what a given adapter accepts (slots, output order, required rates) is checked in
-:mod:`ff_core.data.validation`.
+Format rules live here, as strict as Flow-Factory's pydantic V2 schema (``extra="forbid"``, ``strict=True``,
+``allow_inf_nan=False``): ``prompt`` is any string (empty too), ``negative_prompt`` a string or null,
+``sample_rate`` a JSON integer, ``metadata`` finite JSON. What a given adapter accepts (slots, output order,
+required rates, a prompt, a negative prompt) is checked in :mod:`ff_core.data.validation`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ V2_MEDIA_KEYS: dict[MediaType, set[str]] = {
     MediaType.AUDIO: {"type", "path", "sample_rate"},
 }
 V2_RECORD_KEYS = {"schema_version", "input", "supervision", "metadata"}
+V2_INPUT_KEYS = {"prompt", "negative_prompt", "media"}
 
 
 def parse_v2_media(reader: FieldReader, value: Any, field: str, root: Path, *, is_input: bool) -> MediaItem:
@@ -45,8 +49,9 @@ def parse_v2_media(reader: FieldReader, value: Any, field: str, root: Path, *, i
     path = reader.string(value["path"], join(field, "path"))
     slot = reader.string(value["slot"], join(field, "slot")) if "slot" in value else None
     fps = reader.rate(value["fps"], join(field, "fps")) if "fps" in value else None
-    rate = reader.rate(value["sample_rate"], join(field, "sample_rate")) if "sample_rate" in value else None
-    return MediaItem(mtype, resolve(path, root), slot, fps, rate, origin=field)
+    # Flow-Factory: ``sample_rate: int | None = Field(gt=0)`` under strict mode, so 16000.0 is refused.
+    rate = reader.count(value["sample_rate"], join(field, "sample_rate")) if "sample_rate" in value else None
+    return MediaItem(mtype, resolve(path, root), slot, fps, None if rate is None else float(rate), origin=field)
 
 
 def _media_list(reader: FieldReader, value: Any, field: str, root: Path, *, is_input: bool) -> tuple[MediaItem, ...]:
@@ -81,8 +86,12 @@ def parse_v2_record(obj: Any, path: Path, line: int, root: Path) -> Record:
         raise reader.error("schema_version", f"must be the integer 2, found {json.dumps(version)}")
     reader.obj(obj, "", V2_RECORD_KEYS, {"input", "supervision"})
 
-    inp = reader.obj(obj["input"], "input", {"prompt", "media"}, {"prompt"})
-    prompt = reader.string(inp["prompt"], "input.prompt")
+    inp = reader.obj(obj["input"], "input", V2_INPUT_KEYS, {"prompt"})
+    # An empty prompt is a valid string (Flow-Factory: ``prompt: str``); an adapter that needs one says so.
+    prompt = reader.string(inp["prompt"], "input.prompt", allow_empty=True)
+    negative = inp.get("negative_prompt")
+    if negative is not None:
+        negative = reader.string(negative, "input.negative_prompt", allow_empty=True)
     inputs = _media_list(reader, inp.get("media", []), "input.media", root, is_input=True)
 
     sup = obj["supervision"]
@@ -103,8 +112,9 @@ def parse_v2_record(obj: Any, path: Path, line: int, root: Path) -> Record:
     else:
         raise reader.error("supervision.type", f"must be 'demonstration' or 'preference', found {json.dumps(sup_type)}")
 
-    # Spec: "metadata # optional JSON provenance; never a model input" - any content, but an object.
+    # Spec: "metadata # optional JSON provenance; never a model input" - any content, but a finite JSON object.
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise reader.error("metadata", f"expected a JSON object, found {kind(metadata)}")
-    return Record(path, line, prompt, None, inputs, sup_type, candidates, metadata, schema="v2")
+    reader.finite_json(metadata, "metadata")
+    return Record(path, line, prompt, negative, inputs, sup_type, candidates, metadata, schema="v2")

@@ -9,6 +9,7 @@ folder may hold a V2 ``train.jsonl`` beside a legacy prompt-only ``test.jsonl``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,17 +92,22 @@ class DatasetConfig:
 
     @property
     def root(self) -> Path:
-        return Path(self.dataset_dir).expanduser()
+        """``dataset_dir``, ``~`` expanded and normalised (``a/../b`` -> ``b``), so messages name files one way."""
+        return _normalised(self.dataset_dir)
 
     def media_dir(self, mtype: MediaType | str) -> Path:
         """The root of relative ordinary media paths of one type (spec: ``image_dir`` and friends)."""
         mtype = MediaType(mtype)
         override = {MediaType.IMAGE: self.image_dir, MediaType.VIDEO: self.video_dir, MediaType.AUDIO: self.audio_dir}
         value = override[mtype]
-        return Path(value).expanduser() if value else self.root / f"{mtype.value}s"
+        return _normalised(value) if value else self.root / f"{mtype.value}s"
 
     def media_dirs(self) -> dict[MediaType, Path]:
         return {t: self.media_dir(t) for t in MediaType}
+
+
+def _normalised(path: str) -> Path:
+    return Path(os.path.normpath(Path(path).expanduser()))
 
 
 def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: TrainerType) -> None:
@@ -123,6 +129,15 @@ def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: Train
             )
     if problems:
         raise ValueError("\n".join(problems))
+
+
+def folder_error(cfg: DatasetConfig) -> DatasetError | None:
+    """The error of a ``dataset_dir`` that is not a folder, or ``None``; callers report it once per dataset,
+    not once per split."""
+    if cfg.root.is_dir():
+        return None
+    what = "is not a folder" if cfg.root.exists() else "folder does not exist"
+    return DatasetError(cfg.root, None, "dataset_dir", f"dataset {cfg.name!r}: {what}")
 
 
 def split_file(cfg: DatasetConfig, split: Split) -> Path | None:
@@ -162,9 +177,9 @@ def load_split(cfg: DatasetConfig, split: Split, trainer_type: TrainerType | Non
             trainer consumes, homogeneous across the file. ``grpo``: legacy generation rows. ``None``: detect
             (V2 when the file's records carry ``schema_version``, then homogeneous). ``test`` is always legacy.
     """
-    if not cfg.root.is_dir():
-        reason = f"dataset {cfg.name!r}: folder does not exist"
-        raise DatasetErrors([DatasetError(cfg.root, None, "dataset_dir", reason)])
+    missing = folder_error(cfg)
+    if missing is not None:
+        raise DatasetErrors([missing])
     path = split_file(cfg, split)
     if path is None:
         if split == "test":
@@ -200,5 +215,5 @@ def _read_legacy(cfg: DatasetConfig, path: Path) -> list[Record]:
     if path.suffix == ".txt":
         return read_prompts_txt(path)
     dirs = cfg.media_dirs()
-    return read_jsonl(path, lambda obj, p, n: parse_legacy_row(obj, p, n, dirs, cfg.root))
+    return read_jsonl(path, lambda obj, p, n: parse_legacy_row(obj, p, n, dirs, cfg.root), skip_blank=True)
 

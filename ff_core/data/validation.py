@@ -10,11 +10,13 @@ on which adapter was chosen.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from ff_core.contracts import MediaType, NegativePrompt, PipelineIOContract
 from ff_core.data.records_base import CANDIDATE_FIELDS, MediaItem, Record
-from ff_core.errors import ContractError, DatasetError, raise_collected
+from ff_core.errors import ContractError, DatasetError, DatasetWarning, raise_collected
 
 Problem = tuple[str, str]
 """``(field, reason)`` of one contract violation inside a record."""
@@ -122,12 +124,8 @@ def _reference_problems(record: Record, contract: PipelineIOContract) -> list[Pr
     allowed = ", ".join(sorted(t.value for t in spec.types))
     problems += [(f"{m.origin}.type", f"{m.type} is not a reference type here ({allowed})")
                  for m in items if m.type not in spec.types]
-    if not spec.min_count <= len(items) <= spec.max_count:
-        problems.append((field, f"needs {spec.min_count}-{spec.max_count} references, found {len(items)}"))
-    elif spec.requires_one_of and not any(m.type in spec.requires_one_of for m in items):
-        need = " or ".join(sorted(t.value for t in spec.requires_one_of))
-        problems.append((field, f"needs at least one {need} reference (found only {_types(items)})"))
-    return problems
+    count = spec.count_problem([m.type for m in items])
+    return problems + ([(field, count)] if count else [])
 
 
 def _group_problems(record: Record, contract: PipelineIOContract) -> list[Problem]:
@@ -147,8 +145,7 @@ def _group_problems(record: Record, contract: PipelineIOContract) -> list[Proble
 
 
 def _input_problems(record: Record, contract: PipelineIOContract) -> list[Problem]:
-    if record.references and contract.references is None:
-        return [("references", "this adapter takes no ordered references (only e.g. minimax-h3-ref2va does)")]
+    # A legacy row's references with an adapter that takes none are metadata, not input (record_warnings).
     if contract.references is not None:
         return _reference_problems(record, contract)
     if contract.slots:
@@ -182,17 +179,56 @@ def record_errors(record: Record, contract: PipelineIOContract) -> list[DatasetE
     """Every way ``record`` violates ``contract`` (empty when it conforms)."""
     problems: list[Problem] = []
     if record.negative_prompt is not None and contract.negative_prompt is NegativePrompt.REJECTED:
-        problems.append(("negative_prompt", "this adapter has no classifier-free guidance; remove negative_prompt"))
+        # The same CFG policy for the legacy column and V2 input.negative_prompt (a null one is absent).
+        field = record.field_path("negative_prompt")
+        problems.append((field, f"this adapter has no classifier-free guidance; remove {field}"))
     if contract.prompt_required and not record.prompt.strip():
-        problems.append(("input.prompt" if record.schema == "v2" else "prompt", "this adapter needs a prompt"))
+        problems.append((record.field_path("prompt"), "this adapter needs a prompt"))
     problems += _input_problems(record, contract)
     problems += _output_problems(record, contract)
     return [DatasetError(record.source, record.line, f, reason) for f, reason in problems]
 
 
+def record_warnings(record: Record, contract: PipelineIOContract, adapter_name: str) -> list[DatasetWarning]:
+    """What :func:`conform` will keep as metadata rather than refuse: a legacy row's ``references`` when the
+    adapter takes no ordered references (Flow-Factory passes only the columns a pipeline preprocesses and packs
+    every other one into the sample's metadata).
+
+    Args:
+        record: a record of any schema.
+        contract: the adapter's contract.
+        adapter_name: for the message.
+    """
+    if not record.references or contract.references is not None:
+        return []
+    reason = f"kept as metadata, not a model input: adapter {adapter_name!r} takes no ordered references"
+    return [DatasetWarning(record.source, record.line, "references", reason)]
+
+
+def conform(record: Record, contract: PipelineIOContract) -> Record:
+    """``record`` as the adapter will see it: references the adapter does not consume move to
+    ``metadata["references"]`` (type and resolved paths, in order); anything else is returned unchanged.
+
+    Args:
+        record: a record that passed :func:`record_errors`.
+        contract: the adapter's contract.
+    """
+    if not record.references or contract.references is not None:
+        return record
+    metadata = {**record.metadata, "references": [_as_json(m) for m in record.references]}
+    return dataclasses.replace(record, references=(), metadata=metadata)
+
+
 def check_records(records: Sequence[Record], contract: PipelineIOContract) -> None:
     """Raise :class:`~ff_core.errors.DatasetErrors` listing every contract violation of every record."""
     raise_collected([e for r in records for e in record_errors(r, contract)])
+
+
+def _as_json(item: MediaItem) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": item.type.value, "path": str(item.path)}
+    optional = {"fps": item.fps, "audio_path": item.audio_path and str(item.audio_path),
+                "sample_rate": item.sample_rate}
+    return out | {k: v for k, v in optional.items() if v is not None}
 
 
 def _column(item: MediaItem) -> str:

@@ -18,6 +18,7 @@ from ff_core.data.media import (
     decode_image,
     decode_media,
     decode_video,
+    missing_files,
 )
 from ff_core.data.records import MediaItem, Record
 from ff_core.errors import DatasetError, DatasetErrors
@@ -168,3 +169,23 @@ def test_check_files_exist_lists_every_missing_file(media_files, tmp_path):
         check_files_exist([record])
     assert [(e.line, e.field) for e in info.value.errors] == [
         (3, "input.media[1].path"), (3, "supervision.target.media[0].path")]
+
+
+def test_check_media_reports_every_file_of_an_item(tmp_path):
+    """A video and its separate soundtrack are two files: both missing is two problems, not the first only."""
+    item = MediaItem(MediaType.VIDEO, tmp_path / "v.mp4", audio_path=tmp_path / "s.wav", origin="references[0]")
+    with pytest.raises(DatasetErrors) as info:
+        check_media(item, referenced_by=SRC)
+    assert [e.format() for e in info.value.errors] == [
+        f"data/train.jsonl:4: references[0].path: {tmp_path}/v.mp4: file not found",
+        f"data/train.jsonl:4: references[0].audio_path: {tmp_path}/s.wav: file not found",
+    ]
+
+
+def test_a_bare_column_is_named_as_written(tmp_path):
+    """A legacy ``image`` string column has no ``path`` key: messages name ``image``, not ``image.path``."""
+    item = MediaItem(MediaType.IMAGE, tmp_path / "a.png", origin="image", bare=True)
+    with pytest.raises(DatasetError) as info:
+        decode_media(item, referenced_by=SRC)
+    assert info.value.format() == f"data/train.jsonl:4: image: {tmp_path}/a.png: file not found"
+    assert [e.field for e in missing_files(SRC, item)] == ["image"]

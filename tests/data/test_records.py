@@ -64,23 +64,26 @@ MALFORMED = [
     ("legacy-prompt-number", "legacy", {"prompt": 3}, "prompt", "expected a string"),
     ("legacy-prompt-null", "legacy", {"prompt": None}, "prompt", "expected a string"),
     ("legacy-prompt-blank", "legacy", {"prompt": "   "}, "prompt", "must not be empty"),
-    ("legacy-unknown-key", "legacy", legacy(promt="typo"), "promt", "unknown key"),
+    ("legacy-promt-for-prompt", "legacy", {"promt": "typo", "tag": "x"}, "prompt",
+     "required key is missing (is 'promt' a misspelling of it?)"),
+    ("legacy-column-and-metadata-key", "legacy", legacy(tag="color_attr", metadata={"tag": "count"}), "tag",
+     "given both as a column and inside metadata; keep one"),
     ("legacy-negative-number", "legacy", legacy(negative_prompt=1), "negative_prompt", "expected a string"),
     ("legacy-image-and-images", "legacy", legacy(image="a.png", images=["b.png"]), "images", "not both"),
-    ("legacy-images-string", "legacy", legacy(images="a.png"), "images", "expected an array"),
+    ("legacy-images-number", "legacy", legacy(images=3), "images", "expected a path or an array of paths, found a"),
+    ("legacy-images-string-empty", "legacy", legacy(images=" "), "images", "must not be empty"),
     ("legacy-images-empty", "legacy", legacy(images=[]), "images", "at least one path"),
     ("legacy-images-item-number", "legacy", legacy(images=["a.png", 7]), "images[1]", "expected a string"),
     ("legacy-images-item-empty", "legacy", legacy(images=[""]), "images[0]", "must not be empty"),
     ("legacy-image-null", "legacy", legacy(image=None), "image", "expected a string"),
     ("legacy-video-and-videos", "legacy", legacy(video="a.mp4", videos=["b.mp4"]), "videos", "not both"),
-    ("legacy-videos-object", "legacy", legacy(videos={"a": 1}), "videos", "expected an array"),
-    ("legacy-audios-number", "legacy", legacy(audios=3), "audios", "expected an array"),
+    ("legacy-videos-object", "legacy", legacy(videos={"a": 1}), "videos", "expected a path or an array of paths"),
+    ("legacy-audios-number", "legacy", legacy(audios=3), "audios", "expected a path or an array of paths"),
     ("legacy-audio-empty", "legacy", legacy(audio=""), "audio", "must not be empty"),
     ("legacy-metadata-list", "legacy", legacy(metadata=[1]), "metadata", "expected a JSON object"),
     ("legacy-v2-record-in-eval", "legacy", demo(), "schema_version", "V2 records are offline training records"),
     ("legacy-invalid-json", "legacy", '{"prompt": "x",}', None, "invalid JSON"),
     ("legacy-unclosed", "legacy", '{"prompt": "x"', None, "invalid JSON"),
-    ("legacy-blank-line", "legacy", "   ", None, "blank line"),
     ("legacy-duplicate-key", "legacy", '{"prompt": "a", "prompt": "b"}', "prompt", "duplicate key"),
     # --- MiniMax H3 Ref2VA references -------------------------------------------------------------------
     ("ref-not-array", "ref2va", legacy(references=IMG), "references", "expected an array"),
@@ -116,6 +119,9 @@ MALFORMED = [
     ("ref-video-unknown-key", "ref2va", ref({**VID, "start": 1.0}), "references[0].start", "unknown key"),
     ("ref-third-entry", "ref2va", ref(IMG, VID, {"type": "audio", "path": ""}), "references[2].path", "empty"),
     ("ref-with-images-column", "ref2va", ref(IMG, images=["a.png"]), "references", "not both"),
+    ("ref-thirteen", "ref2va", ref(*[IMG] * 13), "references", "needs 1-12 references, found 13"),
+    ("ref-audio-only", "ref2va", ref(AUD, AUD), "references",
+     "needs at least one image or video reference (found only audio, audio)"),
     # --- strict V2 records ----------------------------------------------------------------------------------
     ("v2-legacy-row", "sft", {"prompt": "A hill."}, "schema_version", "strict V2 records"),
     ("v2-not-object", "sft", [demo()], None, "expected a JSON object"),
@@ -124,20 +130,28 @@ MALFORMED = [
     ("v2-version-one", "sft", demo(schema_version=1), "schema_version", "must be the integer 2"),
     ("v2-version-bool", "sft", demo(schema_version=True), "schema_version", "must be the integer 2"),
     ("v2-unknown-top-key", "sft", demo(extra=1), "extra", "unknown key"),
+    ("v2-unknown-top-keys", "sft", demo(extra=1, prompt="p"), None,
+     "unknown keys 'extra', 'prompt' (allowed here: input, metadata, schema_version, supervision)"),
     ("v2-no-input", "sft", without(demo(), "input"), "input", "required key is missing"),
     ("v2-no-supervision", "sft", without(demo(), "supervision"), "supervision", "required key is missing"),
     ("v2-input-string", "sft", demo(input="x"), "input", "expected a JSON object"),
     ("v2-no-prompt", "sft", demo(input={"media": []}), "input.prompt", "required key is missing"),
-    ("v2-empty-prompt", "sft", demo(input={"prompt": ""}), "input.prompt", "must not be empty"),
-    ("v2-input-negative-prompt", "sft", demo(input={"prompt": "p", "negative_prompt": "n"}),
-     "input.negative_prompt", "unknown key"),
+    ("v2-prompt-null", "sft", demo(input={"prompt": None}), "input.prompt", "expected a string, found null"),
+    ("v2-negative-prompt-number", "sft", demo(input={"prompt": "p", "negative_prompt": 3}),
+     "input.negative_prompt", "expected a string, found a number (3)"),
+    ("v2-input-unknown-keys", "sft", demo(input={"prompt": "p", "negative": "n", "image": "a.png"}), "input",
+     "unknown keys 'image', 'negative' (allowed here: media, negative_prompt, prompt)"),
     ("v2-media-not-array", "sft", demo(input={"prompt": "p", "media": {}}), "input.media", "expected an array"),
     ("v2-media-item-string", "sft", demo(["a.png"]), "input.media[0]", "expected a media object"),
     ("v2-media-no-type", "sft", demo([{"path": "a.png"}]), "input.media[0].type", "required key is missing"),
     ("v2-media-bad-type", "sft", demo([{"type": "mask", "path": "a"}]), "input.media[0].type", "unknown media type"),
     ("v2-kind-discriminator", "sft", demo([{"kind": "image", "path": "a"}]), "input.media[0].type", "required"),
     ("v2-image-fps", "sft", demo([{"type": "image", "path": "a.png", "fps": 24}]), "input.media[0].fps",
-     "unknown key"),
+     "unknown key (allowed here: path, slot, type)"),
+    ("v2-image-two-unknown", "sft", demo([{"type": "image", "path": "a.png", "fps": 24, "size": 2}]),
+     "input.media[0]", "unknown keys 'fps', 'size' (allowed here: path, slot, type)"),
+    ("v2-output-video-unknown", "sft", demo(target=media(type="video", path="t.mp4", rate=24)),
+     "supervision.target.media[0].rate", "unknown key (allowed here: fps, path, type)"),
     ("v2-video-sample-rate", "sft", demo([{"type": "video", "path": "a.mp4", "sample_rate": 16000}]),
      "input.media[0].sample_rate", "unknown key"),
     ("v2-video-audio-path", "sft", demo([{"type": "video", "path": "a.mp4", "audio_path": "a.wav"}]),
@@ -171,7 +185,16 @@ MALFORMED = [
     ("v2-output-fps-negative", "sft", demo(target=media(type="video", path="t.mp4", fps=-24)),
      "supervision.target.media[0].fps", "finite positive"),
     ("v2-output-rate-zero", "sft", demo(target=media(type="audio", path="t.wav", sample_rate=0)),
-     "supervision.target.media[0].sample_rate", "finite positive"),
+     "supervision.target.media[0].sample_rate", "must be a positive integer, found 0"),
+    ("v2-rate-float", "sft", demo(target=media(type="audio", path="t.wav", sample_rate=16000.0)),
+     "supervision.target.media[0].sample_rate", "expected an integer, found a number (16000.0)"),
+    ("v2-rate-bool", "sft", demo([{"type": "audio", "path": "a.wav", "sample_rate": True}]),
+     "input.media[0].sample_rate", "expected an integer, found a boolean"),
+    ("v2-metadata-nan", "sft", json.dumps(demo(metadata={"score": 0.5})).replace("0.5", "NaN"), "metadata.score",
+     "must be finite JSON (NaN and Infinity are not JSON), found nan"),
+    ("v2-metadata-nested-infinity", "sft",
+     json.dumps(demo(metadata={"a": {"b": [1, 0.5]}})).replace("0.5", "-Infinity"), "metadata.a.b[1]",
+     "must be finite JSON (NaN and Infinity are not JSON), found -inf"),
     ("v2-metadata-string", "sft", demo(metadata="note"), "metadata", "expected a JSON object"),
     ("v2-sft-given-preference", "sft", pref(), "supervision.type", "needs 'demonstration'"),
     ("v2-dpo-given-demonstration", "offline-dpo", demo(), "supervision.type", "needs 'preference'"),
@@ -234,8 +257,8 @@ def test_error_message_shape(tmp_path):
     assert isinstance(info.value, ValueError) and isinstance(info.value, DatasetError)
 
 
-@pytest.mark.parametrize("text, line", [("", 1), ("\n\n", 1), ("{\"prompt\": \"a\"}\n\n{\"prompt\": \"b\"}\n", 2)])
-def test_empty_files_and_blank_lines(tmp_path, text, line):
+@pytest.mark.parametrize("text, line", [("", 1), ("\n\n", 1), ("  \n\t\n", 1)])
+def test_empty_and_blank_only_files(tmp_path, text, line):
     (tmp_path / "train.txt").write_text("p\n")
     (tmp_path / "test.jsonl").write_text(text)
     with pytest.raises(DatasetErrors) as info:
@@ -243,11 +266,25 @@ def test_empty_files_and_blank_lines(tmp_path, text, line):
     assert info.value.errors[0].line == line
 
 
-def test_txt_prompts_blank_line_and_empty(tmp_path):
-    (tmp_path / "train.txt").write_text("A hill at sunset.\n\n  An astronaut.  \n")
+def test_legacy_jsonl_blank_lines_skipped_but_counted(tmp_path):
+    """Flow-Factory reads legacy JSONL with HF datasets' JSON builder (pyarrow), which skips blank and
+    whitespace-only lines; a V2 manifest keeps them an error (v2-blank-line above)."""
+    (tmp_path / "train.txt").write_text("p\n")
+    (tmp_path / "test.jsonl").write_text('{"prompt": "a"}\n\n  \t\n{"prompt": "b", "images": 3}\n')
     with pytest.raises(DatasetErrors) as info:
-        load_split(DatasetConfig(name="t", dataset_dir=str(tmp_path)), "train", "grpo")
-    assert [(e.line, e.reason[:10]) for e in info.value.errors] == [(2, "blank line")]
+        load_split(DatasetConfig(name="t", dataset_dir=str(tmp_path), eval={}), "test", "grpo")
+    assert info.value.format() == (f"{tmp_path}/test.jsonl:4: images: expected a path or an array of paths, "
+                                   "found a number (3)")
+    (tmp_path / "test.jsonl").write_text('{"prompt": "a"}\n\n  \t\n{"prompt": "b"}\n')
+    records = load_split(DatasetConfig(name="t", dataset_dir=str(tmp_path), eval={}), "test", "grpo")
+    assert [(r.line, r.prompt) for r in records] == [(1, "a"), (4, "b")]
+
+
+def test_txt_prompts_blank_lines_skipped_but_counted(tmp_path):
+    """Flow-Factory reads ``[line.strip() for line in f if line.strip()]``; the lines still count for messages."""
+    (tmp_path / "train.txt").write_text("A hill at sunset.\n\n   \n  An astronaut.  \n\n")
+    records = load_split(DatasetConfig(name="t", dataset_dir=str(tmp_path)), "train", "grpo")
+    assert [(r.line, r.prompt) for r in records] == [(1, "A hill at sunset."), (4, "An astronaut.")]
     (tmp_path / "train.txt").write_text("A hill at sunset.\r\n  An astronaut.  \r\n")
     records = load_split(DatasetConfig(name="t", dataset_dir=str(tmp_path)), "train", "grpo")
     assert [(r.line, r.prompt) for r in records] == [(1, "A hill at sunset."), (2, "An astronaut.")]
@@ -372,3 +409,51 @@ def test_v2_metadata_is_free_json_and_not_an_input(tmp_path):
     meta = {"nested": {"list": [1, None, "x"]}, "score": 0.5}
     r = parse_v2_record(demo(metadata=meta), tmp_path / "train.jsonl", 1, tmp_path)
     assert r.metadata == meta and r.inputs == ()
+
+
+# --- Flow-Factory parity: reward metadata, forgiving columns, V2 types ----------------------------------------------
+def test_extra_columns_are_reward_metadata(tmp_path):
+    """Spec: datasets carry "prompts, and optional reward metadata"; Flow-Factory keeps every column it does not
+    preprocess as the sample's metadata. Known columns never reach it; a ``metadata`` object merges in."""
+    dirs = {t: tmp_path for t in MediaType}
+    row = {"tag": "color_attr", "include": [{"class": "bench", "count": 1, "color": "blue"}], "exclude": [],
+           "prompt": "a photo of a blue bench", "negative_prompt": "", "images": ["a.png"],
+           "metadata": {"answer": "OCR"}}
+    r = parse_legacy_row(row, tmp_path / "test.jsonl", 1, dirs)
+    assert r.metadata == {"answer": "OCR", "tag": "color_attr", "exclude": [],
+                          "include": [{"class": "bench", "count": 1, "color": "blue"}]}
+    assert r.prompt == "a photo of a blue bench" and [m.path.name for m in r.inputs] == ["a.png"]
+
+
+def test_plural_column_given_as_one_string_is_a_one_element_list(tmp_path):
+    """Flow-Factory: ``if isinstance(paths, str): paths = [paths]``; the column is named as the user wrote it."""
+    dirs = {t: tmp_path / f"{t}s" for t in MediaType}
+    r = parse_legacy_row(legacy(images="subject.png", audios="a.wav"), tmp_path / "test.jsonl", 1, dirs)
+    assert [(m.type.value, m.path, m.origin) for m in r.inputs] == [
+        ("image", tmp_path / "images/subject.png", "images"), ("audio", tmp_path / "audios/a.wav", "audios")]
+    assert r.inputs[0].field_of("path") == "images" and r.inputs[0].file_fields() == [
+        (tmp_path / "images/subject.png", "images")]
+
+
+def test_v2_negative_prompt_and_empty_prompt(tmp_path):
+    """Flow-Factory's V2 ``InputSpec``: ``prompt: str`` (empty allowed), ``negative_prompt: str | None``."""
+    r = parse_v2_record(demo(input={"prompt": "", "negative_prompt": "blurry"}), tmp_path / "train.jsonl", 1, tmp_path)
+    assert (r.prompt, r.negative_prompt, r.field_path("negative_prompt")) == ("", "blurry", "input.negative_prompt")
+    r = parse_v2_record(demo(input={"prompt": "p", "negative_prompt": None}), tmp_path / "train.jsonl", 1, tmp_path)
+    assert r.negative_prompt is None
+    r = parse_v2_record(demo(target=media(type="audio", path="t.wav", sample_rate=16000)), tmp_path / "t.jsonl", 1,
+                        tmp_path)
+    assert r.candidates[0][0].sample_rate == 16000
+
+
+def test_paths_are_normalised(tmp_path):
+    """Flow-Factory's V2 loader ``os.path.normpath`` s every media path; ff does so for every format, so a message
+    names each file one way."""
+    r = parse_v2_record(demo([{"type": "image", "path": "./c/../c/./a.png"}]), tmp_path / "train.jsonl", 1,
+                        tmp_path / "root" / ".." / "root")
+    assert r.inputs[0].path == tmp_path / "root" / "c" / "a.png"
+    dirs = {t: tmp_path / "img" for t in MediaType}
+    r = parse_legacy_row(legacy(image="x/../b.png"), tmp_path / "test.jsonl", 1, dirs)
+    assert r.inputs[0].path == tmp_path / "img" / "b.png"
+    r = parse_legacy_row(ref({**IMG, "path": "refs//./s.png"}), tmp_path / "test.jsonl", 1, dirs, root=tmp_path)
+    assert r.references[0].path == tmp_path / "refs" / "s.png"

@@ -10,7 +10,7 @@ from data_helpers import write_lines
 
 from ff_core.contracts import MediaType
 from ff_core.data.sources import DatasetConfig, SplitConfig, check_dataset_configs, detect_schema, load_split
-from ff_core.errors import DatasetError, DatasetErrors
+from ff_core.errors import DatasetError, DatasetErrors, DatasetWarning
 
 DEMO = {"schema_version": 2, "input": {"prompt": "p", "media": [{"type": "image", "path": "c/a.png"}]},
         "supervision": {"type": "demonstration", "target": {"media": [{"type": "image", "path": "t/a.png"}]}}}
@@ -28,12 +28,17 @@ def test_train_split_required(tmp_path):
     with pytest.raises(DatasetErrors) as info:
         load_split(cfg(tmp_path), "train", "grpo")
     reason = "dataset 'ds': no training split (neither train.jsonl nor train.txt exists)"
-    assert str(info.value) == f"{tmp_path}:0: {reason}"
+    assert str(info.value) == f"{tmp_path}: {reason}"  # a folder-level problem has no line, and prints none
 
 
 def test_missing_folder_and_both_formats(tmp_path):
-    with pytest.raises(DatasetError, match="dataset_dir: dataset 'ds': folder does not exist"):
+    with pytest.raises(DatasetError) as info:
         load_split(cfg(tmp_path / "nope"), "train", "sft")
+    assert str(info.value) == f"{tmp_path}/nope: dataset_dir: dataset 'ds': folder does not exist"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DatasetError) as info:
+        load_split(cfg(tmp_path / "file"), "test", "sft")
+    assert str(info.value) == f"{tmp_path}/file: dataset_dir: dataset 'ds': is not a folder"
     write_lines(tmp_path / "train.txt", ["a"])
     write_lines(tmp_path / "train.jsonl", [{"prompt": "a"}])
     with pytest.raises(DatasetError, match="both train.jsonl and train.txt exist"):
@@ -64,6 +69,16 @@ def test_media_dir_defaults_and_overrides(tmp_path):
     assert [m.path for m in load_split(over, "train", "grpo")[0].inputs] == [
         tmp_path / "a.png", Path("/shared/videos/b.mp4"), Path("/shared/audio/c.wav")]
     assert over.media_dir("image") == tmp_path and cfg(tmp_path).media_dir(MediaType.AUDIO) == tmp_path / "audios"
+
+
+def test_dataset_and_media_dirs_are_normalised(tmp_path):
+    write_lines(tmp_path / "train.jsonl", [{"prompt": "p", "image": "a.png"}, {"prompt": "p", "images": 3}])
+    c = cfg(tmp_path / "x" / ".." / ".", audio_dir=f"{tmp_path}/y/../z")
+    assert c.root == tmp_path and c.media_dir("audio") == tmp_path / "z"
+    with pytest.raises(DatasetErrors) as info:
+        load_split(c, "train", "grpo")
+    assert str(info.value) == (f"{tmp_path}/train.jsonl:2: images: expected a path or an array of paths, "
+                               "found a number (3)")
 
 
 def test_v2_paths_ignore_media_dir_overrides(tmp_path):
@@ -142,9 +157,16 @@ def test_errors_format_flatten_and_pickle():
     one = DatasetError("t.jsonl", 3, "input.prompt", "must not be empty")
     file_level = DatasetError("t.jsonl", None, None, "file is empty")
     many = DatasetErrors([one, DatasetErrors([file_level])])
-    assert str(one) == "t.jsonl:3: input.prompt: must not be empty" and str(file_level) == "t.jsonl:0: file is empty"
+    assert str(one) == "t.jsonl:3: input.prompt: must not be empty" and str(file_level) == "t.jsonl: file is empty"
     assert many.errors == [one, file_level] and (many.path, many.line, many.field) == ("t.jsonl", 3, "input.prompt")
     assert str(many).splitlines() == ["2 dataset errors:", str(one), str(file_level)]
     assert str(pickle.loads(pickle.dumps(many))) == str(many) and one.errors == [one]
     with pytest.raises(ValueError):
         DatasetErrors([])
+
+
+def test_warning_format_and_pickle():
+    warning = DatasetWarning("t.jsonl", 2, "references", "kept as metadata")
+    assert str(warning) == warning.format() == "t.jsonl:2: warning: references: kept as metadata"
+    assert DatasetWarning("t.jsonl", None, None, "x").format() == "t.jsonl: warning: x"
+    assert str(pickle.loads(pickle.dumps(warning))) == str(warning)

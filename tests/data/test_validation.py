@@ -11,7 +11,14 @@ import pytest
 
 from ff_core.contracts import MediaType
 from ff_core.data.records import Record, parse_legacy_row, parse_v2_record
-from ff_core.data.validation import bind_slots, check_batch_size, check_records, record_errors
+from ff_core.data.validation import (
+    bind_slots,
+    check_batch_size,
+    check_records,
+    conform,
+    record_errors,
+    record_warnings,
+)
 from ff_core.errors import ContractError, DatasetErrors
 from ff_core.testing.contracts import SUPPORT_TABLE
 
@@ -30,13 +37,14 @@ VIDEO_IN = {"type": "video", "path": "m.mp4", "fps": 12.0}
 AUDIO_IN = {"type": "audio", "path": "a.wav", "sample_rate": 16000}
 
 
-def v2(inputs=(), outputs=IMG_OUT, rejected=None) -> Record:
-    """A V2 record: demonstration of ``outputs``, or preference ``outputs`` vs ``rejected``."""
+def v2(inputs=(), outputs=IMG_OUT, rejected=None, **given) -> Record:
+    """A V2 record: demonstration of ``outputs``, or preference ``outputs`` vs ``rejected``; ``given`` adds to
+    (or replaces) ``input`` keys."""
     if rejected is None:
         sup = {"type": "demonstration", "target": {"media": list(outputs)}}
     else:
         sup = {"type": "preference", "chosen": {"media": list(outputs)}, "rejected": {"media": list(rejected)}}
-    rec = {"schema_version": 2, "input": {"prompt": "p", "media": list(inputs)}, "supervision": sup}
+    rec = {"schema_version": 2, "input": {"prompt": "p", "media": list(inputs), **given}, "supervision": sup}
     return parse_v2_record(rec, ROOT / "train.jsonl", 7, ROOT)
 
 
@@ -59,7 +67,11 @@ CASES: list[tuple[str, Record, list[tuple[str, str]]]] = [
     ("sd3-5", v2([img()]), [("input.media", "takes no condition media")]),
     ("sd3-5", leg(images=["a.png"]), [("images", "takes no condition media")]),
     ("sd3-5", leg(video="a.mp4"), [("video", "takes no condition media")]),
-    ("sd3-5", leg(references=REFS), [("references", "takes no ordered references")]),
+    ("sd3-5", leg(references=REFS), []),  # kept as metadata, with a warning (test_references_kept_as_metadata)
+    ("sd3-5", v2(negative_prompt="blurry"), []),
+    ("sd3-5", v2(negative_prompt=None), []),
+    ("sd3-5", v2(prompt=""), [("input.prompt", "this adapter needs a prompt")]),
+    ("sd3-5", leg(clue=70, puzzle="4090"), []),
     ("flux1-kontext", v2([img()]), []),
     ("flux1-kontext", leg(image="a.png"), []),
     ("flux1-kontext", leg(images=["a.png", "b.png"]), [("images", "needs 1-1 image(s), found 2")]),
@@ -108,7 +120,11 @@ CASES: list[tuple[str, Record, list[tuple[str, str]]]] = [
     ("minimax-h3-t2va", leg(negative_prompt="blurry"), [("negative_prompt", "no classifier-free guidance")]),
     ("minimax-h3-t2va", leg(negative_prompt=""), [("negative_prompt", "no classifier-free guidance")]),
     ("minimax-h3-t2va", leg(images=["a.png"]), [("images", "takes no condition media")]),
-    ("minimax-h3-t2va", leg(references=REFS), [("references", "takes no ordered references")]),
+    ("minimax-h3-t2va", leg(references=REFS), []),
+    ("minimax-h3-t2va", v2(outputs=VA_OUT, negative_prompt="blurry"),
+     [("input.negative_prompt", "no classifier-free guidance; remove input.negative_prompt")]),
+    ("minimax-h3-t2va", v2(outputs=VA_OUT, negative_prompt=""), [("input.negative_prompt", "classifier-free")]),
+    ("minimax-h3-t2va", v2(outputs=VA_OUT, negative_prompt=None), []),
     ("minimax-h3-t2va", v2(outputs=IMG_OUT), [("supervision.target.media", "expected outputs (video, audio)")]),
     ("minimax-h3-fl2va", leg(images=["images/first.png"]), []),
     ("minimax-h3-fl2va", leg(images=["images/first.png", "images/last.png"]), []),
@@ -123,8 +139,6 @@ CASES: list[tuple[str, Record, list[tuple[str, str]]]] = [
     ("minimax-h3-ref2va", leg(references=[VIDEO_IN]), []),
     ("minimax-h3-ref2va", leg(references=[img()] * 12), []),
     ("minimax-h3-ref2va", v2(REFS, VA_OUT, rejected=VA_OUT), []),
-    ("minimax-h3-ref2va", leg(references=[img()] * 13), [("references", "needs 1-12 references, found 13")]),
-    ("minimax-h3-ref2va", leg(references=[AUDIO_IN, AUDIO_IN]), [("references", "at least one image or video")]),
     ("minimax-h3-ref2va", leg(), [("references", "found 0")]),
     ("minimax-h3-ref2va", leg(images=["a.png"]), [("images", "ordered 'references' array")]),
     ("minimax-h3-ref2va", v2([AUDIO_IN], VA_OUT), [("input.media", "at least one image or video")]),
@@ -180,3 +194,21 @@ def test_batch_capability(name):
         check_batch_size(contract, name, 2)
     with pytest.raises(ContractError, match="data.preprocessing_batch_size=8"):
         check_batch_size(contract, name, 1, preprocessing_batch_size=8)
+
+
+def test_references_kept_as_metadata_for_an_adapter_without_references():
+    """Flow-Factory hands a pipeline only the columns it preprocesses; the rest is sample metadata. So a row's
+    references are metadata for an adapter that takes none: a warning, not an error, and never a model input."""
+    record = leg(references=[img(path="r.png"), {**VIDEO_IN, "audio_path": "s.wav", "sample_rate": 16000}],
+                 tag="style")
+    (warning,) = record_warnings(record, SUPPORT_TABLE["sd3-5"], "sd3-5")
+    assert warning.format() == ("/data/set/test.jsonl:7: warning: references: kept as metadata, not a model input: "
+                                "adapter 'sd3-5' takes no ordered references")
+    seen = conform(record, SUPPORT_TABLE["sd3-5"])
+    assert seen.references == () and seen.inputs == ()
+    assert seen.metadata == {"tag": "style", "references": [
+        {"type": "image", "path": "/data/set/r.png"},
+        {"type": "video", "path": "/data/set/m.mp4", "fps": 12.0, "audio_path": "/data/set/s.wav",
+         "sample_rate": 16000.0}]}
+    ref2va = SUPPORT_TABLE["minimax-h3-ref2va"]
+    assert record_warnings(record, ref2va, "minimax-h3-ref2va") == [] and conform(record, ref2va) is record
