@@ -13,6 +13,7 @@ import torch
 from ff_core.callbacks import SampleLog, read_sample_log
 from ff_core.data.dataflow import DataflowLoader
 from ff_core.data.datamodule import STAMP_KEY, FlowDataModule
+from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.data.sources import DatasetConfig, load_split
 from ff_core.errors import DatasetErrors
@@ -130,8 +131,9 @@ def test_training_loader_is_a_stamped_dataflow_loader(tiny_sd3, shapes_dir, tmp_
     model.configure_model()
     loader = dm.train_dataloader()
     assert isinstance(loader, DataflowLoader) and loader.mode == "epoch"
+    identity = {"shapes": {"rows": 24, "sha256": records_identity(dm.train_records, MediaDigests())}}
     assert loader.distributor.fingerprint() == {"kind": "SamplerDistributor", "name": "train", "length": 24,
-                                                "shuffle": True, "seed": 7}
+                                                "shuffle": True, "seed": 7, "records": identity}
     assert len(loader) == 5  # ceil(24 / 5): one complete traversal, the last batch partial
     batches = list(loader)
     assert set(batches[0]) == BATCH_KEYS | {STAMP_KEY} and [len(b["prompt"]) for b in batches] == [5, 5, 5, 5, 4]
