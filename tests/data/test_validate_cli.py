@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from data_helpers import EXAMPLES, REPO, make_media
+from data_helpers import EXAMPLES, REPO
 
 from ff_core.data.commands import main
 
@@ -24,26 +22,6 @@ EXAMPLE_MODELS = {
     "h3_fl2va": ("minimax-h3-fl2va", ["--image-dir", "{dir}"]),
     "h3_ref2va_dpo": ("minimax-h3-ref2va", []),
 }
-
-
-@pytest.fixture(scope="session")
-def examples(tmp_path_factory) -> Path:
-    """A copy of examples/datasets with its media generated (the repo's copy is left untouched)."""
-    root = tmp_path_factory.mktemp("examples")
-    shutil.copytree(EXAMPLES, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "*.mp4", "*.wav"))
-    for name in EXAMPLE_MODELS:
-        make_media.make_dataset_media(root / name, **make_media.OVERRIDES.get(name, {}))
-    return root
-
-
-@pytest.fixture
-def broken(examples, tmp_path):
-    """Copy one example dataset (media included) to a scratch folder, to break it."""
-
-    def copy(name: str) -> Path:
-        return Path(shutil.copytree(examples / name, tmp_path / name))
-
-    return copy
 
 
 def run(*argv) -> tuple[int, str]:
@@ -102,7 +80,8 @@ def test_missing_train_split(broken):
     d = broken("sd3_dpo")
     (d / "train.jsonl").unlink()
     code, out = run("validate", d)
-    assert code == 2 and f"{d}:0: dataset 'validate': no training split" in out
+    assert code == 2
+    assert f"{d}:0: dataset 'sd3_dpo': no training split (neither train.jsonl nor train.txt exists)" in out
 
 
 def test_missing_and_corrupt_media(broken):
