@@ -55,6 +55,11 @@ def usage() -> str:
     ])
 
 
+def _print_usage() -> int:
+    print(usage())
+    return 0
+
+
 def print_plugins(stream: TextIO | None = None) -> int:
     """``ff plugins``: each adapter with its distribution, version and IO contract; then failures."""
     from ff_core.plugins import get_registry
@@ -100,8 +105,8 @@ def _trainer_command(args: list[str] | None) -> int:
         print(exc.format(), file=sys.stderr)  # `path:line: field: reason` lines, as `ff data validate` prints
         return EXIT_USAGE
     except (ConfigError, ContractError) as exc:
-        command = next((a for a in (args or sys.argv[1:]) if a in TRAINER_COMMANDS), "ff")
-        print(f"ff {command}: {exc}", file=sys.stderr)
+        command = next((a for a in (sys.argv[1:] if args is None else args) if a in TRAINER_COMMANDS), None)
+        print(f"ff {command}: {exc}" if command else f"ff: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0
 
@@ -142,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return EXIT_USAGE
     if first in _HELP_FLAGS:
-        return pipe_safe(lambda: print(usage()) or 0)
+        return pipe_safe(_print_usage)
     if first == "plugins":
         return pipe_safe(lambda: _plugins(args[1:]))
     if first == "data":
