@@ -1,17 +1,66 @@
 """The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins`` and ``ff data``.
 
 ``ff fit --config recipe.yaml`` builds FlowModule (``model:``), FlowDataModule (``data:``) and Lightning's
-Trainer (``trainer:``) from one YAML (see :mod:`ff_core.lightning_cli`). ``ff plugins`` and ``ff data`` do not
-import Lightning, so they answer quickly.
+Trainer (``trainer:``) from one YAML (see :mod:`ff_core.lightning_cli`). ``ff --help``, ``ff plugins`` and
+``ff data`` are answered here without importing Lightning, so they answer quickly.
+
+A mistake the user can fix (an unknown ``model.adapter``, a checkpoint that is neither a folder nor a hub id, a
+dataset problem) ends ``ff fit`` with its message and exit status 2, not a traceback. Output piped into a
+reader that stops early (``ff data validate DIR | head``) ends quietly.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: the status a shell reports for a writer whose reader went away (``yes | head``)."""
+
+# Lightning's subcommands as ff uses them (docs/config.md, "Subcommands"); LightningCLI parses their options.
+TRAINER_COMMANDS = {
+    "fit": "train: ff fit --config recipe.yaml [--section.key value ...]",
+    "validate": "sample the evaluation prompts once into a grid (SampleGrid)",
+    "test": "the same as validate, on Lightning's test loop",
+    "predict": "write one file per evaluation prompt plus an index (MediaWriter)",
+}
+PLUGINS_HELP = "list installed adapters (distribution, version, IO contract) and plugins that failed to load"
+_HELP_FLAGS = ("-h", "--help")
+_OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints these and exits
 
 
-def print_plugins(stream=None) -> int:
+def usage() -> str:
+    """``ff --help``: what ff is and every subcommand, Lightning's and ff's own."""
+    from ff_core.data.commands import DATA_COMMANDS
+
+    rows = [*TRAINER_COMMANDS.items(), *((f"data {k}", v) for k, v in DATA_COMMANDS.items()), ("plugins", PLUGINS_HELP)]
+    width = max(len(name) for name, _ in rows) + 2
+    return "\n".join([
+        "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]",
+        "       ff data {" + ",".join(DATA_COMMANDS) + "} DATASET_DIR [options]",
+        "       ff plugins",
+        "",
+        "ff post-trains flow-matching models on PyTorch Lightning. A recipe is one YAML with model: (FlowModule:",
+        "adapter, checkpoint, objective), data: (FlowDataModule: datasets, batch sizes) and trainer: (Lightning's",
+        "Trainer); every key can be overridden on the command line.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}{text}" for name, text in rows),
+        "",
+        "`ff COMMAND --help` shows a command's options (`ff fit --help` lists every config key).",
+    ])
+
+
+def _print_usage() -> int:
+    print(usage())
+    return 0
+
+
+def print_plugins(stream: TextIO | None = None) -> int:
     """``ff plugins``: each adapter with its distribution, version and IO contract; then failures."""
     from ff_core.plugins import get_registry
 
@@ -27,18 +76,91 @@ def print_plugins(stream=None) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["plugins"]:
-        return print_plugins()
-    if args[:1] == ["data"]:
-        from ff_core.data.commands import main as data_main
+def _plugins(args: list[str]) -> int:
+    if args[:1] and args[0] in _HELP_FLAGS:
+        print(f"usage: ff plugins\n\n{PLUGINS_HELP}.", file=sys.stdout)
+        return 0
+    if args:
+        print(f"usage: ff plugins\nff plugins: takes no arguments, found {' '.join(args)!r}", file=sys.stderr)
+        return EXIT_USAGE
+    return print_plugins()
 
-        return data_main(args[1:])
+
+def _unknown_command(name: str) -> int:
+    commands = [*TRAINER_COMMANDS, "data", "plugins"]
+    close = difflib.get_close_matches(name, commands, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    print(f"ff: unknown command {name!r}{guess} (commands: {', '.join(commands)}; see ff --help)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _trainer_command(args: list[str] | None) -> int:
+    """LightningCLI; ff's user errors print as their message (exit 2), anything else keeps its traceback."""
+    from ff_core.errors import ConfigError, ContractError, DatasetError
     from ff_core.lightning_cli import run
 
-    run(None if argv is None else args)  # None: LightningCLI reads sys.argv itself for the `ff` script
+    try:
+        run(args)  # None: LightningCLI reads sys.argv itself for the `ff` script
+    except DatasetError as exc:
+        print(exc.format(), file=sys.stderr)  # `path:line: field: reason` lines, as `ff data validate` prints
+        return EXIT_USAGE
+    except (ConfigError, ContractError) as exc:
+        command = next((a for a in (sys.argv[1:] if args is None else args) if a in TRAINER_COMMANDS), None)
+        print(f"ff {command}: {exc}" if command else f"ff: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
+
+
+def pipe_safe(command: Callable[[], int]) -> int:
+    """Run a command that prints to stdout; end quietly with :data:`EXIT_BROKEN_PIPE` if the reader goes away.
+
+    Python's recipe (docs of :mod:`signal`, "Note on SIGPIPE"): catch BrokenPipeError and point stdout at devnull
+    so the interpreter's final flush does not print a second error. SIGPIPE is not reset to its default instead:
+    that would also kill ``ff fit`` on any broken socket.
+
+    Args:
+        command: returns the exit status (a ``SystemExit`` from ``--help`` passes through once flushed).
+    """
+    try:
+        try:
+            return command()
+        finally:
+            sys.stdout.flush()  # inside the guard: a small output is only written here
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (captured by a caller): nothing left to flush
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ff ARGS``; returns the exit status.
+
+    Args:
+        argv: the arguments after ``ff`` (default: ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    first = args[0] if args else None
+    if first is None:
+        print(usage(), file=sys.stderr)
+        return EXIT_USAGE
+    if first in _HELP_FLAGS:
+        return pipe_safe(_print_usage)
+    if first == "plugins":
+        return pipe_safe(lambda: _plugins(args[1:]))
+    if first == "data":
+        from ff_core.data.commands import main as data_main
+
+        return pipe_safe(lambda: data_main(args[1:]))
+    if not first.startswith("-") and first not in TRAINER_COMMANDS:
+        return _unknown_command(first)
+    lightning_args = None if argv is None else args
+    # `ff fit --help | less`: the help is long and readers quit early.
+    if any(a.partition("=")[0] in _OWN_OUTPUT_FLAGS for a in args):
+        return pipe_safe(lambda: _trainer_command(lightning_args))
+    return _trainer_command(lightning_args)
 
 
 if __name__ == "__main__":

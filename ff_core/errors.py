@@ -109,3 +109,26 @@ def raise_collected(errors: list[DatasetError]) -> None:
 
 class ContractError(ValueError):
     """A configuration that the selected adapter's IO contract cannot serve (found before weights load)."""
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work, named by the key the user wrote (STYLE 3). ``str(err)`` is ``key: reason``.
+
+    ``ff fit`` prints it as one line and exits 2 instead of showing a traceback.
+
+    Args:
+        key: the dotted config key (``model.adapter``, ``model.pretrained_model_name_or_path``).
+        reason: what is wrong, with the found value and, where there is one, the closest valid value.
+
+    Attributes:
+        key: as given.
+        reason: as given.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"{key}: {reason}")
+
+    def __reduce__(self):  # pickling (DDP spawn) with the 2-argument constructor
+        return (ConfigError, (self.key, self.reason))

@@ -35,4 +35,5 @@ def run(args: list[str] | None) -> None:
     """``ff fit ...``: ``args=None`` reads ``sys.argv`` (the console script)."""
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    FlowCLI(FlowModule, FlowDataModule, args=args, save_config_kwargs={"overwrite": True})
+    # prog: `ff fit --help` says `ff`, also when started as `python -m ff_core.cli`.
+    FlowCLI(FlowModule, FlowDataModule, args=args, save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": "ff"})

@@ -21,8 +21,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
+from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
+from ff_core.pretrained import load_pretrained
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -114,7 +116,10 @@ class FlowModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
-        self.adapter_cls: type[Adapter] = get_adapter_class(adapter)  # class only: no weights yet
+        try:
+            self.adapter_cls: type[Adapter] = get_adapter_class(adapter)  # class only: no weights yet
+        except KeyError as exc:  # names the closest registered adapter; `ff fit` prints it as one line
+            raise ConfigError("model.adapter", exc.args[0]) from None
         self.pretrained_model_name_or_path = pretrained_model_name_or_path
         self.adapter_kwargs = dict(adapter_kwargs or {})
         self.objective = objective
@@ -134,7 +139,8 @@ class FlowModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.adapter is not None:
             return
-        adapter = self.adapter_cls.from_pretrained(self.pretrained_model_name_or_path, **self.adapter_kwargs)
+        # A folder or hub id that cannot be loaded is a ConfigError naming model.pretrained_model_name_or_path.
+        adapter = load_pretrained(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         adapter.requires_grad_(False)
         if self.lora is not None:
             apply_lora(adapter, self.lora)

@@ -7,9 +7,11 @@ still work, the way pytest isolates its plugins.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -99,14 +101,44 @@ class PluginRegistry:
         return dict(self._adapters)
 
     def adapter_class(self, name: str) -> type[Adapter]:
-        """Resolve a registered name, or a dotted path ``pkg.module:Class`` (or ``pkg.module.Class``)."""
+        """Resolve a registered name, or a dotted path ``pkg.module:Class`` (or ``pkg.module.Class``).
+
+        An unknown name raises KeyError naming the closest registered name (``sd3`` -> ``sd3-5``).
+        """
         if name in self._adapters:
             return self._adapters[name].cls
+        why = ""
         if ":" in name or "." in name:
-            return load_dotted_adapter(name)
+            try:
+                return load_dotted_adapter(name)
+            except KeyError as exc:
+                # ``pkg.mod:Class`` is certainly a path; ``sd3.5`` is more likely a mistyped name: say both.
+                if ":" in name or closest_name(name, self._adapters) is None:
+                    raise
+                why = f" (not a registered name, nor an importable dotted path: {exc.__cause__ or exc.args[0]})"
+        close = closest_name(name, self._adapters)
+        guess = f"; did you mean {close!r}?" if close else ""
         known = ", ".join(sorted(self._adapters)) or "none (is a plugin such as ff-sd3 installed?)"
         hint = "".join(f"\n  plugin {f.plugin} ({f.distribution}) failed: {f.error}" for f in self.failures)
-        raise KeyError(f"unknown adapter {name!r}; registered adapters: {known}{hint}")
+        raise KeyError(f"unknown adapter {name!r}{why}{guess} (registered adapters: {known}){hint}")
+
+
+def closest_name(name: str, names: Iterable[str]) -> str | None:
+    """The registered name ``name`` most likely meant, or ``None``.
+
+    Case and punctuation are ignored first (``SD3-5``, ``sd35`` -> ``sd3-5``), then :func:`difflib.get_close_matches`
+    picks the most similar name (``sd3`` -> ``sd3-5``).
+    """
+    names = sorted(names)
+    squashed = {_squash(n): n for n in names}
+    if _squash(name) in squashed:
+        return squashed[_squash(name)]
+    found = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 def load_dotted_adapter(path: str) -> type[Adapter]:

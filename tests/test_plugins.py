@@ -1,5 +1,6 @@
 """Plugin discovery through real entry points: good, broken, faulty and conflicting plugins."""
 
+import importlib.metadata as md
 import os
 import subprocess
 import sys
@@ -111,6 +112,32 @@ def test_unknown_name_lists_known_adapters_and_failures(site):
     install_fake_plugin(site, "toy-bad", "toy_bad", BROKEN)
     with pytest.raises(KeyError, match=r"unknown adapter 'nope'.*toy-t2v(.|\n)*toy-bad"):
         PluginRegistry().adapter_class("nope")
+
+
+def toy_registry(site) -> PluginRegistry:
+    """A registry of the toy-good plugin only (the installed ff-sd3 left out, so messages are exact)."""
+    install_fake_plugin(site, "toy-good", "toy_good", GOOD)
+    return PluginRegistry(entry_points=[ep for ep in md.entry_points(group="ff") if ep.name == "toy-good"])
+
+
+@pytest.mark.parametrize("typo", ["toy", "TOY-T2V", "toy_t2v", "toyt2v", "toy.t2v"])
+def test_unknown_name_names_the_closest_registered_adapter(site, typo):
+    with pytest.raises(KeyError) as err:
+        toy_registry(site).adapter_class(typo)
+    # `toy.t2v` reads as a dotted path too: the message says why that failed as well.
+    why = " (not a registered name, nor an importable dotted path: No module named 'toy')" if "." in typo else ""
+    assert err.value.args[0] == f"unknown adapter {typo!r}{why}; did you mean 'toy-t2v'? (registered adapters: toy-t2v)"
+
+
+def test_unknown_name_without_a_close_match(site):
+    registry = toy_registry(site)
+    with pytest.raises(KeyError) as err:
+        registry.adapter_class("stable-diffusion")
+    assert err.value.args[0] == "unknown adapter 'stable-diffusion' (registered adapters: toy-t2v)"
+    with pytest.raises(KeyError) as err:
+        registry.adapter_class("toy_goodx:ToyT2V")
+    # With ':' it is a dotted path, whatever name it resembles.
+    assert err.value.args[0] == "cannot import adapter 'toy_goodx:ToyT2V': No module named 'toy_goodx'"
 
 
 def test_dotted_path_fallback(site):

@@ -7,27 +7,39 @@ split layout", "Offline V2 records", "Common task formats"), checks it against a
 a summary (with the reward-metadata columns legacy rows carry, so a misspelt column is visible); exit status 2
 prints every diagnostic as ``path:line: field: reason``. Warnings (``path:line: warning: field: reason``) name
 what was kept but deserves a look, and never change the exit status.
+
+``ff data inspect DATASET_DIR [--split train|test] [--json]`` describes each split (rows, formats, metadata
+keys, media per role and type, header ranges of the files; :mod:`ff_core.data.inspection`). Problems that stop
+it reading (a missing split, a bad row, a missing or unreadable file) are printed as ``validate`` prints them,
+with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ff_core.contracts import MediaType, PipelineIOContract
+from ff_core.data.inspection import SplitInspection, inspect_split
 from ff_core.data.media import check_media, missing_files
 from ff_core.data.records import Record
 from ff_core.data.records_legacy import closest_column
-from ff_core.data.sources import DatasetConfig, folder_error, load_split, split_file
+from ff_core.data.sources import DatasetConfig, Split, folder_error, load_split, split_file
 from ff_core.data.validation import conform, record_errors, record_warnings
 from ff_core.errors import DatasetError, DatasetWarning
 
 EXIT_OK, EXIT_INVALID = 0, 2
+# `ff data` subcommands and their one-line help (also listed by `ff --help`).
+DATA_COMMANDS = {
+    "validate": "check a dataset folder (optionally against an adapter); exit 2 listing every problem",
+    "inspect": "describe a dataset folder: rows, formats, metadata, media per role, sizes/durations/rates",
+}
 
 
 @dataclass
@@ -76,16 +88,25 @@ def _metadata_key(key: str, rows: int) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ff data", description="Dataset tools (no weights, no GPU).")
     sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="check a dataset folder; exit 2 listing every problem")
-    v.add_argument("dataset_dir", help="the dataset folder (train.jsonl|train.txt, optional test.*)")
+    v = sub.add_parser("validate", help=DATA_COMMANDS["validate"], description=DATA_COMMANDS["validate"])
+    _dataset_arguments(v)
     v.add_argument("--model", help="adapter name (see `ff plugins`) or dotted path pkg.module:Class")
     v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo"],
                    help="trainer type (default: detected; V2 records -> their supervision, else generation rows)")
-    v.add_argument("--split", choices=["train", "test"], help="one split only (default: train, and test if present)")
     v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file")
-    for kind in ("image", "video", "audio"):
-        v.add_argument(f"--{kind}-dir", help=f"root of legacy {kind}/{kind}s paths (default: DATASET_DIR/{kind}s)")
+    i = sub.add_parser("inspect", help=DATA_COMMANDS["inspect"], description=DATA_COMMANDS["inspect"])
+    _dataset_arguments(i)
+    i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
     return parser
+
+
+def _dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every dataset command shares: the folder, ``--split`` and the media-root overrides."""
+    parser.add_argument("dataset_dir", help="the dataset folder (train.jsonl|train.txt, optional test.*)")
+    parser.add_argument("--split", choices=["train", "test"],
+                        help="one split only (default: train, and test if present)")
+    for kind in ("image", "video", "audio"):
+        parser.add_argument(f"--{kind}-dir", help=f"root of legacy {kind}/{kind}s paths (default: DATASET_DIR/{kind}s)")
 
 
 def main(argv: Sequence[str], out: TextIO | None = None) -> int:
@@ -102,6 +123,8 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         return int(exc.code or 0)
     if args.command == "validate":
         return validate(args, out)
+    if args.command == "inspect":
+        return inspect(args, out)
     return EXIT_INVALID  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -118,32 +141,51 @@ def _contract(model: str | None, out: TextIO) -> tuple[str, PipelineIOContract] 
     return cls.name, cls.io_contract
 
 
+def _dataset(args: argparse.Namespace) -> DatasetConfig:
+    """The ``data.datasets`` entry the command line describes, named after its folder (for messages)."""
+    name = Path(args.dataset_dir).expanduser().resolve().name or args.dataset_dir
+    return DatasetConfig(name=name, dataset_dir=args.dataset_dir, image_dir=args.image_dir,
+                         video_dir=args.video_dir, audio_dir=args.audio_dir)
+
+
+def read_splits(
+    cfg: DatasetConfig, only: Split | None, trainer: str | None = None
+) -> tuple[list[tuple[Split, Path, list[Record]]], list[DatasetError]]:
+    """Read ``only`` that split, or ``train`` and (when present) ``test``, exactly as training would.
+
+    Returns:
+        ``(split, file, records)`` of each split that could be read, and the problems of the others.
+    """
+    read: list[tuple[Split, Path, list[Record]]] = []
+    missing = folder_error(cfg)  # a missing folder is one problem, not one per split
+    if missing:
+        return read, [missing]
+    errors: list[DatasetError] = []
+    for split in [only] if only else ["train", "test"]:
+        try:
+            path = split_file(cfg, split)
+            if path is None and split == "test" and only is None:
+                continue  # the evaluation split is optional
+            if path is None and split == "test":
+                reason = f"dataset {cfg.name!r}: no evaluation split (neither test.jsonl nor test.txt exists)"
+                raise DatasetError(cfg.root, None, None, reason)
+            records = load_split(cfg, split, trainer)
+        except DatasetError as exc:
+            errors.extend(exc.errors)
+            continue
+        read.append((split, path, records))
+    return read, errors
+
+
 def validate(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data validate``: read, check and (optionally) decode; print a summary or every diagnostic."""
     contract = _contract(args.model, out)
     if isinstance(contract, int):
         return contract
-    # The dataset's own name (its folder's), as messages name it in training too.
-    name = Path(args.dataset_dir).expanduser().resolve().name or args.dataset_dir
-    cfg = DatasetConfig(name=name, dataset_dir=args.dataset_dir, image_dir=args.image_dir,
-                        video_dir=args.video_dir, audio_dir=args.audio_dir)
-    missing = folder_error(cfg)
-    splits = [] if missing else [args.split] if args.split else ["train", "test"]
-    errors: list[DatasetError] = [missing] if missing else []
+    splits, errors = read_splits(_dataset(args), args.split, args.trainer)
     warnings: list[DatasetWarning] = []
     summaries: list[SplitSummary] = []
-    for split in splits:
-        try:
-            path = split_file(cfg, split)
-            if path is None and split == "test" and args.split is None:
-                continue  # the evaluation split is optional
-            if path is None and split == "test":
-                raise DatasetError(cfg.root, None, None,
-                                   f"dataset {name!r}: no evaluation split (neither test.jsonl nor test.txt exists)")
-            records = load_split(cfg, split, args.trainer)
-        except DatasetError as exc:
-            errors.extend(exc.errors)
-            continue
+    for _, path, records in splits:
         if contract is not None:
             errors.extend(e for r in records for e in record_errors(r, contract[1]))
             warnings.extend(w for r in records for w in record_warnings(r, contract[1], contract[0]))
@@ -158,9 +200,7 @@ def _report(args: argparse.Namespace, contract: tuple[str, PipelineIOContract] |
             summaries: list[SplitSummary], errors: list[DatasetError], warnings: list[DatasetWarning],
             out: TextIO) -> int:
     if errors:
-        for e in [*errors, *warnings]:
-            print(e.format(), file=out)
-        print(f"ff data validate: {len(errors)} problem(s) in {args.dataset_dir}", file=out)
+        _print_problems("validate", [*errors, *warnings], args.dataset_dir, out, count=len(errors))
         return EXIT_INVALID
     against = f" against {contract[0]!r}" if contract else " (format only: pass --model to check an adapter's contract)"
     print(f"{args.dataset_dir}: OK{against}", file=out)
@@ -183,6 +223,41 @@ def _grouped(warnings: list[DatasetWarning], shown: int = 5) -> list[DatasetWarn
             reason = f"{reason} ({len(lines)} rows: lines {listed})"
         out.append(DatasetWarning(path, lines[0], fld, reason))
     return out
+
+
+def inspect(args: argparse.Namespace, out: TextIO) -> int:
+    """``ff data inspect``: per split, what the rows and their media files hold (text, or ``--json``)."""
+    splits, errors = read_splits(_dataset(args), args.split)
+    found: list[SplitInspection] = []
+    for split, path, records in splits:
+        summary, media_errors = inspect_split(split, path, records)
+        found.append(summary)
+        errors.extend(media_errors)
+    if args.json:
+        report = {"dataset_dir": args.dataset_dir, "splits": [s.to_json() for s in found],
+                  "errors": [_error_json(e) for e in errors]}
+        print(json.dumps(report, indent=2), file=out)
+        return EXIT_INVALID if errors else EXIT_OK
+    print(args.dataset_dir, file=out)
+    for summary in found:
+        print("\n".join(f"  {line}" for line in summary.format()), file=out)
+    if errors:
+        _print_problems("inspect", errors, args.dataset_dir, out)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def _print_problems(command: str, problems: list[DatasetError], dataset_dir: str, out: TextIO,
+                    count: int | None = None) -> None:
+    """Every problem (errors, then any warnings), then the count of errors (``count``; default: all of them)."""
+    for e in problems:
+        print(e.format(), file=out)
+    print(f"ff data {command}: {len(problems) if count is None else count} problem(s) in {dataset_dir}", file=out)
+
+
+def _error_json(error: DatasetError) -> dict[str, Any]:
+    return {"path": error.path, "line": error.line, "field": error.field, "reason": error.reason,
+            "message": error.format()}
 
 
 def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSummary, list[DatasetError]]:
@@ -209,5 +284,7 @@ def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSum
     return summary, errors
 
 
-if __name__ == "__main__":  # `python -m ff_core.data.commands validate ...` skips the Lightning CLI imports
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # `python -m ff_core.data.commands validate ...`: `ff data` without the `ff` dispatch
+    from ff_core.cli import pipe_safe
+
+    sys.exit(pipe_safe(lambda: main(sys.argv[1:])))

@@ -392,3 +392,69 @@ def _files_to_check(item: MediaItem, field: str | None) -> Iterator[tuple[Path, 
     yield item.path, item.type is MediaType.VIDEO, field
     if item.audio_path is not None:
         yield item.audio_path, False, item.field_of("audio_path") or field
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Headers only (``ff data inspect``): sizes, durations and rates without decoding frames or samples.
+@dataclass(frozen=True)
+class MediaHeader:
+    """What a media file's header says.
+
+    Attributes:
+        type: how the file was read: ``image``, ``video`` (first video stream) or ``audio`` (first audio stream).
+        width: pixels across an image or a video's frames, else ``None``.
+        height: pixels down an image or a video's frames, else ``None``.
+        seconds: the stream's duration (the container's when the stream does not say), or ``None``.
+        fps: a video's average frame rate, or ``None``.
+        sample_rate: an audio stream's rate in samples per second, or ``None``.
+        channels: an audio stream's channel count, or ``None``.
+    """
+
+    type: MediaType
+    width: int | None = None
+    height: int | None = None
+    seconds: float | None = None
+    fps: float | None = None
+    sample_rate: int | None = None
+    channels: int | None = None
+
+
+def probe_media(
+    path: str | Path, mtype: MediaType, *, referenced_by: Where = None, field: str | None = None
+) -> MediaHeader:
+    """Read a file's header (Pillow's lazy open, PyAV's container probe); no frame or sample is decoded in full.
+
+    Args:
+        path: the file.
+        mtype: what the record says it is (a Ref2VA video's separate ``audio_path`` is read as ``audio``).
+        referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
+        field: the record field that held the path.
+    """
+    path = Path(path)
+    _check_file(path, referenced_by, field)
+    try:
+        if mtype is MediaType.IMAGE:
+            with Image.open(path) as im:  # parses the header; pixels are decoded by load(), never called here
+                return MediaHeader(mtype, width=im.width, height=im.height)
+        with av.open(str(path)) as container:
+            return _stream_header(container, mtype)
+    except (*_DECODE_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        raise media_error(path, referenced_by, field, f"cannot read {mtype.value} header: {exc}") from None
+
+
+def _stream_header(container: av.container.InputContainer, mtype: MediaType) -> MediaHeader:
+    streams = container.streams.video if mtype is MediaType.VIDEO else container.streams.audio
+    if not streams:
+        raise ValueError(f"no {mtype.value} stream")
+    stream = streams[0]
+    if stream.duration is not None and stream.time_base is not None:
+        seconds: float | None = float(stream.duration * stream.time_base)
+    else:
+        seconds = container.duration / av.time_base if container.duration is not None else None
+    if mtype is MediaType.VIDEO:
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        return MediaHeader(mtype, width=stream.codec_context.width, height=stream.codec_context.height,
+                           seconds=seconds, fps=float(rate) if rate else None)
+    ctx = stream.codec_context
+    return MediaHeader(mtype, seconds=seconds, sample_rate=ctx.sample_rate or None,
+                       channels=ctx.layout.nb_channels if ctx.layout is not None else None)

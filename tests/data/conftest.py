@@ -3,10 +3,11 @@ registry of adapters built from the spec's support table."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from data_helpers import make_media, support_adapter
+from data_helpers import EXAMPLES, make_media, support_adapter
 
 from ff_core.adapter import Adapter
 from ff_core.testing.contracts import SUPPORT_TABLE
@@ -46,3 +47,23 @@ def table_registry(monkeypatch):
 
     monkeypatch.setattr(ff_core.plugins, "get_adapter_class", lookup)
     return classes
+
+
+@pytest.fixture(scope="session")
+def examples(tmp_path_factory) -> Path:
+    """A copy of examples/datasets with its media generated (the repo's copy is left untouched)."""
+    root = tmp_path_factory.mktemp("examples")
+    shutil.copytree(EXAMPLES, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "*.mp4", "*.wav"))
+    for folder in sorted(p for p in root.iterdir() if any((p / f"train.{ext}").exists() for ext in ("jsonl", "txt"))):
+        make_media.make_dataset_media(folder, **make_media.OVERRIDES.get(folder.name, {}))
+    return root
+
+
+@pytest.fixture
+def broken(examples, tmp_path):
+    """Copy one example dataset (media included) to a scratch folder, to break it."""
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(examples / name, tmp_path / name))
+
+    return copy

@@ -12,6 +12,7 @@ from ff_core.contracts import MediaType
 from ff_core.data.media import (
     DecodedAudio,
     DecodedVideo,
+    MediaHeader,
     check_files_exist,
     check_media,
     decode_audio,
@@ -19,6 +20,7 @@ from ff_core.data.media import (
     decode_media,
     decode_video,
     missing_files,
+    probe_media,
 )
 from ff_core.data.records import MediaItem, Record
 from ff_core.errors import DatasetError, DatasetErrors
@@ -189,3 +191,27 @@ def test_a_bare_column_is_named_as_written(tmp_path):
         decode_media(item, referenced_by=SRC)
     assert info.value.format() == f"data/train.jsonl:4: image: {tmp_path}/a.png: file not found"
     assert [e.field for e in missing_files(SRC, item)] == ["image"]
+
+
+def test_probe_reads_headers_only(media_files):
+    """``ff data inspect``'s header reader: sizes, durations, rates and channels of the fixture files."""
+    assert probe_media(media_files["png"], MediaType.IMAGE) == MediaHeader(MediaType.IMAGE, width=12, height=8)
+    assert probe_media(media_files["mp4"], MediaType.VIDEO) == MediaHeader(
+        MediaType.VIDEO, width=24, height=16, seconds=0.5, fps=24.0)
+    # Read as audio, a video file gives its embedded soundtrack.
+    assert probe_media(media_files["mp4"], MediaType.AUDIO) == MediaHeader(
+        MediaType.AUDIO, seconds=0.5, sample_rate=16000, channels=2)
+    assert probe_media(media_files["wav"], MediaType.AUDIO) == MediaHeader(
+        MediaType.AUDIO, seconds=0.25, sample_rate=8000, channels=2)
+
+
+@pytest.mark.parametrize("name, mtype, reason", [
+    ("garbage_png", MediaType.IMAGE, "cannot read image header: cannot identify image file"),
+    ("garbage_mp4", MediaType.VIDEO, "cannot read video header: [Errno 1094995529] Invalid data found"),
+    ("mp4_silent", MediaType.AUDIO, "cannot read audio header: no audio stream"),
+    ("wav", MediaType.VIDEO, "cannot read video header: no video stream"),
+])
+def test_probe_failures_name_record_field_and_file(media_files, name, mtype, reason):
+    with pytest.raises(DatasetError) as err:
+        probe_media(media_files[name], mtype, referenced_by=SRC, field="input.media[0].path")
+    assert str(err.value).startswith(f"data/train.jsonl:4: input.media[0].path: {media_files[name]}: {reason}")

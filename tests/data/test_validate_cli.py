@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,26 +25,6 @@ EXAMPLE_MODELS = {
     "h3_fl2va": ("minimax-h3-fl2va", ["--image-dir", "{dir}"]),
     "h3_ref2va_dpo": ("minimax-h3-ref2va", []),
 }
-
-
-@pytest.fixture(scope="session")
-def examples(tmp_path_factory) -> Path:
-    """A copy of examples/datasets with its media generated (the repo's copy is left untouched)."""
-    root = tmp_path_factory.mktemp("examples")
-    shutil.copytree(EXAMPLES, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "*.mp4", "*.wav"))
-    for name in EXAMPLE_MODELS:
-        make_media.make_dataset_media(root / name, **make_media.OVERRIDES.get(name, {}))
-    return root
-
-
-@pytest.fixture
-def broken(examples, tmp_path):
-    """Copy one example dataset (media included) to a scratch folder, to break it."""
-
-    def copy(name: str) -> Path:
-        return Path(shutil.copytree(examples / name, tmp_path / name))
-
-    return copy
 
 
 def run(*argv) -> tuple[int, str]:
