@@ -141,7 +141,7 @@ def inspect_split(split: str, file: Path, records: list[Record]) -> tuple[SplitI
                     continue  # each distinct file is read and counted once
                 try:
                     headers[path, mtype] = probe_media(path, mtype, referenced_by=record.where,
-                                                       field=f"{item.origin}.{key}" if item.origin else key)
+                                                       field=item.field_of(key) or key)
                 except DatasetError as exc:
                     errors.append(exc)
                     continue
