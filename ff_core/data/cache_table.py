@@ -179,8 +179,16 @@ class CachedConditions(Sequence):
         return {key: _tensor(batch, key, row) for key in tensor_keys(batch.schema)}
 
 
+def _value(column: pa.Array, row: int) -> pa.Buffer:
+    """Row ``row`` of a ``large_binary`` column as a slice of its data buffer: zero-copy (a scalar's ``as_buffer``
+    copies)."""
+    _, offsets, data = column.buffers()
+    start, stop = memoryview(offsets).cast("q")[column.offset + row : column.offset + row + 2]
+    return data.slice(start, stop - start)
+
+
 def _tensor(batch: pa.RecordBatch, key: str, row: int) -> torch.Tensor:
-    data = batch.column(f"{key}_bytes")[row].as_buffer()
+    data = _value(batch.column(f"{key}_bytes"), row)
     shape = batch.column(f"{key}_shape")[row].as_py()
     dtype = parse_dtype(batch.column(f"{key}_dtype")[row].as_py())
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -190,4 +198,4 @@ def _tensor(batch: pa.RecordBatch, key: str, row: int) -> torch.Tensor:
         return torch.frombuffer(bytearray(data.to_pybytes()), dtype=dtype).reshape(shape)
     with warnings.catch_warnings():  # the mapping is read-only on purpose (see the module docstring)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+        return torch.frombuffer(memoryview(data), dtype=dtype).reshape(shape)
