@@ -1,4 +1,7 @@
-"""``ff data ...``: dataset tools that need no weights and no GPU.
+"""``ff data ...``: dataset tools that need no weights and no GPU (but ``preprocess``).
+
+``ff data preprocess --config recipe.yaml`` builds a recipe's condition caches ahead of training; it loads the
+model (see :mod:`ff_core.data.preprocess`).
 
 ``ff data validate DATASET_DIR [--model NAME] [--trainer sft|offline-dpo|grpo] [--split train|test]
 [--check-media]`` reads a dataset folder exactly as training would (spec: dataset-guide, "Directory and
@@ -66,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file")
     for kind in ("image", "video", "audio"):
         v.add_argument(f"--{kind}-dir", help=f"root of legacy {kind}/{kind}s paths (default: DATASET_DIR/{kind}s)")
+    sub.add_parser("preprocess", help="build a recipe's condition caches: ff data preprocess --config recipe.yaml")
     return parser
 
 
@@ -77,6 +81,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         out: where to print (default: stdout).
     """
     out = out or sys.stdout
+    if list(argv[:1]) == ["preprocess"]:  # a LightningCLI command line: ff_core.data.preprocess parses it
+        from ff_core.data.preprocess import main as preprocess
+
+        return preprocess(argv[1:], out)
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage
