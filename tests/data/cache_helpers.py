@@ -89,9 +89,9 @@ def write_dataset(root: Path, n: int, with_media: bool = True) -> Path:
             Image.new("RGB", (4, 3), rgb(i)).save(root / "cond" / f"{i}.png")
             media = [{"type": "image", "path": f"cond/{i}.png"}]
         Image.new("RGB", (8, 8), (i, 0, 0)).save(root / "targets" / f"{i}.png")
+        target = {"media": [{"type": "image", "path": f"targets/{i}.png"}]}
         lines.append(json.dumps({"schema_version": 2, "input": {"prompt": f"prompt {i}", "media": media},
-                                 "supervision": {"type": "demonstration",
-                                                 "target": {"media": [{"type": "image", "path": f"targets/{i}.png"}]}}}))  # fmt: skip
+                                 "supervision": {"type": "demonstration", "target": target}}))  # fmt: skip
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
     (root / "test.txt").write_text("eval a\neval b\neval c\n")
     return root

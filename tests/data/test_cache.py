@@ -173,7 +173,8 @@ class SlotsSwapped(HashAdapter):
 
 
 class NoNegativePrompt(HashAdapter):
-    io_contract: ClassVar[PipelineIOContract] = replace(HashAdapter.io_contract, negative_prompt=NegativePrompt.REJECTED)
+    io_contract: ClassVar[PipelineIOContract] = replace(HashAdapter.io_contract,
+                                                        negative_prompt=NegativePrompt.REJECTED)
 
 
 class SingleSample(HashAdapter):
