@@ -6,15 +6,16 @@ tensor-parquet-dataset-card): ``k_bytes`` (the raw buffer, row-major), ``k_shape
 them every row carries ``condition_id`` (the SHA-256 of its record's input side, checked on every read) and ``index``
 (its row number in the cache).
 
-Reads are zero-copy: an IPC file is memory-mapped (``pyarrow.memory_map``) and ``torch.frombuffer`` wraps the bytes
-of a row in place, so a rank touches only the pages of the rows it reads and never holds the dataset in RAM. The
-mapping is read-only: a consumer that writes into a condition tensor must clone it first (the collator's
+Reads are zero-copy: an IPC file is memory-mapped (``mmap``, wrapped by pyarrow without a copy) and
+``torch.frombuffer`` wraps the bytes of a row in place, so a rank touches only the pages of the rows it reads and
+never holds the dataset in RAM. The mapping is read-only: a consumer that writes into a condition tensor must clone it first (the collator's
 ``torch.stack`` already copies).
 """
 
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import torch
 
 ID_COLUMN, INDEX_COLUMN = "condition_id", "index"
 ID_BYTES = 32  # a SHA-256 digest
+TRIM_BYTES = 32 << 20  # a reader drops the pages it mapped after serving this many bytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,7 +124,10 @@ class CachedConditions(Sequence):
     pairs with its records).
 
     Picklable and fork-safe: the memory maps are (re)opened by path in each process on first access, so loader
-    workers read the files themselves instead of receiving tensors.
+    workers read the files themselves instead of receiving tensors. Pages a process has read stay in the kernel's
+    page cache (shared by every rank of the node) but are dropped from its own mappings every
+    :data:`TRIM_BYTES` served (``madvise(MADV_DONTNEED)``; a tensor still in use faults its pages back in from the
+    page cache), so a rank's resident set stays flat however large the cache is.
 
     Args:
         folder: the published cache folder.
@@ -139,28 +144,42 @@ class CachedConditions(Sequence):
             raise ValueError(f"condition cache {self.folder}: {len(self)} rows but {len(expected_ids) // ID_BYTES} ids")
         self.expected_ids = expected_ids
         self._readers: list[pa.ipc.RecordBatchFileReader] | None = None
+        self._maps: list[mmap.mmap] = []
+        self._per_batch: list[int] = []
+        self._served = 0
         self._pid: int | None = None
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_readers": None, "_pid": None}
+        return {**self.__dict__, "_readers": None, "_maps": [], "_per_batch": [], "_served": 0, "_pid": None}
 
     def _open(self) -> list[pa.ipc.RecordBatchFileReader]:
         # A forked worker inherits the parent's maps; reopening per process keeps pyarrow's state process-local.
         if self._readers is None or self._pid != os.getpid():
-            self._readers = [pa.ipc.open_file(pa.memory_map(str(self.folder / name), "r")) for name, _ in self.parts]
+            self._maps, self._readers = [], []
+            for name, _ in self.parts:
+                with open(self.folder / name, "rb") as f:
+                    self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                self._readers.append(pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._maps[-1]))))
+            # Every batch but the last holds the same number of rows (the writer's chunk size).
+            self._per_batch = [r.get_batch(0).num_rows for r in self._readers]
             self._pid = os.getpid()
         return self._readers
 
     def _locate(self, index: int) -> tuple[pa.RecordBatch, int]:
         part = bisect.bisect_right(self._starts, index) - 1
         reader, local = self._open()[part], index - self._starts[part]
-        # Every batch but the last holds the same number of rows (the writer's chunk size).
-        per_batch = reader.get_batch(0).num_rows
-        batch = reader.get_batch(local // per_batch)
-        return batch, local % per_batch
+        per_batch = self._per_batch[part]
+        return reader.get_batch(local // per_batch), local % per_batch
+
+    def _trim(self, served: int) -> None:
+        self._served += served
+        if self._served >= TRIM_BYTES and hasattr(mmap, "MADV_DONTNEED"):
+            for mapping in self._maps:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            self._served = 0
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
         if index < 0:
@@ -176,7 +195,9 @@ class CachedConditions(Sequence):
                 f"{expected.hex()[:16]}…: the cache does not belong to these records (rebuild with "
                 "data.force_reprocess: true)"
             )
-        return {key: _tensor(batch, key, row) for key in tensor_keys(batch.schema)}
+        row_tensors = {key: _tensor(batch, key, row) for key in tensor_keys(batch.schema)}
+        self._trim(sum(t.nbytes for t in row_tensors.values()))
+        return row_tensors
 
 
 def _value(column: pa.Array, row: int) -> pa.Buffer:
