@@ -8,8 +8,8 @@ them every row carries ``condition_id`` (the SHA-256 of its record's input side,
 
 Reads are zero-copy: an IPC file is memory-mapped (``mmap``, wrapped by pyarrow without a copy) and
 ``torch.frombuffer`` wraps the bytes of a row in place, so a rank touches only the pages of the rows it reads and
-never holds the dataset in RAM. The mapping is read-only: a consumer that writes into a condition tensor must clone it first (the collator's
-``torch.stack`` already copies).
+never holds the dataset in RAM. The mapping is read-only: a consumer that writes into a condition tensor must clone
+it first (the collator's ``torch.stack`` already copies).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 ID_COLUMN, INDEX_COLUMN = "condition_id", "index"
 ID_BYTES = 32  # a SHA-256 digest
-TRIM_BYTES = 32 << 20  # a reader drops the pages it mapped after serving this many bytes
+TRIM_BYTES = 8 << 20  # a reader drops its mapped pages after serving this many bytes (the kernel maps ~2-3x that)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
