@@ -330,3 +330,18 @@ def test_stale_build_folders_of_dead_builders_are_removed(tmp_path):
         folder.mkdir()
         (folder / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
     assert remove_stale_builds(tmp_path) == [stale] and live.exists() and not stale.exists()
+
+
+def test_build_group_from_a_trainer():
+    """Lightning numbers ranks node-major: 2 nodes of 2 devices, global rank 3 is node 1's local rank 1."""
+    from types import SimpleNamespace
+
+    from ff_core.data.cache_group import BuildGroup
+
+    trainer = SimpleNamespace(world_size=4, num_nodes=2, global_rank=3, local_rank=1, node_rank=1)
+    group = BuildGroup.from_trainer(trainer)
+    assert group == BuildGroup(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1)
+    assert [group.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert BuildGroup.from_trainer(SimpleNamespace(world_size=1)) == BuildGroup()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        group.all_gather(1)
