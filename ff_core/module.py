@@ -157,7 +157,19 @@ class FlowModule(L.LightningModule):
         accelerator for training (docs/datasets.md, "Condition cache")."""
         trainer = self._trainer
         prepare = getattr(getattr(trainer, "datamodule", None), "prepare_conditions", None)
-        if prepare is None or not prepare(adapter, device=trainer.strategy.root_device):
+        if prepare is None:
+            return
+        # Lightning calls configure_model inside the strategy's tensor-init context (default device: the
+        # accelerator; default dtype: the precision's). preprocess output must not depend on it (the cache key does
+        # not), so it runs with torch's defaults, as it would anywhere else.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"):
+                cached = prepare(adapter, device=trainer.strategy.root_device)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if not cached:
             return
         released = adapter.release_preprocessing()
         if released:

@@ -157,6 +157,7 @@ class FlowDataModule(L.LightningDataModule):
         self._train_loader_key: tuple[int, int] | None = None
         self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
         self._conditions: dict[str, Sequence[dict[str, torch.Tensor]]] = {}
+        self._conditions_adapter: int | None = None  # id() of the adapter they were prepared with
         self.cache_results: list[CacheResult] = []
         """What the last :meth:`prepare_conditions` opened or built, one entry per dataset split."""
 
@@ -242,7 +243,7 @@ class FlowDataModule(L.LightningDataModule):
         """
         if not self.enable_preprocess:
             return False
-        if self._conditions:
+        if self._conditions and self._conditions_adapter == id(adapter):
             return True
         group = BuildGroup.from_trainer(self.trainer) if self.trainer is not None else BuildGroup()
         preprocess = self._preprocessor(adapter, device)
@@ -257,7 +258,7 @@ class FlowDataModule(L.LightningDataModule):
             ]  # fmt: skip
             self._conditions[split] = ConcatConditions([r.conditions for r in opened])
             results += opened
-        self.cache_results = results
+        self.cache_results, self._conditions_adapter = results, id(adapter)
         return True
 
     def _conditioned(self, split: str, records: list[Record]) -> ConditionedRecords:

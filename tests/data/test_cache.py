@@ -345,3 +345,33 @@ def test_build_group_from_a_trainer():
     assert BuildGroup.from_trainer(SimpleNamespace(world_size=1)) == BuildGroup()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         group.all_gather(1)
+
+
+def test_flow_module_prepares_conditions_with_torch_defaults(tmp_path):
+    """Lightning runs configure_model under its tensor-init context (default device: the accelerator, default dtype:
+    the precision's, e.g. bf16-true). A cache built there must hold what it holds anywhere else: here the context
+    is the meta device and bfloat16, under which the adapter's own tensors (``torch.tensor(len(prompt))``) would be
+    meta tensors and its float constants bfloat16."""
+    from types import SimpleNamespace
+
+    from ff_core.data.datamodule import FlowDataModule
+    from ff_core.data.sources import DatasetConfig
+    from ff_core.module import FlowModule
+
+    root = write_dataset(tmp_path / "data", 3, with_media=False)
+    data = FlowDataModule([DatasetConfig(name="d", dataset_dir=str(root))], cache_dir=str(tmp_path / "cache"),
+                          adapter="cache_helpers:HashAdapter")  # fmt: skip
+    data.setup("fit")
+    model = FlowModule("cache_helpers:HashAdapter", "unused")
+    model._trainer = SimpleNamespace(datamodule=data, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    adapter = HashAdapter()
+    default = torch.get_default_dtype()
+    try:
+        with torch.device("meta"):
+            torch.set_default_dtype(torch.bfloat16)
+            model._prepare_conditions(adapter)
+        assert torch.get_default_dtype() == torch.bfloat16  # the context is restored
+    finally:
+        torch.set_default_dtype(default)
+    assert adapter.preprocessing_released
+    assert_rows(data._conditions["train"], [expected_condition(f"prompt {i}", None) for i in range(3)])
