@@ -14,9 +14,24 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
+    import tempfile
+
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Condition caches of the session (and of its `ff fit` subprocesses) go to a temporary folder, never ~/.cache.
+    if "FF_CACHE_DIR" not in os.environ:
+        config._ff_cache_dir = tempfile.mkdtemp(prefix="ff-cache-")
+        os.environ["FF_CACHE_DIR"] = config._ff_cache_dir
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    folder = getattr(config, "_ff_cache_dir", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("FF_CACHE_DIR", None)
 
 
 @pytest.fixture(scope="session")

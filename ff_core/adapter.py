@@ -98,6 +98,10 @@ class Adapter(nn.Module):
         preprocess_version: bump when ``preprocess`` output changes, to invalidate condition caches.
         default_lora_targets: module names LoRA wraps when the config names none.
         lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files.
+        preprocessing_components: attribute names of the modules only ``preprocess`` uses (text encoders, a
+            condition-only image encoder). Once every condition is in the Arrow cache, ``FlowModule`` releases them
+            (:meth:`release_preprocessing`) before the strategy places the model, so they never occupy the
+            accelerator for training. A module the other stages use (the VAE that encodes targets) is not one.
     """
 
     name: ClassVar[str]
@@ -105,6 +109,9 @@ class Adapter(nn.Module):
     preprocess_version: ClassVar[str] = "1"
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
     lora_prefix: ClassVar[str] = "transformer"
+    preprocessing_components: ClassVar[tuple[str, ...]] = ()
+    preprocessing_released: bool = False
+    """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:
@@ -167,6 +174,39 @@ class Adapter(nn.Module):
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         """Encode conditions (text, condition media) under no_grad; one dict of CPU tensors per sample."""
         raise NotImplementedError
+
+    def preprocess_identity(self) -> dict[str, Any]:
+        """What ``preprocess`` output depends on besides its inputs and :attr:`preprocess_version`: the model identity
+        (local folder resolved, or hub id and revision), the dtype policy, and the semantic preprocessing settings
+        (maximum text length, condition resolution, ...). Plain JSON data.
+
+        It keys the condition cache (spec dataset-guide, "Condition cache and target lifecycle"): change any of it and
+        a new cache is built. Leave out what does not change ``preprocess`` output (the target resolution of a
+        text-only preprocess, batch sizes), so that changing it reuses the cache.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement preprocess_identity() to key the condition cache "
+            "(or set data.enable_preprocess: false to keep conditions in memory)"
+        )
+
+    def release_preprocessing(self) -> list[str]:
+        """Drop the :attr:`preprocessing_components` (set them to ``None``) once every condition is cached, and return
+        their names. ``preprocess`` is unavailable afterwards; every other stage works as before."""
+        for name in self.preprocessing_components:
+            setattr(self, name, None)
+        self.preprocessing_released = True
+        return list(self.preprocessing_components)
+
+    def frozen_to(self, device: torch.device | str) -> None:
+        """Move every component outside the :meth:`trained_networks` to ``device``.
+
+        Conditions are preprocessed on the accelerator before the strategy places the model (``configure_model``);
+        the trained networks are left where they are, for the strategy to place (or shard) them.
+        """
+        trained = {id(m) for m in self.trained_networks()}
+        for child in self.children():
+            if not any(id(m) in trained for m in child.modules()):
+                child.to(device)
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
         """Realise a collated batch of preprocessed conditions once, on the module's device."""

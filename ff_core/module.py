@@ -154,6 +154,32 @@ class FlowModule(L.LightningModule):
         self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
+        self._prepare_conditions(adapter)
+
+    def _prepare_conditions(self, adapter: Adapter) -> None:
+        """Open (or build) the data module's condition caches now, between loading and the strategy's placement of
+        the model: a build runs on the accelerator with only the frozen components there, and once every condition
+        is cached the preprocessing-only components (text encoders) are released, so they never reach the
+        accelerator for training (docs/datasets.md, "Condition cache")."""
+        trainer = self._trainer
+        prepare = getattr(getattr(trainer, "datamodule", None), "prepare_conditions", None)
+        if prepare is None:
+            return
+        # Lightning calls configure_model inside the strategy's tensor-init context (default device: the
+        # accelerator; default dtype: the precision's). preprocess output must not depend on it (the cache key does
+        # not), so it runs with torch's defaults, as it would anywhere else.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"):
+                cached = prepare(adapter, device=trainer.strategy.root_device)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if not cached:
+            return
+        released = adapter.release_preprocessing()
+        if released:
+            log.info("%s: conditions cached; released %s", adapter.name, ", ".join(released))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         keep = self._checkpoint_keys(checkpoint["state_dict"])

@@ -1,4 +1,7 @@
-"""``ff data ...``: dataset tools that need no weights and no GPU.
+"""``ff data ...``: dataset tools that need no weights and no GPU (but ``preprocess``).
+
+``ff data preprocess --config recipe.yaml`` builds a recipe's condition caches ahead of training; it loads the
+model (see :mod:`ff_core.data.preprocess`).
 
 ``ff data validate DATASET_DIR [--model NAME] [--trainer sft|offline-dpo|grpo] [--split train|test]
 [--check-media]`` reads a dataset folder exactly as training would (spec: dataset-guide, "Directory and
@@ -39,6 +42,7 @@ EXIT_OK, EXIT_INVALID = 0, 2
 DATA_COMMANDS = {
     "validate": "check a dataset folder (optionally against an adapter); exit 2 listing every problem",
     "inspect": "describe a dataset folder: rows, formats, metadata, media per role, sizes/durations/rates",
+    "preprocess": "build a recipe's condition caches ahead of training: ff data preprocess --config recipe.yaml",
 }
 
 
@@ -97,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help=DATA_COMMANDS["inspect"], description=DATA_COMMANDS["inspect"])
     _dataset_arguments(i)
     i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
+    sub.add_parser("preprocess", help=DATA_COMMANDS["preprocess"])
     return parser
 
 
@@ -117,6 +122,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         out: where to print (default: stdout).
     """
     out = out or sys.stdout
+    if list(argv[:1]) == ["preprocess"]:  # a LightningCLI command line: ff_core.data.preprocess parses it
+        from ff_core.data.preprocess import main as preprocess
+
+        return preprocess(argv[1:], out)
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage

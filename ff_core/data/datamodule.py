@@ -4,8 +4,11 @@ Order of work (spec: "Condition cache and target lifecycle"):
 
 * ``setup``: read and validate every split against the adapter's IO contract. No weights are loaded yet,
   so a broken dataset fails before anything heavy happens.
-* ``train_dataloader`` / ``val_dataloader``: the adapter is loaded by now (``FlowModule.configure_model``);
-  conditions are preprocessed once under no_grad (``adapter.preprocess``) in the main process, targets are
+* :meth:`FlowDataModule.prepare_conditions`, called by ``FlowModule.configure_model`` once the adapter is loaded
+  (before the strategy places the model): every split's conditions are opened from the Arrow condition cache
+  (:mod:`ff_core.data.cache`), built first where missing (``adapter.preprocess`` under no_grad, sharded over the
+  ranks). Then the adapter's preprocessing-only components can be released.
+* ``train_dataloader`` / ``val_dataloader``: records paired with their memory-mapped conditions; targets are
   decoded fresh by :class:`~ff_core.data.processors.RecordProcessor` in the loader's workers and encoded on the fly
   by the objective, never cached.
 
@@ -22,13 +25,17 @@ training loop takes it (``on_before_batch_transfer``), so batches fetched ahead 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
+from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
+from ff_core.data.cache_group import BuildGroup
 from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
@@ -36,7 +43,6 @@ from ff_core.data.processors import (
     ConditionedRecords,
     RecordProcessor,
     SampleCollator,
-    condition_input,
     process_and_collate,
 )
 from ff_core.data.records import Record
@@ -47,6 +53,7 @@ from ff_core.data.sources import (
     check_dataset_configs,
     folder_error,
     load_split,
+    split_file,
 )
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import DatasetErrors
@@ -56,6 +63,9 @@ log = logging.getLogger(__name__)
 
 #: Batch key under which the training loader stamps each batch's delivery number (removed before the step).
 STAMP_KEY = "dataflow_seq"
+#: Environment variable naming the cache folder when ``data.cache_dir`` is not set.
+CACHE_DIR_ENV = "FF_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/ff/datasets"
 
 
 class EpochAlignedLoader(DataflowLoader):
@@ -78,10 +88,16 @@ class FlowDataModule(L.LightningDataModule):
         datasets: the dataset folders, exactly as the spec's ``data.datasets``.
         per_device_batch_size: training samples per device and step.
         eval_batch_size: prompts per validation batch.
-        preprocessing_batch_size: rows per ``adapter.preprocess`` call.
-        cache_dir: where condition caches live.
-        enable_preprocess: preprocess conditions before training (required by offline trainers).
-        force_reprocess: rebuild conditions even when a cache exists.
+        preprocessing_batch_size: rows per ``adapter.preprocess`` call (at most the adapter's batch capability:
+            1 for adapters that take one sample at a time).
+        cache_dir: where condition caches live (``None``: ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``).
+        enable_preprocess: cache conditions in Arrow files every rank memory-maps (docs/datasets.md, "Condition
+            cache"); ``false`` preprocesses them into memory at every start and keeps the text encoders loaded.
+        force_reprocess: rebuild the condition caches even when complete ones exist (e.g. after replacing a media
+            file outside the dataset folder's records).
+        preprocess_parallelism: how ranks share a cache build: ``local`` (each node's ranks build the node's copy;
+            works without a shared file system) or ``global`` (every rank of the job builds a shard; ``cache_dir``
+            must be shared by all nodes).
         sampler_type: ``auto``: every epoch a fresh permutation of all training records (torch's
             ``DistributedSampler`` for offline trainers: seeded by ``seed + epoch``), sharded over data-parallel ranks
             and loader workers, resumable mid-epoch.
@@ -99,9 +115,10 @@ class FlowDataModule(L.LightningDataModule):
         per_device_batch_size: int = 1,
         eval_batch_size: int = 8,
         preprocessing_batch_size: int = 8,
-        cache_dir: str = "~/.cache/ff/datasets",
+        cache_dir: str | None = None,
         enable_preprocess: bool = True,
         force_reprocess: bool = False,
+        preprocess_parallelism: Literal["local", "global"] = "local",
         sampler_type: str = "auto",
         num_workers: int = 0,
         seed: int = 0,
@@ -118,6 +135,8 @@ class FlowDataModule(L.LightningDataModule):
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        if preprocess_parallelism not in ("local", "global"):
+            raise ValueError(f"data.preprocess_parallelism must be 'local' or 'global', got {preprocess_parallelism!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
@@ -128,6 +147,7 @@ class FlowDataModule(L.LightningDataModule):
         self.cache_dir = cache_dir
         self.enable_preprocess = enable_preprocess
         self.force_reprocess = force_reprocess
+        self.preprocess_parallelism = preprocess_parallelism
         self.num_workers = num_workers
         self.seed = seed
         self.shuffle = shuffle
@@ -135,9 +155,18 @@ class FlowDataModule(L.LightningDataModule):
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
-        self._train_rows: dict[str, int] = {}  # dataset name -> its rows in train_records, in order
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
+        self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
+        self._conditions: dict[str, Sequence[dict[str, torch.Tensor]]] = {}
+        self._conditions_adapter: int | None = None  # id() of the adapter they were prepared with
+        self.cache_results: list[CacheResult] = []
+        """What the last :meth:`prepare_conditions` opened or built, one entry per dataset split."""
+
+    @property
+    def cache_root(self) -> str:
+        """The condition cache folder: ``data.cache_dir``, else ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``."""
+        return os.path.expanduser(self.cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -158,22 +187,27 @@ class FlowDataModule(L.LightningDataModule):
                     errors.extend(exc.errors)
                     continue
                 (self.train_records if split == "train" else self.eval_records).extend(records)
-                if split == "train":
-                    self._train_rows[cfg.name] = len(records)
+                if records:
+                    self._sources[split].append(ConditionSource(cfg.name, split, cfg.root, split_file(cfg, split),
+                                                                records))  # fmt: skip
         if errors:
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
             cls = get_adapter_class(self.adapter_name)
-            check_batch_size(
-                cls.io_contract, cls.name, self.per_device_batch_size,
-                preprocessing_batch_size=self.preprocessing_batch_size, eval_batch_size=self.eval_batch_size,
-            )
+            # preprocessing_batch_size is not checked: it is capped at the adapter's capability instead.
+            check_batch_size(cls.io_contract, cls.name, self.per_device_batch_size,
+                             eval_batch_size=self.eval_batch_size)  # fmt: skip
             check_records(self.train_records + self.eval_records, cls.io_contract)
             for warning in (w for r in self.train_records + self.eval_records
                             for w in record_warnings(r, cls.io_contract, cls.name)):
                 log.warning("%s", warning.format())
             self.train_records = [conform(r, cls.io_contract) for r in self.train_records]
             self.eval_records = [conform(r, cls.io_contract) for r in self.eval_records]
+            for split, records in (("train", self.train_records), ("test", self.eval_records)):
+                start = 0  # the sources hold what the adapter sees too
+                for source in self._sources[split]:
+                    source.records = records[start : start + len(source.records)]
+                    start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
         if stage == "fit" and not self.train_records:
             raise ValueError("data.datasets: no dataset has a train split enabled")
@@ -187,14 +221,72 @@ class FlowDataModule(L.LightningDataModule):
             raise RuntimeError("FlowDataModule needs a FlowModule whose adapter is loaded (configure_model)")
         return adapter
 
-    def _conditioned(self, records: list[Record]) -> ConditionedRecords:
+    def _preprocess_batch_size(self, adapter: Adapter) -> int:
+        limit = adapter.io_contract.max_batch_size
+        return self.preprocessing_batch_size if limit is None else min(self.preprocessing_batch_size, limit)
+
+    def _preprocessor(self, adapter: Adapter, device: torch.device | str | None) -> Callable:
+        """``adapter.preprocess`` over records, with the frozen components moved to ``device`` before the first call."""
+        run, placed = adapter_preprocess(adapter), []
+
+        def preprocess(records: list[Record]) -> list[dict[str, Any]]:
+            if adapter.preprocessing_released:
+                raise RuntimeError(
+                    f"conditions are not cached and {adapter.name}'s preprocessing components "
+                    f"({', '.join(adapter.preprocessing_components)}) were released after an earlier cache build; "
+                    "build the caches before releasing them (FlowDataModule.prepare_conditions)"
+                )
+            if device is not None and not placed:
+                adapter.frozen_to(device)
+                placed.append(device)
+            return run(records)
+
+        return preprocess
+
+    def prepare_conditions(
+        self, adapter: Adapter, device: torch.device | str | None = None, progress: bool | None = None
+    ) -> bool:
+        """Open every split's condition caches, building the missing ones (a collective call on every rank).
+
+        Returns ``True`` when every condition is cached, so the adapter's preprocessing components may be released;
+        ``False`` with ``enable_preprocess: false`` (conditions are preprocessed into memory by the loaders).
+
+        Args:
+            adapter: the loaded adapter.
+            device: where preprocessing runs: the adapter's frozen components move there before the first
+                ``preprocess`` call (``None``: leave them where they are).
+            progress: show a progress bar while building (``None``: only on a terminal).
+        """
+        if not self.enable_preprocess:
+            return False
+        if self._conditions and self._conditions_adapter == id(adapter):
+            return True
+        group = BuildGroup.from_trainer(self.trainer) if self.trainer is not None else BuildGroup()
+        preprocess = self._preprocessor(adapter, device)
+        results: list[CacheResult] = []
+        batch_size = self._preprocess_batch_size(adapter)
+        for split, sources in self._sources.items():
+            opened = [
+                open_or_build(source, adapter, cache_dir=self.cache_root, batch_size=batch_size,
+                              force=self.force_reprocess, group=group, parallelism=self.preprocess_parallelism,
+                              progress=progress, preprocess=preprocess)
+                for source in sources
+            ]  # fmt: skip
+            self._conditions[split] = ConcatConditions([r.conditions for r in opened])
+            results += opened
+        self.cache_results, self._conditions_adapter = results, id(adapter)
+        return True
+
+    def _conditioned(self, split: str, records: list[Record]) -> ConditionedRecords:
+        if self.enable_preprocess:
+            if split not in self._conditions:  # FlowModule.configure_model did not prepare them (another module)
+                self.prepare_conditions(self._adapter())
+            return ConditionedRecords(records, self._conditions[split])
         adapter = self._adapter()
+        preprocess, size = self._preprocessor(adapter, None), self._preprocess_batch_size(adapter)
         conditions: list[dict[str, torch.Tensor]] = []
-        for start in range(0, len(records), self.preprocessing_batch_size):
-            chunk = records[start : start + self.preprocessing_batch_size]
-            # Condition media are decoded a chunk at a time, so only one chunk's pixels are ever held.
-            with torch.no_grad():
-                conditions.extend(adapter.preprocess([condition_input(r, adapter.io_contract) for r in chunk]))
+        for start in range(0, len(records), size):
+            conditions.extend(preprocess(records[start : start + size]))
         return ConditionedRecords(records, conditions)
 
     def train_dataloader(self) -> DataflowLoader:
@@ -204,8 +296,8 @@ class FlowDataModule(L.LightningDataModule):
         if self._train_loader is None or self._train_loader_key != key:
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
             self._train_loader = EpochAlignedLoader(
-                distributor(self._conditioned(self.train_records), shuffle=self.shuffle, seed=self.seed, name="train",
-                            identity=self.train_identity()),
+                distributor(self._conditioned("train", self.train_records), shuffle=self.shuffle, seed=self.seed,
+                            name="train", identity=self.train_identity()),
                 RecordProcessor(self._adapter().output_geometry()),
                 collator=SampleCollator(),
                 batch_size=self.per_device_batch_size,
@@ -227,12 +319,8 @@ class FlowDataModule(L.LightningDataModule):
             digests: the build's media digest memo (each file is streamed once); ``None``: a new one.
         """
         digests = digests if digests is not None else MediaDigests()
-        identity, start = {}, 0
-        for name, rows in self._train_rows.items():
-            chunk = self.train_records[start : start + rows]
-            identity[name] = {"rows": rows, "sha256": records_identity(chunk, digests)}
-            start += rows
-        return identity
+        return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, digests)}
+                for source in self._sources["train"]}
 
     def _check_accumulation(self, batches_per_epoch: int) -> None:
         """Spec ("Offline dataloader and epoch semantics"): the rank-local batches of an offline epoch must divide
@@ -266,7 +354,7 @@ class FlowDataModule(L.LightningDataModule):
         if not self.eval_records:
             return []
         return DataLoader(
-            self._conditioned(self.eval_records),
+            self._conditioned("test", self.eval_records),
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=0,

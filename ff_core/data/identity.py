@@ -98,3 +98,18 @@ def records_identity(records: Iterable[Record], digests: MediaDigests | None = N
     for record in records:
         h.update(record_identity(record, digests).encode())
     return h.hexdigest()
+
+
+def input_identity(record: Record, digests: MediaDigests | None = None) -> str:
+    """Hex SHA-256 of a record's input side only: its prompts, input media and references, with every media file's
+    content digest when ``digests`` is given. The condition cache's row id (spec dataset-guide, "Condition cache and
+    target lifecycle"): replacing a condition file in place changes it; replacing a target, chosen or rejected file
+    (or the metadata) does not, since only the input side is cached.
+
+    Args:
+        record: a validated record.
+        digests: the build's media digest memo; ``None`` hashes paths only.
+    """
+    fields = {k: getattr(record, k) for k in ("prompt", "negative_prompt", "inputs", "references")}
+    blob = json.dumps(_plain(fields, digests), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

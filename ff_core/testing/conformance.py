@@ -194,6 +194,30 @@ class AdapterConformance:
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.denoiser.parameters())
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
+    def test_preprocess_identity_keys_the_cache(self, pretrained):
+        """Plain JSON data, the same for two loads of one checkpoint (else no condition cache is ever reused)."""
+        identity = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs).preprocess_identity()
+        assert isinstance(identity, dict) and json.loads(json.dumps(identity)) == identity
+        assert self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs).preprocess_identity() == identity
+
+    def test_preprocessing_components_are_preprocessing_only(self, pretrained, batch):
+        """Once conditions are cached FlowModule releases ``preprocessing_components``: training (loss and gradient),
+        sampling and decoding must still work from the cached conditions alone."""
+        adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+        for name in adapter.preprocessing_components:
+            assert isinstance(getattr(adapter, name, None), torch.nn.Module), f"{name} is not a module of the adapter"
+        adapter.requires_grad_(False)
+        adapter.denoiser.requires_grad_(True)
+        assert adapter.release_preprocessing() == list(adapter.preprocessing_components)
+        assert adapter.preprocessing_released
+        assert all(getattr(adapter, name) is None for name in adapter.preprocessing_components)
+        loss = SFTObjective().training_loss(adapter, batch, torch.Generator().manual_seed(0)).loss
+        loss.backward()
+        assert torch.isfinite(loss) and any(p.grad is not None for p in adapter.denoiser.parameters())
+        condition = adapter.prepare_condition(batch["condition"])
+        media = adapter.decode(adapter.sample(condition, num_steps=2, generator=torch.Generator().manual_seed(0)))
+        assert len(media) == len(self.prompts)
+
     def test_lora_export_is_prefixed_safetensors(self, pretrained, tmp_path):
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
         apply_lora(adapter, LoRAConfig(rank=2, alpha=6))  # alpha != rank: a file without it loads at scale 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -47,6 +48,7 @@ class SD3Adapter(Adapter):
     preprocess_version: ClassVar[str] = "1"
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
+    preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def __init__(
         self,
@@ -117,14 +119,28 @@ class SD3Adapter(Adapter):
         tokenizers = {k: AutoTokenizer.from_pretrained(path, subfolder=k, revision=revision)
                       for k in ("tokenizer", "tokenizer_2", "tokenizer_3")}  # fmt: skip
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", revision=revision)
-        return cls(**models, **tokenizers, scheduler=scheduler, resolution=resolution,
-                   max_sequence_length=max_sequence_length)  # fmt: skip
+        adapter = cls(**models, **tokenizers, scheduler=scheduler, resolution=resolution,
+                      max_sequence_length=max_sequence_length)  # fmt: skip
+        # A local folder is known by its absolute path, a hub checkpoint by its id and revision.
+        local = Path(path).expanduser()
+        adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
+                          "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
+        return adapter
 
     @property
     def denoiser(self) -> nn.Module:
         return self.transformer
 
     # -- condition side --------------------------------------------------------------------------
+    def preprocess_identity(self) -> dict[str, Any]:
+        """Checkpoint, revision and dtype (``source``, set by :meth:`from_pretrained`) and the token lengths: the
+        text embeddings depend on nothing else; ``resolution`` only shapes targets and samples."""
+        source = getattr(self, "source", None)
+        if source is None:
+            raise ValueError(f"{self.name}: built without from_pretrained, so its checkpoint is unknown; set .source")
+        return {**source, "max_sequence_length": self.max_sequence_length,
+                "clip_max_length": self.tokenizer.model_max_length}  # fmt: skip
+
     def _clip_embeds(self, prompts: list[str], index: int) -> tuple[Tensor, Tensor]:
         """``_get_clip_prompt_embeds``: penultimate hidden states and projected pooled output."""
         tokenizer = self.tokenizer if index == 0 else self.tokenizer_2
