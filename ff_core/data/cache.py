@@ -182,6 +182,7 @@ def open_or_build(
     parallelism: Parallelism = "local",
     progress: bool | None = None,
     preprocess: Callable[[list[Record]], list[dict[str, Any]]] | None = None,
+    digests: MediaDigests | None = None,
 ) -> CacheResult:
     """Open ``source``'s cache, building and publishing it first when it is missing (or ``force``).
 
@@ -200,10 +201,12 @@ def open_or_build(
             disks; on a shared one the first node to publish wins and the others discard theirs).
         progress: show a progress bar on the publishing rank (``None``: only on a terminal).
         preprocess: records -> conditions (default: decode inputs and call ``adapter.preprocess`` under no_grad).
+        digests: the build's media digest memo, shared with other uses of the same files (the resume identity);
+            ``None``: a new one.
     """
     group = group or BuildGroup()
     cache_dir = Path(cache_dir).expanduser()
-    digests = MediaDigests()
+    digests = digests if digests is not None else MediaDigests()
     identity, ids = group.broadcast(cache_identity(source, adapter, digests) if group.rank == 0 else None)
     key, rows = identity_key(identity), len(source.records)
     final = cache_dir / key

@@ -158,6 +158,7 @@ class FlowDataModule(L.LightningDataModule):
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
         self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
+        self._digests = MediaDigests()  # every media file is streamed once per run (cache keys, resume identity)
         self._conditions: dict[str, Sequence[dict[str, torch.Tensor]]] = {}
         self._conditions_adapter: int | None = None  # id() of the adapter they were prepared with
         self.cache_results: list[CacheResult] = []
@@ -269,7 +270,7 @@ class FlowDataModule(L.LightningDataModule):
             opened = [
                 open_or_build(source, adapter, cache_dir=self.cache_root, batch_size=batch_size,
                               force=self.force_reprocess, group=group, parallelism=self.preprocess_parallelism,
-                              progress=progress, preprocess=preprocess)
+                              progress=progress, preprocess=preprocess, digests=self._digests)
                 for source in sources
             ]  # fmt: skip
             self._conditions[split] = ConcatConditions([r.conditions for r in opened])
@@ -309,17 +310,13 @@ class FlowDataModule(L.LightningDataModule):
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
 
-    def train_identity(self, digests: MediaDigests | None = None) -> dict[str, dict[str, Any]]:
+    def train_identity(self) -> dict[str, dict[str, Any]]:
         """Per dataset, the training rows and the SHA-256 of their content (prompts, metadata, every input and
         supervision media file's bytes): the loader's resume fingerprint, so a resume onto changed data fails naming
         the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
         used by exact-resume checks").
-
-        Args:
-            digests: the build's media digest memo (each file is streamed once); ``None``: a new one.
         """
-        digests = digests if digests is not None else MediaDigests()
-        return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, digests)}
+        return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}
 
     def _check_accumulation(self, batches_per_epoch: int) -> None:
