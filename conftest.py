@@ -43,6 +43,14 @@ def shapes_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shapes_dpo_dir(tmp_path_factory):
+    """24 preference pairs (chosen: the prompt's colour; rejected: another, same shape and place), 6 test prompts."""
+    from ff_core.testing.shapes import write_preference_dataset
+
+    return write_preference_dataset(tmp_path_factory.mktemp("shapes_dpo"), n_train=24, n_test=6, size=32)
+
+
+@pytest.fixture(scope="session")
 def shapes_dirs(tmp_path_factory):
     """(train, held-out) shapes datasets with different seeds: 192 and 48 images."""
     from ff_core.testing.shapes import write_shapes_dataset

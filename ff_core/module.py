@@ -132,6 +132,7 @@ class FlowModule(L.LightningModule):
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
         self.adapter: Adapter | None = None
+        self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
 
@@ -150,6 +151,8 @@ class FlowModule(L.LightningModule):
             if not hasattr(adapter.denoiser, "enable_gradient_checkpointing"):
                 raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} denoiser does not support it")
             adapter.denoiser.enable_gradient_checkpointing()
+        # Before any step changes a weight: offline DPO copies the denoiser here as its reference (full fine-tuning).
+        self.objective_modules = self.objective.configure_model(adapter, lora=self.lora is not None)
         # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
         self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -249,7 +252,7 @@ class FlowModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         generator, seed = self.noise_generator(batch_idx)
         out = self.objective.training_loss(self.adapter, batch, generator)
-        bs = len(batch["target"])
+        bs = len(batch["index"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
         for name, value in out.metrics.items():
             self.log(f"train/{name}", value, batch_size=bs)

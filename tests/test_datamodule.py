@@ -76,6 +76,31 @@ def test_references_are_metadata_for_an_adapter_without_references(tmp_path, cap
            "takes no ordered references" in caplog.text
 
 
+def test_preference_records_give_chosen_and_rejected_fitted_to_the_geometry(shapes_dpo_dir, shapes_dir):
+    """A preference record's batch carries both arms (no ``target``), each decoded and fitted to the output geometry
+    as a target is (the fitting itself is checked against Pillow in tests/data/test_geometry.py); a batch that mixes
+    supervision types is refused."""
+    from ff_core.data.geometry import MediaGeometry, fit_media
+    from ff_core.data.media import decode_media
+
+    records = load_split(DatasetConfig(name="pairs", dataset_dir=str(shapes_dpo_dir)), "train", "offline-dpo")
+    table = ConditionedRecords(records, [{"embeds": torch.zeros(2)} for _ in records])
+    geometry = MediaGeometry(16, 16)
+    processor = RecordProcessor((geometry,))
+    batch = SampleCollator().collate([processor.process(table[i]) for i in (0, 5)])
+    assert set(batch) == {"index", "prompt", "condition", "chosen", "rejected", "metadata"}
+    for arm, position in (("chosen", 0), ("rejected", 1)):
+        for (image,), i in zip(batch[arm], (0, 5)):
+            assert image.shape == (3, 16, 16)
+            assert torch.equal(image, fit_media(decode_media(records[i].candidates[position][0]), geometry))
+    assert not torch.equal(batch["chosen"][0][0], batch["rejected"][0][0])
+    demonstrations = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")
+    target = processor.process(ConditionedRecords(demonstrations, [{"embeds": torch.zeros(2)}] * 24)[7])
+    with pytest.raises(ValueError, match=r"mixes supervision types: record 0 carries \['chosen', 'rejected'\], "
+                                         r"record 7 \['target'\]"):
+        SampleCollator().collate([processor.process(table[0]), target])
+
+
 def test_negative_num_workers_is_refused(shapes_dir):
     with pytest.raises(ValueError, match=r"data\.num_workers must be >= 0, got -1"):
         datamodule(shapes_dir, num_workers=-1)

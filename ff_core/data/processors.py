@@ -1,9 +1,10 @@
 """ff's dataflow roles for training records: record table → sample processor → batch collator.
 
 The condition side (prompts and decoded condition media, :func:`condition_input`) is preprocessed once in the main
-process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the target side is decoded by
-:class:`RecordProcessor` inside the loader's workers, on every access, fitted to the adapter's output geometry and
-never cached (spec dataset-guide: "Condition cache and target lifecycle"). A resumed run never calls the processor
+process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the supervision side (a demonstration's
+``target``, a preference's ``chosen`` and ``rejected``) is decoded by :class:`RecordProcessor` inside the loader's
+workers, on every access, fitted to the adapter's output geometry and never cached (spec dataset-guide: "Condition
+cache and target lifecycle"). A resumed run never calls the processor
 for the records it skips (docs/dataflow.md, "Resume").
 """
 
@@ -21,7 +22,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
 from ff_core.data.geometry import MediaGeometry, fit_media
 from ff_core.data.media import decode_media
-from ff_core.data.records import Record
+from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.data.validation import bind_slots
 from ff_core.errors import DatasetError, raise_collected
 
@@ -87,11 +88,23 @@ class ConditionedRecords:
         return ConditionedRecord(index, self.records[index], self.conditions[index])
 
 
-class RecordProcessor(RawItemProcessor):
-    """Decode a record's target media (its first candidate) beside its preprocessed condition.
+def candidate_keys(supervision: str | None) -> tuple[str, ...]:
+    """The batch keys of a supervision's candidates, in ``Record.candidates`` order: ``("target",)`` for a
+    demonstration, ``("chosen", "rejected")`` for a preference; a generation row (``None``) keeps an empty ``target``.
+    """
+    return tuple(f.rsplit(".", 1)[1] for f in CANDIDATE_FIELDS.get(supervision or "", ("supervision.target",)))
 
-    Runs inside DataLoader workers; targets are decoded fresh on every access, fitted to ``geometry`` (so a batch
-    never mixes sizes) and never cached.
+
+#: Every candidate key a batch may carry.
+CANDIDATE_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for s in CANDIDATE_FIELDS for k in candidate_keys(s)))
+
+
+class RecordProcessor(RawItemProcessor):
+    """Decode every candidate a record's supervision carries beside its preprocessed condition: a demonstration's
+    ``target``, a preference's ``chosen`` and ``rejected`` (see :func:`candidate_keys`).
+
+    Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (so a batch
+    never mixes sizes, and both arms of a preference pair share one latent shape) and never cached.
 
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
@@ -103,32 +116,41 @@ class RecordProcessor(RawItemProcessor):
 
     def process(self, item: ConditionedRecord) -> dict[str, Any]:
         record = item.record
-        candidate = record.candidates[0] if record.candidates else ()
-        target = [
-            fit_media(decode_media(m, referenced_by=record.where), self.geometry[i] if i < len(self.geometry) else None)
-            for i, m in enumerate(candidate)
-        ]
-        return {"index": item.index, "prompt": record.prompt, "condition": item.condition, "target": target,
-                "metadata": record.metadata}
+        sample = {"index": item.index, "prompt": record.prompt, "condition": item.condition,
+                  "metadata": record.metadata}
+        candidates = record.candidates or ((),)  # a generation row: an empty target
+        for key, candidate in zip(candidate_keys(record.supervision), candidates):
+            sample[key] = [self._fit(decode_media(m, referenced_by=record.where), i) for i, m in enumerate(candidate)]
+        return sample
+
+    def _fit(self, media: Any, output: int) -> Any:
+        return fit_media(media, self.geometry[output] if output < len(self.geometry) else None)
 
 
 class SampleCollator(BatchCollator):
     """The batch format objectives and adapters consume.
 
     ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: default-collated (one shape per
-    adapter); ``target``: per-sample lists of decoded media (sizes may differ between samples); ``metadata``: each
-    record's reward metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands
-    every sample's non-model columns to its rewards.
+    adapter); ``target`` (demonstrations), or ``chosen`` and ``rejected`` (preferences): per-sample lists of decoded
+    media, in the contract's output order (sizes may differ between samples); ``metadata``: each record's reward
+    metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands every sample's
+    non-model columns to its rewards.
     """
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        keys = [k for k in CANDIDATE_KEYS if k in samples[0]]
+        for s in samples[1:]:
+            found = [k for k in CANDIDATE_KEYS if k in s]
+            if found != keys:  # training sources are homogeneous (spec: "Preference supervision")
+                raise ValueError(f"a batch mixes supervision types: record {samples[0]['index']} carries {keys}, "
+                                 f"record {s['index']} {found}")
+        batch = {
             "index": torch.tensor([s["index"] for s in samples]),
             "prompt": [s["prompt"] for s in samples],
             "condition": default_collate([s["condition"] for s in samples]),
-            "target": [s["target"] for s in samples],
             "metadata": [s["metadata"] for s in samples],
         }
+        return batch | {k: [s[k] for s in samples] for k in keys}
 
 
 def process_and_collate(items: list[ConditionedRecord]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Training objectives: each consumes the Adapter interface only."""
 
 from ff_core.objectives.base import LossOutput, Objective
+from ff_core.objectives.dpo import DPOObjective
 from ff_core.objectives.flow_matching import TimestepSampler
 from ff_core.objectives.sft import SFTObjective
 
-__all__ = ["LossOutput", "Objective", "SFTObjective", "TimestepSampler"]
+__all__ = ["DPOObjective", "LossOutput", "Objective", "SFTObjective", "TimestepSampler"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
@@ -38,6 +38,20 @@ class Objective:
     """
 
     trainer_type: ClassVar[str]
+
+    def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
+        """Prepare what the objective needs from the loaded adapter (a frozen reference policy, say).
+
+        ``FlowModule.configure_model`` calls it once, after the trained parameters are chosen (LoRA applied or the
+        denoiser unfrozen) and before any step changes a weight. A returned module is held by the FlowModule as its
+        submodule ``objective_modules``: it follows the module to its device and is never checkpointed (checkpoints
+        hold what trains).
+
+        Args:
+            adapter: the loaded adapter.
+            lora: the denoiser trains peft LoRA layers (``model.lora`` is set), not all its weights.
+        """
+        return None
 
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None

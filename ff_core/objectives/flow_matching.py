@@ -89,6 +89,12 @@ def child_generator(generator: torch.Generator | None, stream: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(generator.initial_seed(), stream))
 
 
+def randn_like(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard normal noise shaped like ``x``, drawn on the generator's device (CPU by default), in ``x``'s dtype."""
+    device = generator.device if generator is not None else x.device
+    return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x)
+
+
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:
     """SD3's timestep shift (eq. 23): more weight on high noise for larger ``shift``."""
     return shift * sigma / (1 + (shift - 1) * sigma)

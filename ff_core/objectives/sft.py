@@ -18,6 +18,7 @@ from ff_core.objectives.flow_matching import (
     child_generator,
     noise_state,
     per_sample_squared_error,
+    randn_like,
     velocity_target,
 )
 
@@ -61,7 +62,7 @@ class SFTObjective(Objective):
         terms, sigmas = [], []
         for _ in range(self.num_train_timesteps):
             sigma = self.timesteps.sample(clean.batch_size, generator=generator, device=device, shift=shift)
-            noise = clean.map(lambda x: _randn_like(x, generator))
+            noise = clean.map(lambda x: randn_like(x, generator))
             terms.append(flow_matching_error(adapter, clean, condition, sigma, noise))
             sigmas.append(sigma)
         per_sample = torch.stack(terms).mean(0)
@@ -81,9 +82,3 @@ def flow_matching_error(
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
     return per_sample_squared_error(adapter.velocity(noisy, sigma, condition), target)
-
-
-def _randn_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Standard normal noise shaped like ``x``, drawn on the generator's device (CPU by default)."""
-    device = generator.device if generator is not None else x.device
-    return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x)

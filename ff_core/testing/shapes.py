@@ -12,7 +12,11 @@ Layout written by :func:`write_shapes_dataset` (spec: dataset-guide, strict V2 d
     out_dir/train.jsonl      one V2 demonstration record per line
     out_dir/test.txt         one legacy evaluation prompt per line (colours cycle through the palette)
 
-CLI: ``python -m ff_core.testing.shapes OUT_DIR [--n-train 384] [--n-test 12] [--size 32] [--seed 0]``.
+:func:`write_preference_dataset` writes V2 preference records instead (offline DPO): each prompt with a chosen and a
+rejected image, ``out_dir/pairs/00000_chosen.png`` and ``00000_rejected.png``, that differ only in the shape's colour.
+
+CLI: ``python -m ff_core.testing.shapes OUT_DIR [--n-train 384] [--n-test 12] [--size 32] [--seed 0]
+[--preference [--chosen-shift 0] [--rejected-shift K]]``.
 """
 
 from __future__ import annotations
@@ -111,6 +115,71 @@ def write_shapes_dataset(
     return out
 
 
+def write_preference_dataset(
+    out_dir: str | Path,
+    n_train: int = 384,
+    n_test: int = 12,
+    size: int = 32,
+    seed: int = 0,
+    chosen_shift: int = 0,
+    rejected_shift: int | None = None,
+) -> Path:
+    """Write a shapes preference dataset to ``out_dir`` (see the module docstring); deterministic for ``seed``.
+
+    Prompt colours cycle through the palette (shape and background at random, as :func:`write_shapes_dataset`). For
+    a prompt asking for palette colour ``k``, the chosen image shows ``COLOURS[(k + chosen_shift) % 6]`` and the
+    rejected one ``COLOURS[(k + rejected_shift) % 6]`` (``rejected_shift`` ``None``: a random colour other than the
+    chosen one), the same shape at the same place on the same background: the pair differs in colour alone. The
+    default prefers the colour the prompt asks for; ``chosen_shift=3, rejected_shift=0`` prefers the opposite hue over
+    it (the preference benchmark). ``test.txt`` holds legacy evaluation prompts, colours cycling through the palette.
+
+    Args:
+        out_dir: the dataset folder (created).
+        n_train: preference records.
+        n_test: evaluation prompts.
+        size: image side in pixels.
+        seed: drawing seed.
+        chosen_shift: palette steps from the prompt's colour to the chosen image's.
+        rejected_shift: palette steps from the prompt's colour to the rejected image's (``None``: random).
+    """
+    if rejected_shift is not None and (rejected_shift - chosen_shift) % len(COLOURS) == 0:
+        raise ValueError(f"chosen_shift={chosen_shift} and rejected_shift={rejected_shift} pick the same colour")
+    out = Path(out_dir)
+    (out / "pairs").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_train):
+        k = i % len(COLOURS)
+        spec = ShapeSpec(COLOURS[k], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS)))
+        chosen = COLOURS[(k + chosen_shift) % len(COLOURS)]
+        if rejected_shift is None:
+            rejected = rng.choice([c for c in COLOURS if c != chosen])
+        else:
+            rejected = COLOURS[(k + rejected_shift) % len(COLOURS)]
+        placement = rng.getstate()  # both images drawn from one state: same size and place
+        media = {}
+        for arm, colour in (("chosen", chosen), ("rejected", rejected)):
+            rng.setstate(placement)
+            rel = f"pairs/{i:05d}_{arm}.png"
+            draw_shape(ShapeSpec(colour, spec.shape, spec.background), size, rng).save(out / rel)
+            media[arm] = {"media": [{"type": "image", "path": rel}]}
+        record = {
+            "schema_version": 2,
+            "input": {"prompt": spec.prompt, "media": []},
+            "supervision": {"type": "preference", **media},
+            "metadata": {"colour": spec.colour, "chosen": chosen, "rejected": rejected, "shape": spec.shape,
+                         "background": spec.background},
+        }  # fmt: skip
+        lines.append(json.dumps(record, separators=(",", ":")))
+    (out / "train.jsonl").write_text("\n".join(lines) + "\n")
+    prompts = [
+        ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
+        for i in range(n_test)
+    ]
+    (out / "test.txt").write_text("\n".join(prompts) + "\n")
+    return out
+
+
 def _to_float_hwc(image: Tensor | Image.Image) -> Tensor:
     if isinstance(image, Image.Image):
         return torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8).view(
@@ -167,7 +236,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-test", type=int, default=12)
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preference", action="store_true", help="write V2 preference pairs (offline DPO)")
+    p.add_argument("--chosen-shift", type=int, default=0, help="palette steps from the prompt's colour (--preference)")
+    p.add_argument("--rejected-shift", type=int, default=None, help="as --chosen-shift; default: a random other colour")
     a = p.parse_args(argv)
+    if a.preference:
+        out = write_preference_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed,
+                                       chosen_shift=a.chosen_shift, rejected_shift=a.rejected_shift)  # fmt: skip
+        print(f"wrote {a.n_train} preference pairs and {a.n_test} test prompts to {out}")
+        return
     out = write_shapes_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed)
     print(f"wrote {a.n_train} training images and {a.n_test} test prompts to {out}")
 

@@ -17,6 +17,7 @@ from ff_core.testing.shapes import (
     dominant_colour,
     main,
     prompt_colour,
+    write_preference_dataset,
     write_shapes_dataset,
 )
 
@@ -105,3 +106,51 @@ def test_cli_writes_the_dataset(tmp_path, capsys):
     main([str(tmp_path / "d"), "--n-train", "6", "--n-test", "6"])
     assert len((tmp_path / "d" / "train.jsonl").read_text().splitlines()) == 6
     assert len(list((tmp_path / "d" / "images").glob("*.png"))) == 6
+
+
+# -- preference pairs (offline DPO) ------------------------------------------------------------------------
+def _pixels(path):
+    with Image.open(path) as img:
+        return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
+
+
+def test_preference_pairs_are_strict_v2_records_that_differ_in_colour_alone(tmp_path):
+    """Default: the chosen image shows the prompt's colour, the rejected one another colour; the same shape, place and
+    background (the pixels differ exactly where the shape is); the records load as offline-DPO training data."""
+    from ff_core.data.sources import DatasetConfig, load_split
+
+    root = write_preference_dataset(tmp_path / "pairs", n_train=12, n_test=6, size=32, seed=0)
+    rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and [r["metadata"]["colour"] for r in rows] == list(COLOURS) * 2
+    for i, row in enumerate(rows):
+        meta, sup = row["metadata"], row["supervision"]
+        assert list(row) == ["schema_version", "input", "supervision", "metadata"] and row["schema_version"] == 2
+        assert sup == {"type": "preference",
+                       "chosen": {"media": [{"type": "image", "path": f"pairs/{i:05d}_chosen.png"}]},
+                       "rejected": {"media": [{"type": "image", "path": f"pairs/{i:05d}_rejected.png"}]}}  # fmt: skip
+        assert meta["chosen"] == meta["colour"] == prompt_colour(row["input"]["prompt"]) != meta["rejected"]
+        chosen, rejected = (_pixels(root / sup[arm]["media"][0]["path"]) for arm in ("chosen", "rejected"))
+        assert dominant_colour(chosen.permute(2, 0, 1)) == meta["chosen"]
+        assert dominant_colour(rejected.permute(2, 0, 1)) == meta["rejected"]
+        background = torch.tensor(BACKGROUNDS[meta["background"]], dtype=torch.uint8)
+        shape = (chosen != background).any(-1)
+        assert shape.any() and torch.equal(shape, (rejected != background).any(-1))
+        assert torch.equal(chosen[~shape], rejected[~shape])
+    records = load_split(DatasetConfig(name="pairs", dataset_dir=str(root)), "train", "offline-dpo")
+    assert len(records) == 12 and all(r.supervision == "preference" and len(r.candidates) == 2 for r in records)
+    assert sorted(prompt_colour(p) for p in (root / "test.txt").read_text().splitlines()) == sorted(COLOURS)
+
+
+def test_preference_shifts_pick_the_colours_and_the_cli_writes_them(tmp_path):
+    """chosen_shift 3, rejected_shift 0: the opposite hue is preferred over the prompt's colour (the benchmark's)."""
+    root = write_preference_dataset(tmp_path / "opposite", n_train=6, n_test=6, chosen_shift=3, rejected_shift=0)
+    for line in (root / "train.jsonl").read_text().splitlines():
+        meta = json.loads(line)["metadata"]
+        k = COLOURS.index(meta["colour"])
+        assert meta["chosen"] == COLOURS[(k + 3) % 6] and meta["rejected"] == meta["colour"]
+    with pytest.raises(ValueError, match="pick the same colour"):
+        write_preference_dataset(tmp_path / "same", chosen_shift=1, rejected_shift=7)
+    main([str(tmp_path / "cli"), "--preference", "--n-train", "6", "--n-test", "6", "--chosen-shift", "3",
+          "--rejected-shift", "0"])  # fmt: skip
+    assert (tmp_path / "cli" / "train.jsonl").read_text() == (root / "train.jsonl").read_text()
+    assert _digest(tmp_path / "cli") == _digest(root)

@@ -1,0 +1,246 @@
+"""Offline Diffusion-DPO against hand computations on tiny tensors (STYLE 6), and its reference policies.
+
+The toy family below is an :class:`~ff_core.adapter.Adapter` whose denoiser has one weight ``a``:
+``v(x, sigma) = a * x + sigma``. The reference is built by the real :class:`ReferenceModel` (a frozen deep copy for
+full fine-tuning), so every test runs the objective's own code path; only the model is small enough to do by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from ff_core.adapter import Adapter, LatentState
+from ff_core.objectives import DPOObjective, TimestepSampler
+from ff_core.objectives.dpo import PreferenceErrors, diffusion_dpo_loss, preference_errors
+from ff_core.objectives.reference import ReferenceModel, lora_disabled
+
+
+class Scale(nn.Module):
+    def __init__(self, a: float) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(a))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a * x
+
+
+@dataclass
+class Call:
+    """One denoiser forward as the toy saw it."""
+
+    x: torch.Tensor
+    sigma: torch.Tensor
+    condition: object
+    net: nn.Module
+
+
+class ToyAdapter(Adapter):
+    """``v = a x + sigma``; latents are the media themselves; records every stage call."""
+
+    name = "toy-dpo"
+
+    def __init__(self, a: float) -> None:
+        super().__init__()
+        self.net = Scale(a)
+        self.calls: list[Call] = []
+        self.prepared: list[object] = []
+        self.encoded: list[object] = []
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.net
+
+    def prepare_condition(self, batch):
+        condition = {"prompt_embeds": batch["embeds"].clone()}
+        self.prepared.append(condition)
+        return condition
+
+    def encode_output(self, media, condition, generator=None):
+        self.encoded.append(condition)
+        return LatentState({"latent": torch.stack([m[0] for m in media]).float()})
+
+    def velocity(self, state, sigma, condition):
+        x = state.components["latent"]
+        self.calls.append(Call(x.detach().clone(), sigma.detach().clone(), condition, self.net))
+        return LatentState({"latent": self.net(x) + sigma.reshape(-1, *([1] * (x.ndim - 1)))})
+
+
+def toy(policy_a: float = 2.0, reference_a: float = 1.0, **kwargs) -> tuple[ToyAdapter, DPOObjective]:
+    """A toy adapter whose reference (frozen copy taken at ``reference_a``) and policy (``policy_a``) differ, as after
+    some training steps; the objective (beta 0.5, uniform sigma, ``kwargs``) is configured for full fine-tuning."""
+    adapter = ToyAdapter(reference_a)
+    objective = DPOObjective(beta=0.5, timesteps=TimestepSampler("uniform"), **kwargs)
+    objective.configure_model(adapter, lora=False)
+    with torch.no_grad():
+        adapter.net.a.fill_(policy_a)
+    return adapter, objective
+
+
+def test_diffusion_dpo_loss_by_hand():
+    """beta = 0.5; r = -beta/2 (e_theta - e_ref):
+    sample 1: r_w = -0.25 (6.25 - 4.25) = -0.5, r_l = -0.25 (4.25 - 4.25) = 0; L = -log sigmoid(-0.5) = log(1 + e^0.5)
+              = 0.974077; ranked wrong (r_w < r_l).
+    sample 2: r_w = -0.25 (6.5 - 2.5) = -1, r_l = -0.25 (9 - 4) = -1.25; L = log(1 + e^-0.25) = 0.575939;
+              ranked right."""
+    errors = PreferenceErrors(policy_chosen=torch.tensor([6.25, 6.5]), policy_rejected=torch.tensor([4.25, 9.0]),
+                              reference_chosen=torch.tensor([4.25, 2.5]), reference_rejected=torch.tensor([4.25, 4.0]))
+    out = diffusion_dpo_loss(errors, beta=0.5)
+    assert_close(out.reward_chosen, torch.tensor([-0.5, -1.0]))
+    assert_close(out.reward_rejected, torch.tensor([0.0, -1.25]))
+    assert_close(out.loss, torch.tensor([math.log1p(math.exp(0.5)), math.log1p(math.exp(-0.25))]))
+    assert_close(out.accuracy, torch.tensor([0.0, 1.0]))
+    # Policy = reference: every reward 0, the loss log 2 and the pair not (yet) ranked right.
+    same = PreferenceErrors(*(torch.tensor([3.0]),) * 4)
+    assert_close(diffusion_dpo_loss(same, 5000.0).loss, torch.tensor([math.log(2)]))
+    # Large margins stay finite: -log sigmoid(x) is log1p(exp(-x)), not log(sigmoid(x)).
+    far = PreferenceErrors(torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert_close(diffusion_dpo_loss(far, 5000.0).loss, torch.tensor([0.0]))
+    assert_close(diffusion_dpo_loss(far, -5000.0).loss, torch.tensor([5000.0]))
+
+
+def test_preference_errors_by_hand_with_shared_sigma_and_noise():
+    """Policy v = 2 x + sigma, reference (frozen copy) v = x + sigma, e = mean over elements of (v - (eps - x0))^2.
+    sample 1: sigma = 0.5, eps = [1, -1], x0_w = [1, 1], x0_l = [-1, 1]:
+      x_w = 0.5 [1, 1] + 0.5 [1, -1] = [1, 0], target_w = eps - x0_w = [0, -2];
+        e_theta(w) = ((2.5 - 0)^2 + (0.5 + 2)^2) / 2 = 6.25, e_ref(w) = ((1.5)^2 + (2.5)^2) / 2 = 4.25;
+      x_l = [0, 0], target_l = [2, -2]: v = [0.5, 0.5] for both models, e_theta(l) = e_ref(l) = (1.5^2 + 2.5^2) / 2
+        = 4.25.
+    sample 2: sigma = 1 (x = eps = [1, 1] for both arms), x0_w = [0, 1], x0_l = [1, 1]: v_theta = [3, 3],
+      v_ref = [2, 2]; target_w = [1, 0]: e_theta(w) = (4 + 9) / 2 = 6.5, e_ref(w) = (1 + 4) / 2 = 2.5;
+      target_l = [0, 0]: e_theta(l) = 9, e_ref(l) = 4.
+    These are the errors of test_diffusion_dpo_loss_by_hand; only the policy's weight gets a gradient."""
+    adapter, objective = toy()
+    chosen = LatentState({"latent": torch.tensor([[1.0, 1.0], [0.0, 1.0]])})
+    rejected = LatentState({"latent": torch.tensor([[-1.0, 1.0], [1.0, 1.0]])})
+    noise = LatentState({"latent": torch.tensor([[1.0, -1.0], [1.0, 1.0]])})
+    sigma = torch.tensor([0.5, 1.0])
+    errors = preference_errors(adapter, objective.reference, chosen, rejected, {}, sigma, noise)
+    assert_close(errors.policy_chosen, torch.tensor([6.25, 6.5]))
+    assert_close(errors.reference_chosen, torch.tensor([4.25, 2.5]))
+    assert_close(errors.policy_rejected, torch.tensor([4.25, 9.0]))
+    assert_close(errors.reference_rejected, torch.tensor([4.25, 4.0]))
+    assert not errors.reference_chosen.requires_grad and errors.policy_chosen.requires_grad
+    # Reference first (no graph kept while it runs), then the policy.
+    (copy,) = objective.reference.copies()
+    assert [c.net for c in adapter.calls] == [copy, copy, adapter.net, adapter.net] and copy is not adapter.net
+    diffusion_dpo_loss(errors, 0.5).loss.mean().backward()
+    assert adapter.net.a.grad is not None and copy.a.grad is None
+
+
+def test_training_loss_draws_once_for_both_arms_and_both_models():
+    """Two Monte-Carlo terms, uniform sigma. From the generator, per term: sigma ~ U(0, 1)^B, then eps ~ N(0, 1)^(B, 2)
+    (the order SFT draws in), and nothing else. Every forward of a term (reference chosen, reference rejected, policy
+    chosen, policy rejected) sees that sigma and that eps, recovered from its input as eps = (x_sigma - (1 - sigma) x0)
+    / sigma; all of them, and both encodes, get the one prepared condition. The loss is the mean over terms and batch of
+    log(1 + exp(beta/2 [(e_2(w) - e_1(w)) - (e_2(l) - e_1(l))])) with e_a(x0) = mean((a x_sigma + sigma - eps + x0)^2),
+    computed here from the drawn numbers alone."""
+    adapter, objective = toy(num_train_timesteps=2)
+    (copy,) = objective.reference.copies()
+    chosen = torch.tensor([[1.0, 2.0], [0.0, -1.0], [3.0, 0.5]])
+    rejected = torch.tensor([[-1.0, 0.0], [2.0, 2.0], [0.0, 0.0]])
+    batch = {"condition": {"embeds": torch.ones(3, 4)},
+             "chosen": [[c] for c in chosen], "rejected": [[r] for r in rejected]}  # fmt: skip
+    out = objective.training_loss(adapter, batch, torch.Generator().manual_seed(0))
+
+    (condition,) = adapter.prepared
+    assert adapter.encoded == [condition, condition] and all(c.condition is condition for c in adapter.calls)
+    g, expected, accuracy = torch.Generator().manual_seed(0), [], []
+    assert len(adapter.calls) == 8
+    for term in range(2):
+        sigma, eps = torch.rand(3, generator=g), torch.randn(3, 2, generator=g)
+        calls = adapter.calls[4 * term : 4 * term + 4]
+        assert [c.net for c in calls] == [copy, copy, adapter.net, adapter.net]
+        for call, x0 in zip(calls, (chosen, rejected, chosen, rejected)):
+            assert_close(call.sigma, sigma, rtol=0, atol=0)
+            assert_close((call.x - (1 - sigma[:, None]) * x0) / sigma[:, None], eps)
+
+        def e(a, x0):
+            x = (1 - sigma[:, None]) * x0 + sigma[:, None] * eps
+            return ((a * x + sigma[:, None] - (eps - x0)) ** 2).mean(1)
+
+        margin = -0.25 * ((e(2, chosen) - e(1, chosen)) - (e(2, rejected) - e(1, rejected)))
+        expected.append(torch.log1p(torch.exp(-margin)))
+        accuracy.append((margin > 0).float())
+    assert_close(out.per_sample, torch.stack(expected).mean(0))
+    assert_close(out.loss, torch.stack(expected).mean())
+    assert_close(out.metrics["implicit_accuracy"], torch.stack(accuracy).mean())
+    assert out.sigma.shape == (2, 3) and set(out.metrics) >= {
+        "implicit_accuracy", "reward_chosen", "reward_rejected", "error_policy_chosen", "error_policy_rejected",
+        "error_reference_chosen", "error_reference_rejected"}  # fmt: skip
+
+
+def test_objective_settings_and_batches_are_checked():
+    with pytest.raises(ValueError, match=r"model\.objective\.beta must be > 0"):
+        DPOObjective(beta=0)
+    with pytest.raises(ValueError, match=r"model\.objective\.num_train_timesteps must be >= 1"):
+        DPOObjective(num_train_timesteps=0)
+    batch = {"condition": {"embeds": torch.ones(1, 4)}, "target": [[torch.zeros(2)]]}
+    with pytest.raises(RuntimeError, match="no reference model"):
+        DPOObjective().training_loss(ToyAdapter(1.0), batch)
+    adapter, objective = toy()
+    with pytest.raises(KeyError, match=r"needs preference batches \('chosen', 'rejected'\), got keys \['condition', "
+                                       r"'target'\]"):
+        objective.training_loss(adapter, batch)
+    uneven = {"condition": {"embeds": torch.ones(1, 4)}, "chosen": [[torch.zeros(2)]], "rejected": [[torch.zeros(3)]]}
+    with pytest.raises(ValueError, match="chosen and rejected latents differ"):
+        objective.training_loss(adapter, uneven)
+
+
+# -- the reference policies ---------------------------------------------------------------------------------
+def test_full_copy_reference_is_restored_even_when_the_forward_raises():
+    adapter, objective = toy(policy_a=2.0, reference_a=1.0)
+    reference, policy = objective.reference, adapter.net
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), reference.active(adapter):
+        assert adapter.denoiser is reference.copies()[0] and float(adapter.denoiser.a) == 1.0
+        raise RuntimeError("boom")
+    assert adapter.net is policy and adapter.denoiser is policy and adapter.net.a.item() == 2.0
+    reference.train()
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+
+
+def test_offloaded_reference_gives_the_same_velocity_and_stays_out_of_the_state_dict():
+    """accelerate's cpu_offload (execution device: the CPU here) keeps the copy out of the registered modules."""
+    adapter, objective = toy()
+    offloaded = ReferenceModel(ToyAdapter(1.0), lora=False, offload=True)  # the same toy's copy at a = 1
+    state = LatentState({"latent": torch.tensor([[1.0, -2.0]])})
+    with torch.no_grad():
+        with objective.reference.active(adapter):
+            kept = adapter.velocity(state, torch.tensor([0.3]), {}).components["latent"]
+        with offloaded.active(adapter):
+            streamed = adapter.velocity(state, torch.tensor([0.3]), {}).components["latent"]
+    assert_close(streamed, kept) and assert_close(kept, torch.tensor([[1.3, -1.7]]))
+    assert adapter.net.a.item() == 2.0
+    assert not offloaded.state_dict() and objective.reference.state_dict().keys() == {"networks.0.a"}
+
+
+def test_lora_reference_switches_the_lora_off_and_back_on_even_on_errors():
+    """A peft LoRA on a linear layer, its B made non-zero (as after training): inside, the layer computes the base
+    W x; outside, W x + (alpha / r) B A x again, with the LoRA weights still trainable and the base still frozen."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    net = nn.Sequential(nn.Linear(3, 3))
+    base = net[0].weight.detach().clone(), net[0].bias.detach().clone()
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["0"]), net)
+    for name, p in net.named_parameters():
+        p.requires_grad_("lora_" in name)
+    with torch.no_grad():
+        net[0].lora_B["default"].weight.fill_(0.5)
+    x = torch.tensor([[1.0, 2.0, -1.0]])
+    a, b = net[0].lora_A["default"].weight, net[0].lora_B["default"].weight
+    with_lora = x @ base[0].T + base[1] + 2.0 * (x @ a.T @ b.T)
+    assert_close(net(x), with_lora)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"), lora_disabled(net):
+        assert_close(net(x), x @ base[0].T + base[1])
+        raise RuntimeError("boom")
+    assert_close(net(x), with_lora)
+    assert {n: p.requires_grad for n, p in net.named_parameters()} == {
+        "0.base_layer.weight": False, "0.base_layer.bias": False,
+        "0.lora_A.default.weight": True, "0.lora_B.default.weight": True}  # fmt: skip
+    with pytest.raises(ValueError, match="needs peft LoRA layers"):
+        ReferenceModel(ToyAdapter(1.0), lora=True)
