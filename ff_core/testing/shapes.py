@@ -16,7 +16,7 @@ Layout written by :func:`write_shapes_dataset` (spec: dataset-guide, strict V2 d
 rejected image, ``out_dir/pairs/00000_chosen.png`` and ``00000_rejected.png``, that differ only in the shape's colour.
 
 CLI: ``python -m ff_core.testing.shapes OUT_DIR [--n-train 384] [--n-test 12] [--size 32] [--seed 0]
-[--preference [--chosen-shift 0] [--rejected-shift K]]``.
+[--preference [--chosen-shift 0] [--rejected-shift K] | [--pair CHOSEN,REJECTED]]``.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def write_preference_dataset(
     seed: int = 0,
     chosen_shift: int = 0,
     rejected_shift: int | None = None,
+    pair: tuple[str, str] | None = None,
 ) -> Path:
     """Write a shapes preference dataset to ``out_dir`` (see the module docstring); deterministic for ``seed``.
 
@@ -130,8 +131,10 @@ def write_preference_dataset(
     a prompt asking for palette colour ``k``, the chosen image shows ``COLOURS[(k + chosen_shift) % 6]`` and the
     rejected one ``COLOURS[(k + rejected_shift) % 6]`` (``rejected_shift`` ``None``: a random colour other than the
     chosen one), the same shape at the same place on the same background: the pair differs in colour alone. The
-    default prefers the colour the prompt asks for; ``chosen_shift=3, rejected_shift=0`` prefers the opposite hue over
-    it (the preference benchmark). ``test.txt`` holds legacy evaluation prompts, colours cycling through the palette.
+    default prefers the colour the prompt asks for. With ``pair=(chosen, rejected)`` every pair has these two colours
+    and the prompts name none ("a circle on a white background"): a preference between colours the prompt leaves
+    open (the preference benchmark). ``test.txt`` holds legacy evaluation prompts: colours cycling through the
+    palette, or with ``pair`` every shape on every background in turn.
 
     Args:
         out_dir: the dataset folder (created).
@@ -141,7 +144,11 @@ def write_preference_dataset(
         seed: drawing seed.
         chosen_shift: palette steps from the prompt's colour to the chosen image's.
         rejected_shift: palette steps from the prompt's colour to the rejected image's (``None``: random).
+        pair: the (chosen, rejected) colours of every pair, for prompts without a colour; the shifts must be unset.
     """
+    if pair is not None and (chosen_shift or rejected_shift is not None or len(set(pair)) != 2
+                             or not set(pair) <= set(COLOURS)):  # fmt: skip
+        raise ValueError(f"pair={pair!r}: two different palette colours {COLOURS}, without chosen/rejected shifts")
     if rejected_shift is not None and (rejected_shift - chosen_shift) % len(COLOURS) == 0:
         raise ValueError(f"chosen_shift={chosen_shift} and rejected_shift={rejected_shift} pick the same colour")
     out = Path(out_dir)
@@ -151,11 +158,14 @@ def write_preference_dataset(
     for i in range(n_train):
         k = i % len(COLOURS)
         spec = ShapeSpec(COLOURS[k], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS)))
-        chosen = COLOURS[(k + chosen_shift) % len(COLOURS)]
-        if rejected_shift is None:
-            rejected = rng.choice([c for c in COLOURS if c != chosen])
+        if pair is not None:
+            (chosen, rejected), prompt = pair, _colourless_prompt(spec.shape, spec.background)
         else:
-            rejected = COLOURS[(k + rejected_shift) % len(COLOURS)]
+            chosen, prompt = COLOURS[(k + chosen_shift) % len(COLOURS)], spec.prompt
+            if rejected_shift is None:
+                rejected = rng.choice([c for c in COLOURS if c != chosen])
+            else:
+                rejected = COLOURS[(k + rejected_shift) % len(COLOURS)]
         placement = rng.getstate()  # both images drawn from one state: same size and place
         media = {}
         for arm, colour in (("chosen", chosen), ("rejected", rejected)):
@@ -165,19 +175,27 @@ def write_preference_dataset(
             media[arm] = {"media": [{"type": "image", "path": rel}]}
         record = {
             "schema_version": 2,
-            "input": {"prompt": spec.prompt, "media": []},
+            "input": {"prompt": prompt, "media": []},
             "supervision": {"type": "preference", **media},
-            "metadata": {"colour": spec.colour, "chosen": chosen, "rejected": rejected, "shape": spec.shape,
-                         "background": spec.background},
+            "metadata": {"colour": None if pair else spec.colour, "chosen": chosen, "rejected": rejected,
+                         "shape": spec.shape, "background": spec.background},
         }  # fmt: skip
         lines.append(json.dumps(record, separators=(",", ":")))
     (out / "train.jsonl").write_text("\n".join(lines) + "\n")
-    prompts = [
-        ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
-        for i in range(n_test)
-    ]
+    if pair is not None:
+        backgrounds = list(BACKGROUNDS)
+        prompts = [_colourless_prompt(SHAPES[i % 3], backgrounds[i // 3 % 3]) for i in range(n_test)]
+    else:
+        prompts = [
+            ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
+            for i in range(n_test)
+        ]
     (out / "test.txt").write_text("\n".join(prompts) + "\n")
     return out
+
+
+def _colourless_prompt(shape: str, background: str) -> str:
+    return f"a {shape} on a {background} background"
 
 
 def _to_float_hwc(image: Tensor | Image.Image) -> Tensor:
@@ -239,10 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preference", action="store_true", help="write V2 preference pairs (offline DPO)")
     p.add_argument("--chosen-shift", type=int, default=0, help="palette steps from the prompt's colour (--preference)")
     p.add_argument("--rejected-shift", type=int, default=None, help="as --chosen-shift; default: a random other colour")
+    p.add_argument("--pair", default=None, help="CHOSEN,REJECTED colours of every pair, prompts without a colour")
     a = p.parse_args(argv)
     if a.preference:
+        pair = tuple(a.pair.split(",")) if a.pair else None
         out = write_preference_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed,
-                                       chosen_shift=a.chosen_shift, rejected_shift=a.rejected_shift)  # fmt: skip
+                                       chosen_shift=a.chosen_shift, rejected_shift=a.rejected_shift, pair=pair)
         print(f"wrote {a.n_train} preference pairs and {a.n_test} test prompts to {out}")
         return
     out = write_shapes_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed)

@@ -150,7 +150,31 @@ def test_preference_shifts_pick_the_colours_and_the_cli_writes_them(tmp_path):
         assert meta["chosen"] == COLOURS[(k + 3) % 6] and meta["rejected"] == meta["colour"]
     with pytest.raises(ValueError, match="pick the same colour"):
         write_preference_dataset(tmp_path / "same", chosen_shift=1, rejected_shift=7)
+    for bad in (("green", "green"), ("green", "orange")):
+        with pytest.raises(ValueError, match="two different palette colours"):
+            write_preference_dataset(tmp_path / "bad", pair=bad)
+    with pytest.raises(ValueError, match="without chosen/rejected shifts"):
+        write_preference_dataset(tmp_path / "bad", pair=("green", "red"), chosen_shift=3)
     main([str(tmp_path / "cli"), "--preference", "--n-train", "6", "--n-test", "6", "--chosen-shift", "3",
           "--rejected-shift", "0"])  # fmt: skip
     assert (tmp_path / "cli" / "train.jsonl").read_text() == (root / "train.jsonl").read_text()
+    assert _digest(tmp_path / "cli") == _digest(root)
+
+
+def test_a_fixed_pair_ranks_two_colours_for_prompts_that_name_none(tmp_path):
+    """pair=(green, red): every chosen image green, every rejected one red, prompts without a colour word; the test
+    prompts are every shape on every background in turn."""
+    root = write_preference_dataset(tmp_path / "pair", n_train=6, n_test=9, pair=("green", "red"))
+    for line in (root / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        meta = row["metadata"]
+        assert (meta["colour"], meta["chosen"], meta["rejected"]) == (None, "green", "red")
+        assert row["input"]["prompt"] == f"a {meta['shape']} on a {meta['background']} background"
+        for arm in ("chosen", "rejected"):
+            image = _pixels(root / row["supervision"][arm]["media"][0]["path"]).permute(2, 0, 1)
+            assert dominant_colour(image) == meta[arm]
+    prompts = (root / "test.txt").read_text().splitlines()
+    assert prompts == [f"a {s} on a {b} background" for b in BACKGROUNDS for s in SHAPES]
+    assert all(prompt_colour(p) == "none" for p in prompts)
+    main([str(tmp_path / "cli"), "--preference", "--n-train", "6", "--n-test", "9", "--pair", "green,red"])
     assert _digest(tmp_path / "cli") == _digest(root)
