@@ -106,12 +106,18 @@ def write_shapes_dataset(
             "metadata": {"colour": spec.colour, "shape": spec.shape, "background": spec.background},
         }
         lines.append(json.dumps(record, separators=(",", ":")))
-    (out / "train.jsonl").write_text("\n".join(lines) + "\n")
-    prompts = [
-        ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
-        for i in range(n_test)
-    ]
-    (out / "test.txt").write_text("\n".join(prompts) + "\n")
+    return _write_splits(out, lines, _palette_prompts(rng, n_test))
+
+
+def _palette_prompts(rng: random.Random, n: int) -> list[str]:
+    """``n`` evaluation prompts whose colours cycle through the palette (shape and background at random)."""
+    return [ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
+            for i in range(n)]
+
+
+def _write_splits(out: Path, train_lines: list[str], test_prompts: list[str]) -> Path:
+    (out / "train.jsonl").write_text("\n".join(train_lines) + "\n")
+    (out / "test.txt").write_text("\n".join(test_prompts) + "\n")
     return out
 
 
@@ -181,17 +187,12 @@ def write_preference_dataset(
                          "shape": spec.shape, "background": spec.background},
         }  # fmt: skip
         lines.append(json.dumps(record, separators=(",", ":")))
-    (out / "train.jsonl").write_text("\n".join(lines) + "\n")
     if pair is not None:
         backgrounds = list(BACKGROUNDS)
         prompts = [_colourless_prompt(SHAPES[i % 3], backgrounds[i // 3 % 3]) for i in range(n_test)]
     else:
-        prompts = [
-            ShapeSpec(COLOURS[i % len(COLOURS)], rng.choice(SHAPES), rng.choice(list(BACKGROUNDS))).prompt
-            for i in range(n_test)
-        ]
-    (out / "test.txt").write_text("\n".join(prompts) + "\n")
-    return out
+        prompts = _palette_prompts(rng, n_test)
+    return _write_splits(out, lines, prompts)
 
 
 def _colourless_prompt(shape: str, background: str) -> str:
