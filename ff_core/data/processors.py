@@ -4,8 +4,8 @@ The condition side (prompts and decoded condition media, :func:`condition_input`
 process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the supervision side (a demonstration's
 ``target``, a preference's ``chosen`` and ``rejected``) is decoded by :class:`RecordProcessor` inside the loader's
 workers, on every access, fitted to the adapter's output geometry and never cached (spec dataset-guide: "Condition
-cache and target lifecycle"). A resumed run never calls the processor
-for the records it skips (docs/dataflow.md, "Resume").
+cache and target lifecycle"). A resumed run never calls the processor for the records it skips (docs/dataflow.md,
+"Resume").
 """
 
 from __future__ import annotations

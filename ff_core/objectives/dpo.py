@@ -114,11 +114,12 @@ def preference_errors(
 
 
 class DPOObjective(Objective):
-    """Offline Diffusion-DPO on V2 preference records (module docstring).
+    """Offline Diffusion-DPO on V2 preference records (formula and conventions: docs/objectives.md, "Offline DPO").
 
     Args:
-        beta: KL-regularisation strength of the implicit reward (``-beta/2`` times the error gap; module docstring
-            for the convention). Larger keeps the policy closer to the reference.
+        beta: KL-regularisation strength: the implicit rewards are ``-beta/2`` times the policy-minus-reference error
+            of each arm (Wallace et al.'s convention, errors as element means; 5000 is theirs for SD1.5/SDXL).
+            Larger keeps the policy closer to the reference.
         timesteps: how noise levels are drawn per pair (logit-normal with the adapter's shift, or uniform).
         num_train_timesteps: independent Monte-Carlo (sigma, noise) draws averaged per microbatch.
         reference_offload: full fine-tuning only: keep the frozen reference denoiser in CPU memory and stream its
