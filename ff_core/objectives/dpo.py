@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ff_core.objectives.base import LossOutput, Objective
-from ff_core.objectives.flow_matching import TimestepSampler, child_generator, randn_like
+from ff_core.objectives.flow_matching import TimestepSampler, child_generator, monte_carlo_draws
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.objectives.sft import flow_matching_error
 
@@ -178,12 +178,8 @@ class DPOObjective(Objective):
         pair: both arms and both models see exactly these.
         """
         _check_same_geometry(chosen, rejected)
-        device = next(iter(chosen.components.values())).device
-        shift = self.timesteps.resolve_shift(adapter, chosen)
         terms, errors, sigmas = [], [], []
-        for _ in range(self.num_train_timesteps):
-            sigma = self.timesteps.sample(chosen.batch_size, generator=generator, device=device, shift=shift)
-            noise = chosen.map(lambda x: randn_like(x, generator))
+        for sigma, noise in monte_carlo_draws(self.timesteps, adapter, chosen, self.num_train_timesteps, generator):
             errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise))
             terms.append(diffusion_dpo_loss(errors[-1], self.beta))
             sigmas.append(sigma)

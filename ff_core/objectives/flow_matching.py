@@ -7,6 +7,7 @@ predicting the velocity ``v = eps - x0``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -87,6 +88,27 @@ def child_generator(generator: torch.Generator | None, stream: int) -> torch.Gen
     if generator is None:
         return None
     return torch.Generator().manual_seed(derive_seed(generator.initial_seed(), stream))
+
+
+def monte_carlo_draws(
+    timesteps: TimestepSampler, adapter: Adapter, like: LatentState, n: int, generator: torch.Generator | None
+) -> Iterator[tuple[Tensor, LatentState]]:
+    """``n`` independent ``(sigma, noise)`` draws for a batch shaped like ``like``: per draw, the noise levels (with the
+    recipe's or the adapter's shift) then the noise, from ``generator`` in that order — the order every objective
+    draws in, so a micro-batch's noise is a function of its generator's seed alone.
+
+    Args:
+        timesteps: how noise levels are drawn.
+        adapter: gives the default shift (:meth:`TimestepSampler.resolve_shift`).
+        like: a clean latent state of the batch (shapes, dtype, device).
+        n: how many draws (``num_train_timesteps``).
+        generator: CPU generator; ``None``: the global one.
+    """
+    device = next(iter(like.components.values())).device
+    shift = timesteps.resolve_shift(adapter, like)  # the recipe's, else the sampling schedule's
+    for _ in range(n):
+        sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift)
+        yield sigma, like.map(lambda x: randn_like(x, generator))
 
 
 def randn_like(x: Tensor, generator: torch.Generator | None) -> Tensor:

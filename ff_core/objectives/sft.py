@@ -16,9 +16,9 @@ from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     TimestepSampler,
     child_generator,
+    monte_carlo_draws,
     noise_state,
     per_sample_squared_error,
-    randn_like,
     velocity_target,
 )
 
@@ -57,12 +57,8 @@ class SFTObjective(Objective):
 
         Sigmas and noise are drawn from ``generator`` (CPU; ``None``: the global generator), in that order per term.
         """
-        device = next(iter(clean.components.values())).device
-        shift = self.timesteps.resolve_shift(adapter, clean)  # the recipe's, else the sampling schedule's
         terms, sigmas = [], []
-        for _ in range(self.num_train_timesteps):
-            sigma = self.timesteps.sample(clean.batch_size, generator=generator, device=device, shift=shift)
-            noise = clean.map(lambda x: randn_like(x, generator))
+        for sigma, noise in monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator):
             terms.append(flow_matching_error(adapter, clean, condition, sigma, noise))
             sigmas.append(sigma)
         per_sample = torch.stack(terms).mean(0)
