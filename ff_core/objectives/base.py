@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
+    from ff_core.rewards import Rewards, RewardSpec
 
 
 @dataclass
@@ -51,6 +52,19 @@ class Objective:
             adapter: the loaded adapter.
             lora: the denoiser trains peft LoRA layers (``model.lora`` is set), not all its weights.
         """
+        return None
+
+    def training_rewards(self) -> Rewards | None:
+        """The rewards this objective trains on (online objectives such as GRPO), or ``None``.
+
+        ``FlowModule.setup`` checks, before any weight loads, that every training record carries the metadata fields
+        they read (:meth:`ff_core.rewards.Rewards.check_records`).
+        """
+        return None
+
+    def default_eval_rewards(self) -> list[RewardSpec] | None:
+        """The rewards validation computes when the recipe sets no ``model.eval_rewards`` (an online objective can
+        return its training rewards); ``None``: none."""
         return None
 
     def training_loss(
