@@ -131,3 +131,35 @@ class NeedsSolution(Reward):
 
     def __call__(self, batch):
         return torch.tensor([float(m["solution"] % 2) for m in batch.metadata])
+
+
+def test_objective_supplies_default_eval_rewards_and_training_reward_checks(tmp_path):
+    """Without model.eval_rewards an objective's default_eval_rewards() is used (GRPO: its training rewards); the
+    rewards an objective trains on are checked against the training records (stage fit only)."""
+    from types import SimpleNamespace
+
+    from ff_core.data.records_base import Record
+    from ff_core.errors import DatasetErrors
+    from ff_core.objectives import SFTObjective
+    from ff_core.rewards import Rewards
+
+    class Online(SFTObjective):
+        def training_rewards(self):
+            return Rewards([{"name": "tests.test_evaluation:NeedsSolution"}], config_key="model.objective.rewards")
+
+        def default_eval_rewards(self):
+            return [{"name": "colour"}]
+
+    module = FlowModule("sd3-5", str(tmp_path / "unused"), objective=Online())
+    module.setup("validate")  # no trainer: nothing to check yet
+    assert module.eval_reward_set.keys == ["colour"]
+    src = tmp_path / "train.jsonl"
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(
+        eval_records=[], train_records=[Record(src, 1, "p", metadata={"solution": 1}), Record(src, 2, "q")]))
+    module.setup("validate")
+    with pytest.raises(DatasetErrors, match=r"train.jsonl:2: metadata.solution: reward 'tests.test_evaluation:"
+                                            r"NeedsSolution' \(model.objective.rewards\) needs"):
+        module.setup("fit")
+    silent = FlowModule("sd3-5", "unused", objective=Online(), eval_rewards=[])  # [] turns the default off
+    silent.setup("validate")
+    assert silent.eval_reward_set is None

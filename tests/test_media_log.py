@@ -1,0 +1,94 @@
+"""Video and audio samples to files, TensorBoard and CSV, from tensors (no video or audio adapter exists yet)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageSequence
+
+from ff_core.callbacks.media_log import (
+    EvalSample,
+    audio_to_wav,
+    log_csv,
+    log_tensorboard,
+    video_to_gif,
+    write_sample_files,
+)
+
+
+def palette_video(t: int = 3, h: int = 4, w: int = 6) -> torch.Tensor:
+    """uint8 (T, 3, H, W) frames of a few saturated colours (GIF's 256-colour palette holds them exactly)."""
+    colours = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255], [0, 0, 0]], dtype=torch.uint8)
+    pick = torch.randint(0, len(colours), (t, h, w), generator=torch.Generator().manual_seed(0))
+    return colours[pick].permute(0, 3, 1, 2).contiguous()
+
+
+def tone(channels: int = 2, n: int = 800, rate: int = 8000) -> torch.Tensor:
+    t = torch.arange(n) / rate
+    return torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * (c + 1) * t) for c in range(channels)])
+
+
+def test_video_to_gif_round_trips_frames_and_fps():
+    video = palette_video()
+    gif = Image.open(io.BytesIO(video_to_gif(video, fps=10)))
+    frames = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(gif)]
+    assert len(frames) == 3
+    for got, expected in zip(frames, video):
+        np.testing.assert_array_equal(got, expected.permute(1, 2, 0).numpy())
+    assert gif.info["duration"] == 100  # 10 fps: 100 ms a frame
+    with pytest.raises(ValueError, match=r"a video is uint8 \(T, 3, H, W\)"):
+        video_to_gif(video[0])
+
+
+def test_audio_to_wav_is_interleaved_16_bit_pcm():
+    audio = tone()
+    audio[0, 0] = 1.5  # clipped to full scale
+    with wave.open(io.BytesIO(audio_to_wav(audio, 8000))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (2, 2, 8000, 800)
+        pcm = np.frombuffer(w.readframes(800), dtype="<i2").reshape(800, 2).T
+    expected = np.round(audio.clamp(-1, 1).numpy() * 32767).astype(np.int16)
+    np.testing.assert_array_equal(pcm, expected)
+    assert pcm[0, 0] == 32767
+
+
+def av_sample(index: int) -> EvalSample:
+    return EvalSample(index, f"prompt {index}", [palette_video(), tone()], ("video", "audio"), (12.5, 8000),
+                      {"loud": -6.0 - index}, -6.0 - index)
+
+
+def test_video_and_audio_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    log_tensorboard(writer, [av_sample(3)], None, step=7)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "audio": 0})
+    events.Reload()
+    [video] = events.Images("val/sample_00003")
+    assert (video.step, video.width, video.height) == (7, 6, 4)
+    assert Image.open(io.BytesIO(video.encoded_image_string)).n_frames == 3
+    [audio] = events.Audio("val/sample_00003_1")
+    assert (audio.sample_rate, audio.length_frames, audio.content_type) == (8000, 800, "audio/wav")
+    with wave.open(io.BytesIO(audio.encoded_audio_string)) as w:
+        assert w.getnchannels() == 2
+
+
+def test_video_and_audio_files_and_csv_rows(tmp_path):
+    samples = [av_sample(0), av_sample(1)]
+    paths = write_sample_files(samples, tmp_path / "files")
+    assert sorted(p.name for p in paths.values()) == ["00000.gif", "00000_1.wav", "00001.gif", "00001_1.wav"]
+    table = log_csv(tmp_path, samples, step=5)
+    log_csv(tmp_path, samples[:1], step=6)  # a second validation appends
+    rows = list(csv.DictReader(table.open()))
+    expected = [(step, i, kind, f"media/val_step_{step:06d}/{i:05d}{suffix}")
+                for step, indices in ((5, (0, 1)), (6, (0,))) for i in indices
+                for kind, suffix in (("video", ".gif"), ("audio", "_1.wav"))]
+    assert [(int(r["step"]), int(r["index"]), r["output"], r["path"]) for r in rows] == expected
+    assert [float(r["reward/loud"]) for r in rows] == [-6, -6, -7, -7, -6, -6]
+    assert all((tmp_path / r["path"]).stat().st_size > 0 for r in rows)
