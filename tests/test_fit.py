@@ -76,6 +76,13 @@ def test_fit_writes_checkpoint_lora_samples_and_loss_curve(first_run):
     assert (first_run / "logs" / "version_0" / "loss.png").exists()
     steps = (first_run / "logs" / "version_0" / "loss.csv").read_text().splitlines()[1:]
     assert len(steps) == 20
+    # The recipe's eval rewards were scored on the validation samples (the colour accuracy is a share of 6 prompts).
+    import csv
+
+    [val] = [r for r in csv.DictReader(open(first_run / "logs" / "version_0" / "metrics.csv")) if r.get("val/reward")]
+    accuracy = float(val["val/reward/prompt_colour"])
+    assert accuracy * 6 == pytest.approx(round(accuracy * 6))
+    assert float(val["val/reward"]) == pytest.approx(accuracy)
 
 
 def test_resume_continues_step_count_and_optimiser_state(first_run, tiny_sd3, shapes_dir, tmp_path):
