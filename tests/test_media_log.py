@@ -92,3 +92,21 @@ def test_video_and_audio_files_and_csv_rows(tmp_path):
     assert [(int(r["step"]), int(r["index"]), r["output"], r["path"]) for r in rows] == expected
     assert [float(r["reward/loud"]) for r in rows] == [-6, -6, -7, -7, -6, -6]
     assert all((tmp_path / r["path"]).stat().st_size > 0 for r in rows)
+
+
+def test_media_writer_writes_video_and_audio_predictions(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from ff_core.callbacks import MediaWriter
+
+    writer = MediaWriter(dirpath=str(tmp_path))
+    writer.setup(None, None, "predict")
+    prediction = {"index": [4], "prompt": ["a clip"], "media": [[palette_video(), tone()]],
+                  "output_types": ("video", "audio"), "rates": (12.5, 8000), "metadata": [{}]}
+    writer.write_on_batch_end(SimpleNamespace(global_rank=0), None, prediction, None, None, 0, 0)
+    [line] = (tmp_path / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(line) == {"index": 4, "prompt": "a clip", "files": ["00004.gif", "00004_1.wav"]}
+    assert Image.open(tmp_path / "00004.gif").n_frames == 3
+    with wave.open(str(tmp_path / "00004_1.wav")) as w:
+        assert (w.getnchannels(), w.getframerate()) == (2, 8000)

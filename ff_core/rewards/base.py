@@ -67,6 +67,10 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.media)
 
+    def group_ids(self) -> Tensor:
+        """(B,) group id of each sample: :attr:`groups`, or every sample its own group when it is ``None``."""
+        return self.groups if self.groups is not None else torch.arange(len(self.media))
+
     def output_index(self, media_types: Iterable[str], reward: str = "reward") -> int:
         """Position of the first output whose type is one of ``media_types`` (what a single-medium reward scores).
 
