@@ -79,7 +79,7 @@ class SamplingConfig:
 
 
 # Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default.
-torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig, RewardSpec])
+torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig])
 
 
 class FlowModule(L.LightningModule):
@@ -104,7 +104,9 @@ class FlowModule(L.LightningModule):
             ``[{name, weight, args, label}]`` (see ``ff plugins``); logged as ``val/reward/<label>`` (batch mean) and
             ``val/reward`` (weighted total, on the progress bar). ``None``: the objective's default (an online
             objective's training rewards), else none. Every evaluation record must carry the metadata fields they
-            read.
+            read. Plain mappings, not dataclasses, on purpose: jsonargparse merges a list of dataclasses given on the
+            command line into the recipe's item by item (a reward would inherit the recipe's ``args`` and ``label``);
+            a list of mappings is replaced whole.
     """
 
     def __init__(
@@ -119,7 +121,7 @@ class FlowModule(L.LightningModule):
         sampling: SamplingConfig | None = None,
         gradient_checkpointing: bool = False,
         noise_seed: int | None = None,
-        eval_rewards: list[RewardSpec] | None = None,
+        eval_rewards: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -138,7 +140,9 @@ class FlowModule(L.LightningModule):
         self.noise_seed = noise_seed
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
-        self.eval_rewards = eval_rewards
+        # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
+        self.eval_rewards = None if eval_rewards is None else [
+            RewardSpec.from_config(spec, f"model.eval_rewards[{i}]") for i, spec in enumerate(eval_rewards)]
         self.eval_reward_set: Rewards | None = None  # built in setup, before weights load
         self._rewards_device: torch.device | None = None
         self.adapter: Adapter | None = None
@@ -152,7 +156,7 @@ class FlowModule(L.LightningModule):
         reads. Lightning calls it after the data module's ``setup`` (records loaded and validated) and before
         ``configure_model`` loads any weight, so a dataset without a needed field fails fast, naming the reward, the
         field and each record's file and line."""
-        if self.eval_reward_set is None:
+        if self.eval_reward_set is None and stage != TrainerFn.PREDICTING:  # ff predict scores nothing
             self.eval_reward_set = self._build_eval_rewards()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:

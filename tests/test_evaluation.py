@@ -61,6 +61,9 @@ def brightness_by_hand(png: Path) -> float:
 
 def test_eval_rewards_are_logged_as_means_of_hand_computed_scores(validated):
     cli, metrics, root = validated
+    # The command line's list replaced the recipe's whole (no item inherits the recipe's args or label).
+    assert cli.model.eval_reward_set.keys == ["colour", "bright"]
+    assert [s.args for s in cli.model.eval_reward_set.specs] == [{"target": [0, 255, 0]}, {}]
     folder = Path(cli.trainer.log_dir) / "samples" / "step_000000"
     pngs = sorted(folder.glob("*.png"))
     assert [p.name for p in pngs] == [f"{i:05d}.png" for i in range(6)]
@@ -160,6 +163,10 @@ def test_objective_supplies_default_eval_rewards_and_training_reward_checks(tmp_
     with pytest.raises(DatasetErrors, match=r"train.jsonl:2: metadata.solution: reward 'tests.test_evaluation:"
                                             r"NeedsSolution' \(model.objective.rewards\) needs"):
         module.setup("fit")
+    from ff_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.eval_rewards\[0\]: unknown key\(s\) wieght"):
+        FlowModule("sd3-5", "unused", eval_rewards=[{"name": "colour", "wieght": 1}])
     silent = FlowModule("sd3-5", "unused", objective=Online(), eval_rewards=[])  # [] turns the default off
     silent.setup("validate")
     assert silent.eval_reward_set is None

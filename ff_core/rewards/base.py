@@ -153,6 +153,12 @@ class RewardSpec:
     def key(self) -> str:
         return self.label or self.name
 
+    @classmethod
+    def from_config(cls, value: RewardSpec | dict[str, Any], key: str) -> RewardSpec:
+        """A spec from a config entry (a mapping with these fields), checked; errors name ``key``
+        (``model.eval_rewards[1]``)."""
+        return _as_spec(value, key)
+
 
 @dataclass
 class RewardScores:
@@ -177,7 +183,7 @@ class Rewards:
 
     def __init__(self, specs: Sequence[RewardSpec | dict[str, Any]], config_key: str = "rewards") -> None:
         self.config_key = config_key
-        self.specs: list[RewardSpec] = [_as_spec(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
+        self.specs: list[RewardSpec] = [RewardSpec.from_config(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
         self.rewards: list[Reward] = [_build(s, f"{config_key}[{i}]") for i, s in enumerate(self.specs)]
         keys = [s.key for s in self.specs]
         for i, key in enumerate(keys):
