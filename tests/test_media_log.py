@@ -110,3 +110,29 @@ def test_media_writer_writes_video_and_audio_predictions(tmp_path):
     assert Image.open(tmp_path / "00004.gif").n_frames == 3
     with wave.open(str(tmp_path / "00004_1.wav")) as w:
         assert (w.getnchannels(), w.getframerate()) == (2, 8000)
+
+
+def test_wandb_payload(monkeypatch):
+    """wandb is optional and not installed here: a stand-in module records what log_wandb hands to wandb's classes
+    (their constructors' arguments as wandb documents them)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from ff_core.callbacks.media_log import log_wandb
+
+    fake = ModuleType("wandb")
+    for cls in ("Image", "Video", "Audio", "Table"):
+        setattr(fake, cls, type(cls, (), {"__init__": lambda self, *a, **k: setattr(self, "args", (a, k))}))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logged = {}
+    logger = SimpleNamespace(experiment=SimpleNamespace(log=logged.update))
+    grid = Image.new("RGB", (4, 4))
+    log_wandb(logger, [av_sample(2)], grid, step=9)
+    assert logged["trainer/global_step"] == 9
+    assert logged["val/samples"].args == ((grid,), {})
+    (video,), kwargs = logged["val/sample_00002"].args
+    assert video.shape == (3, 3, 4, 6) and kwargs == {"fps": 12.5, "format": "gif"}
+    (audio,), kwargs = logged["val/sample_00002_1"].args
+    assert audio.shape == (800, 2) and kwargs == {"sample_rate": 8000}  # wandb.Audio takes (N, C)
+    assert logged["val/samples_table"].args[1] == {"columns": ["index", "prompt", "loud", "reward"],
+                                                   "data": [[2, "prompt 2", -8.0, -8.0]]}
