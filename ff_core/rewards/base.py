@@ -223,22 +223,21 @@ class Rewards:
         if not needs:
             return
         errors: list[DatasetError] = []
-        missing: dict[tuple[str, str], int] = {}
+        missing: dict[tuple[str, str], list[Any]] = {}  # (reward, field) -> records lacking it
         for record in records:
             for reward, name in needs:
-                if name in record.metadata:
-                    continue
-                n = missing[(reward, name)] = missing.get((reward, name), 0) + 1
-                if n <= MAX_REPORTED_RECORDS:
-                    errors.append(DatasetError(record.source, record.line, f"metadata.{name}", (
-                        f"reward {reward!r} ({self.config_key}) needs the metadata field {name!r}, which this record "
-                        "lacks (a legacy row's extra column or a V2 record's metadata key)"
-                    )))
-        for (reward, name), n in missing.items():
-            if n > MAX_REPORTED_RECORDS:
-                last = errors[-1]
-                errors.append(DatasetError(last.path, None, f"metadata.{name}",
-                                           f"... {n - MAX_REPORTED_RECORDS} more records lack it (reward {reward!r})"))
+                if name not in record.metadata:
+                    missing.setdefault((reward, name), []).append(record)
+        for (reward, name), lacking in missing.items():
+            for record in lacking[:MAX_REPORTED_RECORDS]:
+                errors.append(DatasetError(record.source, record.line, f"metadata.{name}", (
+                    f"reward {reward!r} ({self.config_key}) needs the metadata field {name!r}, which this record "
+                    "lacks (a legacy row's extra column or a V2 record's metadata key)"
+                )))
+            if len(lacking) > MAX_REPORTED_RECORDS:
+                more = len(lacking) - MAX_REPORTED_RECORDS
+                errors.append(DatasetError(lacking[MAX_REPORTED_RECORDS].source, None, f"metadata.{name}",
+                                           f"... {more} more records lack it (reward {reward!r})"))
         if errors:
             raise DatasetErrors(errors)
 
