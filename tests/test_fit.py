@@ -347,6 +347,9 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     assert cli.datamodule.trainer_type == cli.model.objective.trainer_type == trainer_type
     assert cli.datamodule.adapter_name == cli.model.hparams.adapter
     cli.datamodule.setup("fit")
+    cli.model.setup("fit")  # builds the recipe's eval rewards and checks the records carry what they read
+    if cli.model.eval_rewards:
+        assert cli.model.eval_reward_set.keys == [s.key for s in cli.model.eval_rewards]
     cli.model.configure_model()
     # Training noise levels follow the schedule the recipe samples with (the checkpoint scheduler's shift).
     assert cli.model.objective.timesteps.resolve_shift(cli.model.adapter) == cli.model.adapter.timestep_shift()
