@@ -306,3 +306,23 @@ def test_negative_and_out_of_range_indices(tmp_path):
     assert ds[-1]["id"] == rows[-1]["id"]
     with pytest.raises(IndexError, match="row 3 out of range for 3 rows"):
         ds[3]
+
+
+def _rss_file_kib() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(status["RssFile"].split()[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_resident_set_stays_flat(tmp_path):
+    # 24 rows of 1 MiB: reading them all must not leave their file pages mapped in this process (they would
+    # be 24 MiB of RssFile, growing with the dataset; ff unmaps each row group's pages after decoding it).
+    with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=8) as w:
+        for i in range(24):
+            w.write({"id": str(i), "x": torch.full((256, 1024), float(i))})
+    ds = TensorParquetDataset(tmp_path)
+    ds[0]
+    before = _rss_file_kib()
+    for i in range(24):
+        assert float(ds[i]["x"][0, 0]) == i
+    assert _rss_file_kib() - before < 4 * 1024

@@ -1,13 +1,15 @@
 """``TensorParquetDataset``: map-style random access to the rows of tensor-parquet shards.
 
-A row read decodes only the requested columns of the row group that holds it (``ParquetFile.read_row_group`` on a
+A row read decodes only the requested columns of the row group that holds it (``ParquetFile.read_row_group`` over a
 memory-mapped file) and views each tensor inside the decoded Arrow buffer with ``torch.frombuffer``: Parquet
-decoding is the only copy. Returned tensors are therefore read-only views (clone before editing in place, or pass
-``copy=True``). Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one
-row per row group, so a read decodes exactly one row. Files of other writers often hold many rows per group and
-Parquet cannot decode part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are
-served without decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.
-two_level_order`) to use that.
+decoding is the only copy. The file pages a read touched are unmapped after decoding (:class:`_Mapped`), so the
+resident set stays flat however much of the dataset is read. Returned tensors are views of the decoded buffer:
+clone before editing one in place, or pass ``copy=True``.
+
+Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
+so a read decodes exactly one row. Files of other writers often hold many rows per group and Parquet cannot decode
+part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are served without
+decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.two_level_order`) to use it.
 
 The dataset pickles without open files or caches: DataLoader workers open their own, lazily.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -86,7 +89,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._handles: OrderedDict[int, _Mapped] = OrderedDict()
         self._groups: OrderedDict[int, pa.Table] = OrderedDict()
         self._shape_groups: OrderedDict[int, pa.Table] = OrderedDict()
 
@@ -178,7 +181,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             cache.move_to_end(gid)
             return cache[gid]
         try:
-            table = self._file(f).read_row_group(g, columns=columns, use_threads=False)
+            table = self._file(f).read_row_group(g, columns)
         except (OSError, pa.ArrowException) as exc:
             raise DatasetError(self.files[f], None, None, f"row group {g}: cannot be read: {exc}") from None
         if table.num_rows > 1 and keep > 0:
@@ -187,18 +190,52 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 cache.popitem(last=False)
         return table
 
-    def _file(self, f: int) -> pq.ParquetFile:
+    def _file(self, f: int) -> _Mapped:
         handles = self._handles
         if f in handles:
             handles.move_to_end(f)
             return handles[f]
         try:
-            handles[f] = pq.ParquetFile(self.files[f], memory_map=True)
-        except (OSError, pa.ArrowException) as exc:
+            handles[f] = _Mapped(self.files[f])
+        except (OSError, ValueError, pa.ArrowException) as exc:
             raise DatasetError(self.files[f], None, None, f"cannot open: {exc}") from None
         while len(handles) > max(1, self.open_files):
-            handles.popitem(last=False)
+            handles.popitem(last=False)  # unmapped once the last Arrow buffer viewing it is gone
         return handles[f]
+
+
+class _Mapped:
+    """One parquet file memory-mapped by ff (not by pyarrow), so the pages a read touched can be unmapped again.
+
+    Parquet decoding copies every value it returns, so after ``read_row_group`` the row group's file pages are
+    only page cache: ``MADV_DONTNEED`` drops them from this process's resident set (the kernel keeps them cached;
+    a file-backed mapping re-reads them on the next touch, never zeros). Without that, every page read stays
+    mapped while the file is open and the resident set grows with the dataset.
+    """
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as fh:
+            self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self.map)))
+
+    def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
+        table = self.file.read_row_group(g, columns=columns, use_threads=False)
+        start, end = _byte_range(self.file.metadata.row_group(g))
+        start -= start % mmap.PAGESIZE
+        if hasattr(self.map, "madvise") and end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self.map)) - start)
+        return table
+
+
+def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
+    """The file bytes holding a row group's column chunks."""
+    start, end = None, 0
+    for c in range(group.num_columns):
+        chunk = group.column(c)
+        first = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        start = first if start is None else min(start, first)
+        end = max(end, first + chunk.total_compressed_size)
+    return start or 0, end
 
 
 def _cell_array(column: pa.ChunkedArray, r: int) -> tuple[pa.Array, int]:
