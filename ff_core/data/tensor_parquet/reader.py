@@ -53,7 +53,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         schema: an expected schema (e.g. :data:`I2V_TRACK_SCHEMA`); the files must have its columns and types.
         cache_dir: where to cache the row index (default: beside the data, else ``~/.cache/ff/tensor_parquet``).
         cached_groups: decoded multi-row row groups kept per process (a group of one row is never kept).
-        open_files: open (memory-mapped) files kept per process.
+        open_files: files kept mapped per process (each keeps its parsed footer; its pages are unmapped after
+            every read, so this bounds footer parsing, not memory).
         copy: return writable tensors that own their memory instead of views into the decoded buffer.
 
     Attributes:
@@ -66,7 +67,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
-                 cached_groups: int = 4, open_files: int = 64, copy: bool = False) -> None:
+                 cached_groups: int = 4, open_files: int = 128, copy: bool = False) -> None:
         self.index, self.index_cached = load_index(root, cache_dir)
         self.root = self.index.root
         self.files: tuple[Path, ...] = tuple(self.root / f for f in self.index.files)
