@@ -100,6 +100,7 @@ def test_card_layout_track_schema(tmp_path):
             assert same(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value, (i, name)
     assert ds[0]["vae_latent"].dtype == torch.bfloat16 and ds[0]["object_ids"].dtype == torch.float32
     assert [ds.shapes(i)["text_embedding"] for i in range(4)] == [tuple(r["text_embedding"].shape) for r in rows[:4]]
+    assert ds.all_shapes() == [{n: tuple(v.shape) for n, v in r.items() if isinstance(v, torch.Tensor)} for r in rows]
     # Every file is one row per row group.
     assert all(pq.ParquetFile(f).metadata.num_row_groups == pq.ParquetFile(f).metadata.num_rows for f in ds.files)
 
@@ -216,6 +217,7 @@ def test_shapes_never_read_bytes(tmp_path):
     _one_file(tmp_path, rows, tensor_schema(ID, ["x"]))
     ds = TensorParquetDataset(tmp_path)
     assert [ds.shapes(i)["x"] for i in range(3)] == [(1, 2), (2, 2), (3, 2)]
+    assert ds.all_shapes() == [ds.shapes(i) for i in range(3)]
     with pytest.raises(DatasetError, match="x_bytes: row 0 .*0 bytes, expected"):
         ds[0]
 

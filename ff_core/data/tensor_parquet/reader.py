@@ -145,6 +145,22 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             out[t] = tuple(shape)
         return out
 
+    def all_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """:meth:`shapes` of every row, in index order, reading each file's ``_shape`` columns once (for size
+        functions over a whole dataset: packing batchers, length buckets)."""
+        out: list[dict[str, tuple[int, ...]]] = []
+        for f in range(len(self.files)):
+            table = self._file(f).file.read(columns=self._shape_columns, use_threads=False)
+            columns = {t: table.column(t + SHAPE).to_pylist() for t in self.tensor_names}
+            for r in range(table.num_rows):
+                row = {t: columns[t][r] for t in self.tensor_names}
+                bad = next((t for t, s in row.items() if s is None or any(d is None or d < 0 for d in s)), None)
+                if bad is not None:
+                    raise self._row_error(int(self.index.file_start[f]) + r, bad + SHAPE,
+                                          f"shape {row[bad]!r}: expected a list of dimensions >= 0")
+                out.append({t: tuple(s) for t, s in row.items()})
+        return out
+
     def _check(self, i: int) -> int:
         n = len(self)
         i = int(i)
