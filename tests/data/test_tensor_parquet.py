@@ -347,3 +347,13 @@ def test_a_damaged_index_cache_is_rebuilt(tmp_path):
     ds = TensorParquetDataset(tmp_path)
     assert not ds.index_cached and len(ds) == 2
     assert TensorParquetDataset(tmp_path).index_cached
+
+
+def test_identity_ignores_mtimes_but_not_content(tmp_path):
+    write_card_layout(tmp_path / "a", [3], workers=1)
+    first = TensorParquetDataset(tmp_path / "a").identity
+    f = next((tmp_path / "a").rglob("*.parquet"))
+    os.utime(f, ns=(0, 10 ** 18))  # a copy on another node: same bytes, other mtime
+    assert TensorParquetDataset(tmp_path / "a").identity == first
+    write_card_layout(tmp_path / "a" / "more", [1], workers=1)
+    assert TensorParquetDataset(tmp_path / "a").identity["rows"] == 4

@@ -114,8 +114,12 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     @property
     def identity(self) -> dict[str, Any]:
-        """``{"rows", "sha256"}`` of the indexed files' paths, sizes and mtimes (for resume fingerprints)."""
-        key = repr([(p, s) for p, s in zip(self.index.files, self.index.stats)]).encode()
+        """``{"rows", "sha256"}`` of the files' relative paths, sizes and row-group sizes (for resume fingerprints).
+
+        Modification times are left out: a copy of the same shards on another node must resume alike.
+        """
+        key = repr([(p, s[0], g) for p, s, g in zip(self.index.files, self.index.stats, self.index.group_rows)])
+        key = key.encode()
         return {"rows": len(self), "sha256": hashlib.sha256(key).hexdigest()}
 
     def locate(self, i: int) -> tuple[Path, int, int]:
