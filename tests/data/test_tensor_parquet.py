@@ -357,3 +357,10 @@ def test_identity_ignores_mtimes_but_not_content(tmp_path):
     assert TensorParquetDataset(tmp_path / "a").identity == first
     write_card_layout(tmp_path / "a" / "more", [1], workers=1)
     assert TensorParquetDataset(tmp_path / "a").identity["rows"] == 4
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="cached_groups must be >= 0, got -1"):
+        TensorParquetDataset(tmp_path, cached_groups=-1)
+    with pytest.raises(ValueError, match="open_files must be >= 1, got 0"):
+        TensorParquetDataset(tmp_path, open_files=0)

@@ -68,6 +68,9 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
                  cached_groups: int = 4, open_files: int = 128, copy: bool = False) -> None:
+        if cached_groups < 0 or open_files < 1:
+            bad = "cached_groups must be >= 0" if cached_groups < 0 else "open_files must be >= 1"
+            raise ValueError(f"TensorParquetDataset: {bad}, got {cached_groups if cached_groups < 0 else open_files}")
         self.index, self.index_cached = load_index(root, cache_dir)
         self.root = self.index.root
         self.files: tuple[Path, ...] = tuple(self.root / f for f in self.index.files)
