@@ -1,0 +1,28 @@
+"""Tensor-parquet shards (spec: tensor-parquet-dataset-card): tensors stored as ``<name>_bytes`` / ``_shape`` /
+``_dtype`` triplets in parquet files below a root.
+
+- :mod:`.format`: dtypes, one tensor's encoding and checked decoding, the card's schemas.
+- :mod:`.index`: the row index from the files' footers, cached and invalidated by file size and mtime.
+- :mod:`.reader`: :class:`TensorParquetDataset`, map-style random access.
+- :mod:`.writer`: :class:`TensorParquetWriter`, one row per row group, atomic files.
+- :mod:`.shuffle`: :func:`two_level_order` for files with many rows per row group.
+- :mod:`.inspect`: ``ff data inspect`` / ``validate`` on a root.
+"""
+
+from ff_core.data.tensor_parquet.format import (
+    I2V_SCHEMA,
+    I2V_TRACK_SCHEMA,
+    T2V_SCHEMA,
+    TENSOR_DTYPES,
+    encode_tensor,
+    tensor_fields,
+    tensor_schema,
+)
+from ff_core.data.tensor_parquet.reader import TensorParquetDataset
+from ff_core.data.tensor_parquet.shuffle import two_level_order
+from ff_core.data.tensor_parquet.writer import TensorParquetWriter
+
+__all__ = [
+    "I2V_SCHEMA", "I2V_TRACK_SCHEMA", "T2V_SCHEMA", "TENSOR_DTYPES", "TensorParquetDataset", "TensorParquetWriter",
+    "encode_tensor", "tensor_fields", "tensor_schema", "two_level_order",
+]
