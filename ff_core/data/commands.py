@@ -43,6 +43,8 @@ DATA_COMMANDS = {
     "validate": "check a dataset folder (optionally against an adapter); exit 2 listing every problem",
     "inspect": "describe a dataset folder: rows, formats, metadata, media per role, sizes/durations/rates",
     "preprocess": "build a recipe's condition caches ahead of training: ff data preprocess --config recipe.yaml",
+    "preprocess-latents": "write a recipe's training split as tensor-parquet shards (conditions + clean latents): "
+                          "ff data preprocess-latents --config recipe.yaml --output ROOT",
 }
 
 
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     _dataset_arguments(i)
     i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
     sub.add_parser("preprocess", help=DATA_COMMANDS["preprocess"])
+    sub.add_parser("preprocess-latents", help=DATA_COMMANDS["preprocess-latents"])
     return parser
 
 
@@ -126,6 +129,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         from ff_core.data.preprocess import main as preprocess
 
         return preprocess(argv[1:], out)
+    if list(argv[:1]) == ["preprocess-latents"]:  # its own flags, then a LightningCLI command line
+        from ff_core.data.preprocess_latents import main as preprocess_latents
+
+        return preprocess_latents(argv[1:], out)
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage

@@ -36,7 +36,13 @@ from torch.utils.data import DataLoader
 from ff_core.adapter import Adapter
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
-from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
+from ff_core.data.dataflow import (
+    BatchCollator,
+    DataflowLoader,
+    DataParallelCoords,
+    MapDistributor,
+    SamplerDistributor,
+)
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
@@ -54,6 +60,14 @@ from ff_core.data.sources import (
     folder_error,
     load_split,
     split_file,
+)
+from ff_core.data.tensor_rows import (
+    ShardSource,
+    TensorColumns,
+    TensorRowCollator,
+    TensorRowProcessor,
+    TensorRows,
+    open_shards,
 )
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import DatasetErrors
@@ -155,6 +169,10 @@ class FlowDataModule(L.LightningDataModule):
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
+        self.train_rows: TensorRows | None = None
+        """Training rows of tensor-parquet shards (``tensor_parquet_dir`` entries), once :meth:`setup` opened them."""
+        self.shard_sources: list[ShardSource] = []
+        self.tensor_columns: TensorColumns | None = None
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
         self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
@@ -171,13 +189,15 @@ class FlowDataModule(L.LightningDataModule):
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.train_records or self.eval_records:
+        if self.train_records or self.eval_records or self.train_rows is not None:
             return
         errors = []
         for cfg in self.datasets:
             missing = folder_error(cfg)
             if missing is not None:  # once per dataset, not once per split
                 errors.append(missing)
+                continue
+            if cfg.is_tensor_parquet:  # training rows already preprocessed: opened below, against the adapter
                 continue
             for split, enabled in (("train", cfg.train is not None), ("test", cfg.eval is not None)):
                 if not enabled:
@@ -191,6 +211,11 @@ class FlowDataModule(L.LightningDataModule):
                 if records:
                     self._sources[split].append(ConditionSource(cfg.name, split, cfg.root, split_file(cfg, split),
                                                                 records))  # fmt: skip
+        if not errors:
+            try:
+                self._open_shards()
+            except DatasetErrors as exc:
+                errors.extend(exc.errors)
         if errors:
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
@@ -210,9 +235,28 @@ class FlowDataModule(L.LightningDataModule):
                     source.records = records[start : start + len(source.records)]
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
-        if stage == "fit" and not self.train_records:
+        train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
+        if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
-        log.info("data: %d training rows, %d evaluation rows", len(self.train_records), len(self.eval_records))
+        log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    def _open_shards(self) -> None:
+        """Open the tensor-parquet training entries, checked against the adapter's ``tensor_columns`` from the files'
+        footers (before weights load); :attr:`train_rows` serves their rows."""
+        configs = [cfg for cfg in self.datasets if cfg.is_tensor_parquet and cfg.train is not None]
+        if not configs:
+            return
+        index = self.datasets.index(configs[0])
+        if self.adapter_name is None:
+            raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: the adapter's columns are unknown (set "
+                             "model.adapter, which links data.adapter)")
+        cls = get_adapter_class(self.adapter_name)
+        if cls.tensor_columns is None:
+            raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: adapter {cls.name!r} declares no "
+                             "tensor_columns, so it cannot train from tensor-parquet shards")
+        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name)
+        self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
+        self.tensor_columns = cls.tensor_columns
 
     # -- after weights: conditions and loaders -----------------------------------------------------------
     def _adapter(self) -> Adapter:
@@ -296,11 +340,16 @@ class FlowDataModule(L.LightningDataModule):
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
+            if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
+                items, processor = self.train_rows, TensorRowProcessor(self.train_rows, self.tensor_columns)
+                collator: BatchCollator = TensorRowCollator()
+            else:
+                items = self._conditioned("train", self.train_records)
+                processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
             self._train_loader = EpochAlignedLoader(
-                distributor(self._conditioned("train", self.train_records), shuffle=self.shuffle, seed=self.seed,
-                            name="train", identity=self.train_identity()),
-                RecordProcessor(self._adapter().output_geometry()),
-                collator=SampleCollator(),
+                distributor(items, shuffle=self.shuffle, seed=self.seed, name="train", identity=self.train_identity()),
+                processor,
+                collator=collator,
                 batch_size=self.per_device_batch_size,
                 num_workers=self.num_workers,
                 coords=DataParallelCoords.from_trainer(self.trainer),
@@ -316,6 +365,8 @@ class FlowDataModule(L.LightningDataModule):
         the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
         used by exact-resume checks").
         """
+        if self.train_rows is not None:  # shards: their files' footers (docs/datasets.md, "Tensor-parquet shards")
+            return {source.name: source.identity for source in self.shard_sources}
         return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}
 
