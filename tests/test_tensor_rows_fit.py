@@ -102,10 +102,10 @@ def test_preprocess_latents_refuses_a_non_empty_output(tmp_path, capsys):
     assert (out / "mine.txt").read_text() == "keep me"
 
 
-def fit(tiny_sd3, shards, root, max_steps, ckpt_path=None):
+def fit(tiny_sd3, shards, root, max_steps, ckpt_path=None, **data_kw):
     """24 rows, 4 per micro-batch, 2 micro-batches per step: 3 steps an epoch; checkpoints every 2 steps."""
     dm = FlowDataModule([{"name": "latents", "tensor_parquet_dir": str(shards)}], adapter="sd3-5",
-                        per_device_batch_size=4)
+                        per_device_batch_size=4, **data_kw)
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
                         lora=LoRAConfig(rank=2, target_modules=["to_q"]))
     ckpt = L.pytorch.callbacks.ModelCheckpoint(root / "ckpt", every_n_train_steps=2, save_top_k=-1)
@@ -156,3 +156,24 @@ def test_the_latents_recipe_trains_through_ff_fit(tiny_sd3, shapes_dir, shapes_l
     version = next((tmp_path / "lightning_logs").iterdir())
     assert (version / "samples" / "step_000003.png").stat().st_size > 0
     assert (version / "checkpoints" / "last.ckpt").exists()
+
+
+def test_fit_shuffles_reference_layout_shards_by_row_group_window(tiny_sd3, shapes_latents_dir, tmp_path):
+    """The same rows rewritten as the reference writer lays them out (one file, 8 rows per row group): with
+    ``data.row_group_window: 2`` training visits them in the two-level order, and resumes in it exactly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ff_core.data.shard_order import GroupedSamplerDistributor
+
+    table = pa.concat_tables([pq.read_table(f) for f in sorted(Path(shapes_latents_dir).rglob("*.parquet"))])
+    grouped = tmp_path / "grouped" / "shard000" / "combined_parquet_dataset" / "worker_0" / "data_chunk_0.parquet"
+    grouped.parent.mkdir(parents=True)
+    pq.write_table(table, grouped, row_group_size=8)
+    full = fit(tiny_sd3, tmp_path / "grouped", tmp_path / "full", 3, row_group_window=2)
+    dm = FlowDataModule([{"name": "latents", "tensor_parquet_dir": str(tmp_path / "grouped")}], adapter="sd3-5")
+    dm.setup("fit")
+    order = GroupedSamplerDistributor(dm.train_rows, window=2, seed=0).rank_indices(0, 0, 1)
+    assert [i for r in full for i in r["ids"]] == order
+    (step2,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    assert fit(tiny_sd3, tmp_path / "grouped", tmp_path / "resumed", 3, ckpt_path=step2, row_group_window=2) == full[4:]

@@ -37,7 +37,6 @@ from ff_core.adapter import Adapter
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
 from ff_core.data.dataflow import (
-    BatchCollator,
     DataflowLoader,
     DataParallelCoords,
     MapDistributor,
@@ -52,6 +51,7 @@ from ff_core.data.processors import (
     process_and_collate,
 )
 from ff_core.data.records import Record
+from ff_core.data.shard_order import GroupedMapDistributor, GroupedSamplerDistributor
 from ff_core.data.sources import (
     OFFLINE_TRAINERS,
     DatasetConfig,
@@ -119,6 +119,10 @@ class FlowDataModule(L.LightningDataModule):
             loads in the main process.
         seed: shuffling seed (epoch ``e``'s order depends only on ``(seed, e)``; in the resume fingerprint).
         shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
+        row_group_window: tensor-parquet shards only: shuffle at two levels, the order of row groups and then the
+            rows within each window of this many groups, keeping this many decoded groups per reader
+            (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
+            decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
     """
@@ -137,6 +141,7 @@ class FlowDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        row_group_window: int | None = None,
         adapter: str | None = None,
         trainer_type: TrainerType = "sft",
     ) -> None:
@@ -151,6 +156,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
         if preprocess_parallelism not in ("local", "global"):
             raise ValueError(f"data.preprocess_parallelism must be 'local' or 'global', got {preprocess_parallelism!r}")
+        if row_group_window is not None and (isinstance(row_group_window, bool) or row_group_window < 1):
+            raise ValueError(f"data.row_group_window must be an integer >= 1 or null, got {row_group_window!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
@@ -165,6 +172,7 @@ class FlowDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.shuffle = shuffle
+        self.row_group_window = row_group_window
         self.adapter_name = adapter
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
@@ -254,9 +262,15 @@ class FlowDataModule(L.LightningDataModule):
         if cls.tensor_columns is None:
             raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: adapter {cls.name!r} declares no "
                              "tensor_columns, so it cannot train from tensor-parquet shards")
-        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name)
+        window = self.row_group_window
+        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0))
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
         self.tensor_columns = cls.tensor_columns
+        largest = self.train_rows.max_group_rows()
+        if window is None and largest > 1 and self.shuffle:
+            log.warning("data.datasets: tensor-parquet row groups hold up to %d rows and Parquet decodes whole groups: "
+                        "a uniformly shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) "
+                        "to shuffle groups, then rows within windows of groups", largest)
 
     # -- after weights: conditions and loaders -----------------------------------------------------------
     def _adapter(self) -> Adapter:
@@ -340,14 +354,19 @@ class FlowDataModule(L.LightningDataModule):
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
+            options = {"shuffle": self.shuffle, "seed": self.seed, "name": "train", "identity": self.train_identity()}
             if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
-                items, processor = self.train_rows, TensorRowProcessor(self.train_rows, self.tensor_columns)
-                collator: BatchCollator = TensorRowCollator()
+                processor, collator = TensorRowProcessor(self.train_rows, self.tensor_columns), TensorRowCollator()
+                if self.row_group_window is not None:  # two-level order (ff_core.data.shard_order)
+                    grouped = GroupedSamplerDistributor if distributor is SamplerDistributor else GroupedMapDistributor
+                    source = grouped(self.train_rows, self.row_group_window, **options)
+                else:
+                    source = distributor(self.train_rows, **options)
             else:
-                items = self._conditioned("train", self.train_records)
+                source = distributor(self._conditioned("train", self.train_records), **options)
                 processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
             self._train_loader = EpochAlignedLoader(
-                distributor(items, shuffle=self.shuffle, seed=self.seed, name="train", identity=self.train_identity()),
+                source,
                 processor,
                 collator=collator,
                 batch_size=self.per_device_batch_size,

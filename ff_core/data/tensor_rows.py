@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
@@ -148,6 +149,20 @@ class TensorRows:
         if not 0 <= index < len(self):
             raise IndexError(f"TensorRows: row {index} out of range [0, {len(self)})")
         return index
+
+    @property
+    def group_bounds(self) -> np.ndarray:
+        """Row group ``g`` of the concatenation holds rows ``group_bounds[g]`` to ``group_bounds[g + 1] - 1`` (the
+        datasets' own row groups, cut where ``sizes`` ends a dataset): what a two-level shuffle keeps together."""
+        parts = [np.zeros(1, dtype=np.int64)]
+        for dataset, start, end in zip(self.datasets, self.offsets[:-1], self.offsets[1:]):
+            bounds = np.asarray(dataset.group_bounds, dtype=np.int64)
+            parts += [bounds[(bounds > 0) & (bounds < end - start)] + start, np.array([end], dtype=np.int64)]
+        return np.unique(np.concatenate(parts))  # an empty dataset adds no group
+
+    def max_group_rows(self) -> int:
+        """The most rows one row group holds (1 for shards written by ff)."""
+        return int(np.diff(self.group_bounds).max(initial=1))
 
     def locate(self, index: int) -> tuple[int, int]:
         """``(dataset k, row within it)`` of global row ``index``."""
@@ -304,7 +319,8 @@ class ShardSource:
 
 
 def open_shards(
-    configs: Sequence[DatasetConfig], columns: TensorColumns, adapter: str, cache_dir: str | None = None
+    configs: Sequence[DatasetConfig], columns: TensorColumns, adapter: str, cache_dir: str | None = None,
+    cached_groups: int = 4,
 ) -> list[ShardSource]:
     """Open every tensor-parquet entry of ``data.datasets`` for training, checked against the adapter's columns.
 
@@ -320,6 +336,8 @@ def open_shards(
         columns: the adapter's :attr:`~ff_core.adapter.Adapter.tensor_columns`.
         adapter: the adapter's name, for messages.
         cache_dir: where the readers cache their row indexes (``None``: beside the data when writable).
+        cached_groups: decoded multi-row row groups each reader keeps per process (at least the two-level shuffle's
+            window, :mod:`ff_core.data.shard_order`).
     """
     from ff_core.data.tensor_parquet import TensorParquetDataset
 
@@ -341,7 +359,8 @@ def open_shards(
     sources = []
     for cfg, full in opened:
         prompt = [columns.prompt] if columns.prompt in full.scalar_names else []
-        dataset = TensorParquetDataset(cfg.root, columns=[*columns.required, *optional, *prompt], cache_dir=cache_dir)
+        dataset = TensorParquetDataset(cfg.root, columns=[*columns.required, *optional, *prompt], cache_dir=cache_dir,
+                                       cached_groups=cached_groups)
         limit = cfg.train.max_dataset_size if cfg.train is not None else None
         rows = len(dataset) if limit is None else min(limit, len(dataset))
         sources.append(ShardSource(cfg.name, dataset, rows, {**dataset.identity, "rows": rows}))
