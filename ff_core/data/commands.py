@@ -15,6 +15,12 @@ what was kept but deserves a look, and never change the exit status.
 keys, media per role and type, header ranges of the files; :mod:`ff_core.data.inspection`). Problems that stop
 it reading (a missing split, a bad row, a missing or unreadable file) are printed as ``validate`` prints them,
 with exit status 2.
+
+Both commands also take a tensor-parquet root (a folder with parquet files below it and no ``train.*`` split
+file; spec: tensor-parquet-dataset-card): ``inspect`` reports files, rows, row groups, columns with dtypes and
+shape ranges and bytes per row; ``validate [--schema t2v|i2v|i2v_track] [--check-media]`` exits 2 on schema and
+row problems, each naming file, row and column (``--check-media`` also reads every ``_bytes`` value to check its
+length; :mod:`ff_core.data.tensor_parquet.inspect`).
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ from ff_core.data.media import check_media, missing_files
 from ff_core.data.records import Record
 from ff_core.data.records_legacy import closest_column
 from ff_core.data.sources import DatasetConfig, Split, folder_error, load_split, split_file
+from ff_core.data.tensor_parquet.format import I2V_SCHEMA, I2V_TRACK_SCHEMA, T2V_SCHEMA
+from ff_core.data.tensor_parquet.inspect import inspect_tensor_parquet, is_tensor_parquet_root
 from ff_core.data.validation import conform, record_errors, record_warnings
 from ff_core.errors import DatasetError, DatasetWarning
 
 EXIT_OK, EXIT_INVALID = 0, 2
+CARD_SCHEMAS = {"t2v": T2V_SCHEMA, "i2v": I2V_SCHEMA, "i2v_track": I2V_TRACK_SCHEMA}
 # `ff data` subcommands and their one-line help (also listed by `ff --help`).
 DATA_COMMANDS = {
     "validate": "check a dataset folder (optionally against an adapter); exit 2 listing every problem",
@@ -99,7 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", help="adapter name (see `ff plugins`) or dotted path pkg.module:Class")
     v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo"],
                    help="trainer type (default: detected; V2 records -> their supervision, else generation rows)")
-    v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file")
+    v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file "
+                   "(tensor-parquet: read every _bytes value and check its length)")
+    v.add_argument("--schema", choices=sorted(CARD_SCHEMAS),
+                   help="tensor-parquet roots: the card's schema the files must have")
     i = sub.add_parser("inspect", help=DATA_COMMANDS["inspect"], description=DATA_COMMANDS["inspect"])
     _dataset_arguments(i)
     i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
@@ -110,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dataset_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every dataset command shares: the folder, ``--split`` and the media-root overrides."""
-    parser.add_argument("dataset_dir", help="the dataset folder (train.jsonl|train.txt, optional test.*)")
+    parser.add_argument("dataset_dir", help="the dataset folder (train.jsonl|train.txt, optional test.*), "
+                        "or a tensor-parquet root (parquet files below it)")
     parser.add_argument("--split", choices=["train", "test"],
                         help="one split only (default: train, and test if present)")
     for kind in ("image", "video", "audio"):
@@ -195,6 +208,8 @@ def read_splits(
 
 def validate(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data validate``: read, check and (optionally) decode; print a summary or every diagnostic."""
+    if is_tensor_parquet_root(args.dataset_dir):
+        return _tensor_parquet(args, out, "validate")
     contract = _contract(args.model, out)
     if isinstance(contract, int):
         return contract
@@ -243,6 +258,8 @@ def _grouped(warnings: list[DatasetWarning], shown: int = 5) -> list[DatasetWarn
 
 def inspect(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data inspect``: per split, what the rows and their media files hold (text, or ``--json``)."""
+    if is_tensor_parquet_root(args.dataset_dir):
+        return _tensor_parquet(args, out, "inspect")
     splits, errors = read_splits(_dataset(args), args.split)
     found: list[SplitInspection] = []
     for split, path, records in splits:
@@ -261,6 +278,21 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
         _print_problems("inspect", errors, args.dataset_dir, out)
         return EXIT_INVALID
     return EXIT_OK
+
+
+def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
+    """``inspect`` / ``validate`` of a tensor-parquet root: the report, or every problem and exit status 2."""
+    schema = CARD_SCHEMAS[args.schema] if getattr(args, "schema", None) else None
+    report, errors = inspect_tensor_parquet(args.dataset_dir, schema, getattr(args, "check_media", False))
+    if getattr(args, "json", False):
+        print(json.dumps({**report.to_json(), "errors": [_error_json(e) for e in errors]}, indent=2), file=out)
+    elif command == "inspect" or not errors:
+        header = f"{args.dataset_dir}: OK (tensor-parquet" + (f", schema {args.schema})" if schema else ")")
+        print(header if command == "validate" else args.dataset_dir, file=out)
+        print("\n".join(f"  {line}" for line in report.format()), file=out)
+    if errors and not getattr(args, "json", False):
+        _print_problems(command, errors, args.dataset_dir, out)
+    return EXIT_INVALID if errors else EXIT_OK
 
 
 def _print_problems(command: str, problems: list[DatasetError], dataset_dir: str, out: TextIO,

@@ -1,0 +1,261 @@
+"""Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
+
+Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick]``. Prints markdown
+tables. Shards are generated in a temporary folder (removed at the end) in two layouts holding the same rows:
+
+* ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
+  (16), pyarrow's ``write_table`` defaults otherwise (snappy, dictionary attempted);
+* ``ff``: :class:`TensorParquetWriter`: one row per row group, 64 rows a file, uncompressed.
+
+Rows have the card's columns at about 10 MB (bf16 latents 16x16x60x104 twice, text L x 4096 with L in 64..191,
+CLIP 257x1280, tracks 121x2500x2 and 121x2500, float32 ids and weights): ``--gb 2`` is 200 rows per layout.
+Files are read warm (from the page cache, as after the first epoch): the figures are decoding costs, not disk.
+
+Readers, each over a random permutation of the rows (the same one), for at most ``--seconds`` each:
+
+* ``card recipe``: the card's ``pq.read_table(file).slice(k, 1).to_pylist()`` + ``torch.frombuffer(bytearray)``;
+* ``whole row group``: like the reference loader, decode the row's whole row group, all columns, to Python, and
+  take the row (the reference loader also ignores ``_dtype``; this one honours it, which costs nothing);
+* ``ff``: ``TensorParquetDataset[i]`` (one row group, requested columns, zero-copy views of the decoded buffer);
+* ``ff two-level``: ff over :func:`two_level_order` (window 4, 4 cached groups) instead of a full permutation;
+* ``memcpy``: copying each row's bytes between two RAM buffers (``ctypes.memmove``), the ceiling of any reader that
+  returns memory it owns; ``pread``: reading each row's byte range of a file into a reused buffer (kernel copy from
+  the page cache).
+
+``DataLoader``: ff with 2 workers (``batch_size=None``, tensors cross to the main process in shared memory).
+Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
+peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
+end (page cache the kernel reclaims, bounded by ``open_files``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ff_core.data.tensor_parquet import (  # noqa: E402
+    I2V_TRACK_SCHEMA,
+    TensorParquetDataset,
+    TensorParquetWriter,
+    encode_tensor,
+    two_level_order,
+)
+
+SHAPES = {"vae_latent": (16, 16, 60, 104), "first_frame_latent": (16, 16, 60, 104), "clip_feature": (257, 1280),
+          "track_points": (121, 2500, 2), "track_visibility": (121, 2500), "object_ids": (2500,),
+          "track_weights": (2500,)}
+FLOAT32 = ("object_ids", "track_weights")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def row_shapes(i: int, scale: float) -> dict[str, tuple[int, ...]]:
+    """Row ``i``'s tensor shapes: the card's at 720p when ``scale`` is 1 (first dimension scaled otherwise)."""
+    shapes = {k: tuple(max(1, round(d * scale)) if j == 0 else d for j, d in enumerate(s)) for k, s in SHAPES.items()}
+    shapes["text_embedding"] = (max(1, round((64 + (i * 37) % 128) * scale)), 4096)
+    return shapes
+
+
+def row_tensors(i: int, scale: float, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Row ``i``: tensors cut from a random pool (fast to make, incompressible), text length varying per row."""
+    out, offset = {}, 4 * ((i * 7919) % 256)  # dtype-aligned start, different per row
+    for name, shape in row_shapes(i, scale).items():
+        dtype = torch.float32 if name in FLOAT32 else torch.bfloat16
+        nbytes = math.prod(shape) * dtype.itemsize
+        out[name] = pool[offset: offset + nbytes].view(dtype).reshape(shape).clone()
+        offset += nbytes
+    return out
+
+
+def make_row(i: int, scale: float, pool: torch.Tensor) -> dict:
+    return {"id": f"clip{i:06d}", "file_name": f"clip{i:06d}.mp4", "caption": f"a clip number {i}",
+            "media_type": "video", "width": 1280, "height": 720, "num_frames": 121, "duration_sec": 121 / 24,
+            "fps": 24.0, **row_tensors(i, scale, pool)}
+
+
+def write_layouts(root: Path, rows: int, scale: float, group_rows: int) -> int:
+    """Both layouts of the same rows (ff's in two shards, so half the dataset is one shard); returns payload bytes."""
+    most = max(sum(math.prod(s) * 4 for s in row_shapes(i, scale).values()) for i in range(128))
+    pool = torch.randint(0, 256, (most + 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    payload, pending, half = 0, [], rows // 2
+    writers = [TensorParquetWriter(root / "ff" / f"shard{s:03d}" / "combined_parquet_dataset", I2V_TRACK_SCHEMA,
+                                   rows_per_file=64) for s in range(2)]
+    for i in range(rows):
+        row = make_row(i, scale, pool)
+        payload += sum(t.numel() * t.element_size() for t in row.values() if isinstance(t, torch.Tensor))
+        writers[i >= half].write(row)
+        pending.append({k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+                       | {k2: v2 for k, v in row.items() if isinstance(v, torch.Tensor)
+                          for k2, v2 in encode_tensor(v, k).items()})
+        if len(pending) == group_rows or i == rows - 1:
+            path = root / "reference" / "shard000" / "combined_parquet_dataset" / "worker_0"
+            path.mkdir(parents=True, exist_ok=True)
+            table = pa.Table.from_pylist(pending, schema=I2V_TRACK_SCHEMA)
+            pq.write_table(table, path / f"data_chunk_{i // group_rows}.parquet", row_group_size=len(pending))
+            pending = []
+    for w in writers:
+        w.close()
+    return payload
+
+
+def decode(row: dict, name: str) -> torch.Tensor:
+    """The card's ``decode``."""
+    return torch.frombuffer(bytearray(row[f"{name}_bytes"]), dtype=DTYPES[row[f"{name}_dtype"]]).reshape(
+        row[f"{name}_shape"])
+
+
+def card_recipe(ds: TensorParquetDataset) -> Callable[[int], dict]:
+    def read(i: int) -> dict:
+        f = ds.index.locate(i)[0]
+        row = pq.read_table(ds.files[f]).slice(i - int(ds.index.file_start[f]), 1).to_pylist()[0]
+        return {n: decode(row, n) for n in ds.tensor_names}
+    return read
+
+
+def whole_group(ds: TensorParquetDataset) -> Callable[[int], dict]:
+    files: dict[Path, pq.ParquetFile] = {}
+
+    def read(i: int) -> dict:
+        path, g, r = ds.locate(i)
+        pf = files.setdefault(path, pq.ParquetFile(path, memory_map=True))
+        row = pf.read_row_group(g).slice(r, 1).to_pylist()[0]
+        return {n: decode(row, n) for n in ds.tensor_names}
+    return read
+
+
+def timed(read: Callable[[int], dict], order: Iterator[int], budget: float, row_bytes: float) -> dict:
+    done, start = 0, time.perf_counter()
+    for i in order:
+        read(int(i))
+        done += 1
+        if time.perf_counter() - start > budget:
+            break
+    seconds = time.perf_counter() - start
+    return {"rows": done, "rows_s": done / seconds, "gb_s": done * row_bytes / seconds / 1e9,
+            "ms_row": 1e3 * seconds / done}
+
+
+def copy_ceiling(row_bytes: int, rows: int, budget: float) -> tuple[dict, dict]:
+    """``memmove`` between RAM buffers, and ``pread`` of a page-cached file, of ``row_bytes`` a row."""
+    src = np.random.default_rng(0).integers(0, 255, size=row_bytes * 8, dtype=np.uint8)
+    dst = np.empty(row_bytes, dtype=np.uint8)
+    mem = timed(lambda i: ctypes.memmove(dst.ctypes.data, src.ctypes.data + (i % 8) * row_bytes, row_bytes),
+                iter(range(10 ** 9)), budget / 2, row_bytes)
+    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
+        f.write(src.tobytes())
+        f.flush()
+        pread = timed(lambda i: os.preadv(f.fileno(), [memoryview(dst)], (i % 8) * row_bytes),
+                      iter(range(10 ** 9)), budget / 2, row_bytes)
+    return mem, pread
+
+
+def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float) -> dict:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=order.tolist(), num_workers=2,
+                                         prefetch_factor=2, persistent_workers=False)
+    it = iter(loader)
+    next(it)  # workers started and primed: measure the steady state
+    return timed(lambda _: next(it), iter(range(len(order) - 1)), budget, row_bytes)
+
+
+def rss_child(root: str) -> None:
+    """Read every row of ``root`` in random order; print the process's memory figures as JSON."""
+    ds = TensorParquetDataset(root)
+    for i in torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)):
+        ds[int(i)]
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    print(json.dumps({k: int(status[k].split()[0]) // 1024 for k in ("VmHWM", "RssAnon", "RssFile")} |
+                     {"rows": len(ds)}))
+
+
+def rss(root: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, __file__, "--rss-child", str(root)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="payload of each layout, in GB (rows of ~10 MB)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="time budget of each measurement")
+    parser.add_argument("--group-rows", type=int, default=16, help="rows per row group of the reference layout")
+    parser.add_argument("--workdir", help="where to generate the shards (default: a temporary folder)")
+    parser.add_argument("--quick", action="store_true", help="tiny rows (~100 kB), short budgets: a smoke test")
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        return rss_child(args.rss_child)
+    torch.set_num_threads(1)
+    scale = 0.01 if args.quick else 1.0
+    budget = 0.15 if args.quick else args.seconds
+    rows = 48 if args.quick else max(32, round(args.gb * 1e9 / 10e6))
+    work = Path(tempfile.mkdtemp(prefix="ff-tp-bench-", dir=args.workdir))
+    try:
+        t = time.perf_counter()
+        payload = write_layouts(work, rows, scale, args.group_rows)
+        row_bytes = payload / rows
+        print(f"{rows} rows of {row_bytes / 1e6:.2f} MB per layout ({payload / 1e9:.2f} GB), written in "
+              f"{time.perf_counter() - t:.0f} s; {args.group_rows} rows per row group in the reference layout\n")
+        results = measure(work, rows, row_bytes, budget, args.quick)
+        print(json.dumps(results))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool) -> dict:
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    results: dict = {}
+    print("| layout | reader | rows read | rows/s | GB/s | ms/row |\n|---|---|---|---|---|---|")
+    for layout in ("reference", "ff"):
+        ds = TensorParquetDataset(work / layout)
+        for i in order[:4]:  # warm: every file mapped once (the page cache is already warm from writing)
+            ds[int(i)]
+        readers = {"card recipe": card_recipe(ds), "whole row group": whole_group(ds), "ff": ds.__getitem__}
+        runs = {name: (read, iter(order)) for name, read in readers.items()}
+        cached = TensorParquetDataset(work / layout, cached_groups=4)
+        runs["ff two-level"] = (cached.__getitem__, iter(two_level_order(cached.group_bounds, 0, 0, window=4)))
+        for name, (read, it) in runs.items():
+            r = results[f"{layout}/{name}"] = timed(read, it, budget, row_bytes)
+            print(f"| {layout} | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
+    mem, pread = copy_ceiling(int(row_bytes), rows, budget)
+    results["memcpy"], results["pread"] = mem, pread
+    for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
+        print(f"| - | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
+    print("\n| layout | reader | rows/s | GB/s | ms/row |\n|---|---|---|---|---|")
+    for layout in ("ff", "reference"):
+        ds = TensorParquetDataset(work / layout, cached_groups=4)
+        plain = results[f"{layout}/ff"]
+        r = results[f"{layout}/loader"] = loader_rate(ds, order, budget, row_bytes)
+        print(f"| {layout} | ff, DataLoader 2 workers | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
+        print(f"| {layout} | ff, main process | {plain['rows_s']:.1f} | {plain['gb_s']:.2f} | {plain['ms_row']:.2f} |")
+    if not quick:
+        print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
+        for root in (work / "ff" / "shard000", work / "ff"):
+            r = results[f"rss/{r_rows(root)}"] = rss(root)
+            print(f"| {r['rows']} | {r['VmHWM']} | {r['RssAnon']} | {r['RssFile']} |")
+    return results
+
+
+def r_rows(root: Path) -> int:
+    return len(TensorParquetDataset(root))
+
+
+if __name__ == "__main__":
+    main()
