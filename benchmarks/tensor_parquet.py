@@ -22,7 +22,8 @@ Readers, each over a random permutation of the rows (the same one), for at most 
   returns memory it owns; ``pread``: reading each row's byte range of a file into a reused buffer (kernel copy from
   the page cache).
 
-``DataLoader``: ff with 2 workers (``batch_size=None``, tensors cross to the main process in shared memory).
+``DataLoader``: ff with 2 workers (``batch_size=None``; tensors cross to the main process in shared memory), with the
+time each row's read took inside its worker beside the main process's.
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).
@@ -166,12 +167,30 @@ def copy_ceiling(row_bytes: int, rows: int, budget: float) -> tuple[dict, dict]:
     return mem, pread
 
 
+class TimedReads(torch.utils.data.Dataset):
+    """The dataset, with each row's read time (in the process that read it) added as ``read_s``."""
+
+    def __init__(self, ds: TensorParquetDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        start = time.perf_counter()
+        row = self.ds[i]
+        return {"read_s": time.perf_counter() - start, **row}
+
+
 def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float) -> dict:
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=order.tolist(), num_workers=2,
+    """Rows delivered by a 2-worker DataLoader, and the per-row read time inside the workers."""
+    loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=2,
                                          prefetch_factor=2, persistent_workers=False)
     it = iter(loader)
     next(it)  # workers started and primed: measure the steady state
-    return timed(lambda _: next(it), iter(range(len(order) - 1)), budget, row_bytes)
+    reads: list[float] = []
+    r = timed(lambda _: reads.append(next(it)["read_s"]), iter(range(len(order) - 1)), budget, row_bytes)
+    return {**r, "worker_ms_row": 1e3 * sum(reads) / len(reads)}
 
 
 def rss_child(root: str) -> None:
@@ -238,13 +257,15 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(f"| - | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-    print("\n| layout | reader | rows/s | GB/s | ms/row |\n|---|---|---|---|---|")
-    for layout in ("ff", "reference"):
+    print("\n| layout, order | DataLoader 2 workers: rows/s | GB/s | ms/row delivered | ms/row read in a worker "
+          "| main process: ms/row read |\n|---|---|---|---|---|---|")
+    for layout, two_level in (("ff", False), ("reference", True)):
         ds = TensorParquetDataset(work / layout, cached_groups=4)
-        plain = results[f"{layout}/ff"]
-        r = results[f"{layout}/loader"] = loader_rate(ds, order, budget, row_bytes)
-        print(f"| {layout} | ff, DataLoader 2 workers | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-        print(f"| {layout} | ff, main process | {plain['rows_s']:.1f} | {plain['gb_s']:.2f} | {plain['ms_row']:.2f} |")
+        rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
+        main = results[f"{layout}/ff two-level" if two_level else f"{layout}/ff"]
+        r = results[f"{layout}/loader"] = loader_rate(ds, rows_order, budget, row_bytes)
+        print(f"| {layout}, {'two-level' if two_level else 'random'} | {r['rows_s']:.1f} | {r['gb_s']:.2f} "
+              f"| {r['ms_row']:.2f} | {r['worker_ms_row']:.2f} | {main['ms_row']:.2f} |")
     if not quick:
         print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
         for root in (work / "ff" / "shard000", work / "ff"):

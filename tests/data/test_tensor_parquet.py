@@ -100,6 +100,7 @@ def test_card_layout_track_schema(tmp_path):
             assert same(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value, (i, name)
     assert ds[0]["vae_latent"].dtype == torch.bfloat16 and ds[0]["object_ids"].dtype == torch.float32
     assert [ds.shapes(i)["text_embedding"] for i in range(4)] == [tuple(r["text_embedding"].shape) for r in rows[:4]]
+    assert ds.all_shapes() == [{n: tuple(v.shape) for n, v in r.items() if isinstance(v, torch.Tensor)} for r in rows]
     # Every file is one row per row group.
     assert all(pq.ParquetFile(f).metadata.num_row_groups == pq.ParquetFile(f).metadata.num_rows for f in ds.files)
 
@@ -216,6 +217,7 @@ def test_shapes_never_read_bytes(tmp_path):
     _one_file(tmp_path, rows, tensor_schema(ID, ["x"]))
     ds = TensorParquetDataset(tmp_path)
     assert [ds.shapes(i)["x"] for i in range(3)] == [(1, 2), (2, 2), (3, 2)]
+    assert ds.all_shapes() == [ds.shapes(i) for i in range(3)]
     with pytest.raises(DatasetError, match="x_bytes: row 0 .*0 bytes, expected"):
         ds[0]
 
@@ -306,3 +308,23 @@ def test_negative_and_out_of_range_indices(tmp_path):
     assert ds[-1]["id"] == rows[-1]["id"]
     with pytest.raises(IndexError, match="row 3 out of range for 3 rows"):
         ds[3]
+
+
+def _rss_file_kib() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(status["RssFile"].split()[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_resident_set_stays_flat(tmp_path):
+    # 24 rows of 1 MiB: reading them all must not leave their file pages mapped in this process (they would
+    # be 24 MiB of RssFile, growing with the dataset; ff unmaps each row group's pages after decoding it).
+    with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=8) as w:
+        for i in range(24):
+            w.write({"id": str(i), "x": torch.full((256, 1024), float(i))})
+    ds = TensorParquetDataset(tmp_path)
+    ds[0]
+    before = _rss_file_kib()
+    for i in range(24):
+        assert float(ds[i]["x"][0, 0]) == i
+    assert _rss_file_kib() - before < 4 * 1024

@@ -1,13 +1,15 @@
 """``TensorParquetDataset``: map-style random access to the rows of tensor-parquet shards.
 
-A row read decodes only the requested columns of the row group that holds it (``ParquetFile.read_row_group`` on a
+A row read decodes only the requested columns of the row group that holds it (``ParquetFile.read_row_group`` over a
 memory-mapped file) and views each tensor inside the decoded Arrow buffer with ``torch.frombuffer``: Parquet
-decoding is the only copy. Returned tensors are therefore read-only views (clone before editing in place, or pass
-``copy=True``). Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one
-row per row group, so a read decodes exactly one row. Files of other writers often hold many rows per group and
-Parquet cannot decode part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are
-served without decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.
-two_level_order`) to use that.
+decoding is the only copy. The file pages a read touched are unmapped after decoding (:class:`_Mapped`), so the
+resident set stays flat however much of the dataset is read. Returned tensors are views of the decoded buffer:
+clone before editing one in place, or pass ``copy=True``.
+
+Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
+so a read decodes exactly one row. Files of other writers often hold many rows per group and Parquet cannot decode
+part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are served without
+decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.two_level_order`) to use it.
 
 The dataset pickles without open files or caches: DataLoader workers open their own, lazily.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,7 +53,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         schema: an expected schema (e.g. :data:`I2V_TRACK_SCHEMA`); the files must have its columns and types.
         cache_dir: where to cache the row index (default: beside the data, else ``~/.cache/ff/tensor_parquet``).
         cached_groups: decoded multi-row row groups kept per process (a group of one row is never kept).
-        open_files: open (memory-mapped) files kept per process.
+        open_files: files kept mapped per process (each keeps its parsed footer; its pages are unmapped after
+            every read, so this bounds footer parsing, not memory).
         copy: return writable tensors that own their memory instead of views into the decoded buffer.
 
     Attributes:
@@ -63,7 +67,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
-                 cached_groups: int = 4, open_files: int = 64, copy: bool = False) -> None:
+                 cached_groups: int = 4, open_files: int = 128, copy: bool = False) -> None:
         self.index, self.index_cached = load_index(root, cache_dir)
         self.root = self.index.root
         self.files: tuple[Path, ...] = tuple(self.root / f for f in self.index.files)
@@ -86,7 +90,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._handles: OrderedDict[int, _Mapped] = OrderedDict()
         self._groups: OrderedDict[int, pa.Table] = OrderedDict()
         self._shape_groups: OrderedDict[int, pa.Table] = OrderedDict()
 
@@ -141,6 +145,22 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             out[t] = tuple(shape)
         return out
 
+    def all_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """:meth:`shapes` of every row, in index order, reading each file's ``_shape`` columns once (for size
+        functions over a whole dataset: packing batchers, length buckets)."""
+        out: list[dict[str, tuple[int, ...]]] = []
+        for f in range(len(self.files)):
+            table = self._file(f).file.read(columns=self._shape_columns, use_threads=False)
+            columns = {t: table.column(t + SHAPE).to_pylist() for t in self.tensor_names}
+            for r in range(table.num_rows):
+                row = {t: columns[t][r] for t in self.tensor_names}
+                bad = next((t for t, s in row.items() if s is None or any(d is None or d < 0 for d in s)), None)
+                if bad is not None:
+                    raise self._row_error(int(self.index.file_start[f]) + r, bad + SHAPE,
+                                          f"shape {row[bad]!r}: expected a list of dimensions >= 0")
+                out.append({t: tuple(s) for t, s in row.items()})
+        return out
+
     def _check(self, i: int) -> int:
         n = len(self)
         i = int(i)
@@ -178,7 +198,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             cache.move_to_end(gid)
             return cache[gid]
         try:
-            table = self._file(f).read_row_group(g, columns=columns, use_threads=False)
+            table = self._file(f).read_row_group(g, columns)
         except (OSError, pa.ArrowException) as exc:
             raise DatasetError(self.files[f], None, None, f"row group {g}: cannot be read: {exc}") from None
         if table.num_rows > 1 and keep > 0:
@@ -187,18 +207,52 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 cache.popitem(last=False)
         return table
 
-    def _file(self, f: int) -> pq.ParquetFile:
+    def _file(self, f: int) -> _Mapped:
         handles = self._handles
         if f in handles:
             handles.move_to_end(f)
             return handles[f]
         try:
-            handles[f] = pq.ParquetFile(self.files[f], memory_map=True)
-        except (OSError, pa.ArrowException) as exc:
+            handles[f] = _Mapped(self.files[f])
+        except (OSError, ValueError, pa.ArrowException) as exc:
             raise DatasetError(self.files[f], None, None, f"cannot open: {exc}") from None
         while len(handles) > max(1, self.open_files):
-            handles.popitem(last=False)
+            handles.popitem(last=False)  # unmapped once the last Arrow buffer viewing it is gone
         return handles[f]
+
+
+class _Mapped:
+    """One parquet file memory-mapped by ff (not by pyarrow), so the pages a read touched can be unmapped again.
+
+    Parquet decoding copies every value it returns, so after ``read_row_group`` the row group's file pages are
+    only page cache: ``MADV_DONTNEED`` drops them from this process's resident set (the kernel keeps them cached;
+    a file-backed mapping re-reads them on the next touch, never zeros). Without that, every page read stays
+    mapped while the file is open and the resident set grows with the dataset.
+    """
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as fh:
+            self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self.map)))
+
+    def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
+        table = self.file.read_row_group(g, columns=columns, use_threads=False)
+        start, end = _byte_range(self.file.metadata.row_group(g))
+        start -= start % mmap.PAGESIZE
+        if hasattr(self.map, "madvise") and end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self.map)) - start)
+        return table
+
+
+def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
+    """The file bytes holding a row group's column chunks."""
+    start, end = None, 0
+    for c in range(group.num_columns):
+        chunk = group.column(c)
+        first = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        start = first if start is None else min(start, first)
+        end = max(end, first + chunk.total_compressed_size)
+    return start or 0, end
 
 
 def _cell_array(column: pa.ChunkedArray, r: int) -> tuple[pa.Array, int]:
