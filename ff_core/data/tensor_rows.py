@@ -318,6 +318,16 @@ class ShardSource:
     identity: dict[str, Any]
 
 
+def column_problems(dataset: TensorParquetDataset, columns: TensorColumns, adapter: str,
+                    what: str = "the dataset") -> list[DatasetError]:
+    """One error per tensor column the adapter trains from that ``dataset`` lacks, naming its first file (every
+    file has the first one's columns: the reader checks) and the tensors it has."""
+    have = ", ".join(dataset.tensor_names) or "no tensor"
+    return [DatasetError(dataset.files[0], None, column, f"no tensor column {column!r} ({column}_bytes, _shape, "
+                         f"_dtype), which adapter {adapter!r} trains from; {what} has {have}")
+            for column in columns.missing(dataset.tensor_names)]
+
+
 def open_shards(
     configs: Sequence[DatasetConfig], columns: TensorColumns, adapter: str, cache_dir: str | None = None,
     cached_groups: int = 4,
@@ -349,10 +359,7 @@ def open_shards(
         except DatasetError as exc:
             errors += exc.errors
             continue
-        errors += [DatasetError(full.files[0], None, column, f"no tensor column {column!r} ({column}_bytes, _shape, "
-                                f"_dtype), which adapter {adapter!r} trains from; dataset {cfg.name!r} has "
-                                f"{', '.join(full.tensor_names) or 'no tensor'}")
-                   for column in columns.missing(full.tensor_names)]  # fmt: skip
+        errors += column_problems(full, columns, adapter, f"dataset {cfg.name!r}")
         opened.append((cfg, full))
     raise_collected(errors)
     optional = [c for c in columns.optional if all(c in full.tensor_names for _, full in opened)]

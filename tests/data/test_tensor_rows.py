@@ -260,3 +260,20 @@ def test_stored_token_count_adds_a_text_length():
     size = StoredTokenCount("vae_latent", patch=(1, 2, 2), text_column="text_embedding")
     # Wan at 720p: 31 latent frames of 90x160 -> 31 * 45 * 80 tokens, plus L = 77 text tokens.
     assert size({"shapes": {"vae_latent": (16, 31, 90, 160), "text_embedding": (77, 4096)}}) == 111600 + 77
+
+
+def test_validate_with_a_model_checks_the_columns_it_trains_from(tmp_path):
+    import io
+
+    from ff_core.data.commands import main
+
+    tensors = {"prompt_embeds": torch.zeros(3, 4), "latent": torch.zeros(2, 4, 4)}
+    write_rows(tmp_path / "s", [{"prompt": "", **tensors}])
+    out = io.StringIO()
+    assert main(["validate", str(tmp_path / "s"), "--model", "sd3-5"], out) == 2
+    assert out.getvalue().splitlines() == [
+        f"{tmp_path}/s/worker_0/data_chunk_0.parquet: pooled_prompt_embeds: no tensor column 'pooled_prompt_embeds' "
+        "(pooled_prompt_embeds_bytes, _shape, _dtype), which adapter 'sd3-5' trains from; the dataset has "
+        "prompt_embeds, latent", f"ff data validate: 1 problem(s) in {tmp_path}/s"]
+    write_rows(tmp_path / "ok", [{"prompt": "", **tensors, "pooled_prompt_embeds": torch.zeros(8)}])
+    assert main(["validate", str(tmp_path / "ok"), "--model", "sd3-5"], io.StringIO()) == 0
