@@ -177,3 +177,42 @@ def test_fit_shuffles_reference_layout_shards_by_row_group_window(tiny_sd3, shap
     assert [i for r in full for i in r["ids"]] == order
     (step2,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
     assert fit(tiny_sd3, tmp_path / "grouped", tmp_path / "resumed", 3, ckpt_path=step2, row_group_window=2) == full[4:]
+
+
+def test_offline_dpo_from_preference_shards_is_the_in_memory_loss(tiny_sd3, shapes_dpo_dir, tmp_path):
+    """Preference records stored by ``ff data preprocess-latents`` (both arms encoded with the command's generators),
+    read back: the DPO loss equals, bit for bit, the loss of the pairs encoded in memory, and needs no VAE."""
+    from ff_core.objectives import DPOObjective
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=DPOObjective(),
+                        lora=LoRAConfig(rank=2, target_modules=["to_q"]))
+    module.configure_model()
+    adapter, objective = module.adapter, module.objective
+    records = load_split(DatasetConfig(name="pairs", dataset_dir=str(shapes_dpo_dir)), "train", "offline-dpo")[:4]
+    write_latent_shards(adapter, records, tmp_path / "pairs", batch_size=4, progress=False)
+    conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
+    condition = adapter.prepare_condition(default_collate(conditions))
+    processor = RecordProcessor(adapter.output_geometry())
+    samples = [processor.process(ConditionedRecord(i, r, {})) for i, r in enumerate(records)]
+    arms = [adapter.encode_output([s[arm] for s in samples], condition,
+                                  generator=torch.Generator().manual_seed(derive_seed(0, 0, k)))
+            for k, arm in ((1, "chosen"), (2, "rejected"))]
+    expected = objective.loss(adapter, *arms, condition, torch.Generator().manual_seed(3))
+
+    dataset = TensorParquetDataset(tmp_path / "pairs", columns=list(adapter.tensor_columns.required_for("preference")))
+    rows = TensorRowProcessor(TensorRows([dataset]), adapter.tensor_columns, supervision="preference")
+    batch = TensorRowCollator().collate([rows.process(i) for i in range(4)])
+    vae, adapter.vae = adapter.vae, None
+    try:
+        got = objective.training_loss(adapter, batch, torch.Generator().manual_seed(3))
+    finally:
+        adapter.vae = vae
+    assert torch.equal(got.per_sample, expected.per_sample)
+    assert not torch.equal(batch["chosen_latents"]["latent"], batch["rejected_latents"]["latent"])
+    # The data module reads preference rows for offline DPO (and demonstration columns are not required).
+    dm = FlowDataModule([{"name": "pairs", "tensor_parquet_dir": str(tmp_path / "pairs")}], adapter="sd3-5",
+                        trainer_type="offline-dpo", per_device_batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -248,6 +248,11 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
 
+    @property
+    def _supervision(self) -> str:
+        """What training rows supervise: ``preference`` pairs for offline DPO, else ``demonstration`` targets."""
+        return "preference" if self.trainer_type == "offline-dpo" else "demonstration"
+
     def _open_shards(self) -> None:
         """Open the tensor-parquet training entries, checked against the adapter's ``tensor_columns`` from the files'
         footers (before weights load); :attr:`train_rows` serves their rows."""
@@ -263,7 +268,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: adapter {cls.name!r} declares no "
                              "tensor_columns, so it cannot train from tensor-parquet shards")
         window = self.row_group_window
-        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0))
+        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0),
+                                         supervision=self._supervision)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
         self.tensor_columns = cls.tensor_columns
         largest = self.train_rows.max_group_rows()
@@ -356,7 +362,8 @@ class FlowDataModule(L.LightningDataModule):
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
             options = {"shuffle": self.shuffle, "seed": self.seed, "name": "train", "identity": self.train_identity()}
             if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
-                processor, collator = TensorRowProcessor(self.train_rows, self.tensor_columns), TensorRowCollator()
+                processor = TensorRowProcessor(self.train_rows, self.tensor_columns, supervision=self._supervision)
+                collator = TensorRowCollator()
                 if self.row_group_window is not None:  # two-level order (ff_core.data.shard_order)
                     grouped = GroupedSamplerDistributor if distributor is SamplerDistributor else GroupedMapDistributor
                     source = grouped(self.train_rows, self.row_group_window, **options)

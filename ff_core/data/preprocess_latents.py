@@ -2,7 +2,8 @@
 
 For every training record of the recipe (read and validated exactly as ``ff fit`` reads it), the adapter the recipe
 loads computes what a training step would: ``preprocess`` (the condition: text embeddings, condition media) and
-``encode_output`` of the decoded target fitted to ``output_geometry()`` (the clean latents). Each record becomes one
+``encode_output`` of the decoded target fitted to ``output_geometry()`` (the clean latents; both arms of a
+preference pair, under the latent columns prefixed ``chosen_`` and ``rejected_``). Each record becomes one
 row of ``ROOT/worker_0/data_chunk_<i>.parquet`` (:class:`~ff_core.data.tensor_parquet.TensorParquetWriter`), its
 tensors under the adapter's :attr:`~ff_core.adapter.Adapter.tensor_columns` names, plus the scalars ``prompt`` and
 ``source`` (``file:line`` of the record). A recipe with ``data.datasets: [{tensor_parquet_dir: ROOT}]`` then trains
@@ -87,9 +88,9 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
 
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=rest)
     data, model = cli.datamodule, cli.model
-    if data.trainer_type != "sft":
-        print(f"ff data preprocess-latents: the recipe trains {data.trainer_type!r}; only SFT (demonstration) datasets "
-              "are stored as latents", file=out)
+    if data.trainer_type not in ("sft", "offline-dpo"):
+        print(f"ff data preprocess-latents: the recipe trains {data.trainer_type!r}; only the offline trainers' "
+              "datasets (demonstrations, preference pairs) are stored as latents", file=out)
         return EXIT_INVALID
     try:
         data.setup("fit")
@@ -133,7 +134,7 @@ def write_latent_shards(
 
     Args:
         adapter: the loaded adapter (its preprocessing components and VAE on the device to run on).
-        records: demonstration records, validated against the adapter's contract.
+        records: demonstration (or preference) records, validated against the adapter's contract.
         output: the shard root to publish.
         batch_size: records per ``preprocess`` / ``encode_output`` call.
         rows_per_file: rows per parquet file.
@@ -186,12 +187,15 @@ def encode_rows(
     adapter: Adapter, records: Sequence[Record], start: int, seed: int, dtype: torch.dtype | None = None
 ) -> list[dict[str, Any]]:
     """The shard rows of one batch of records: the condition ``preprocess`` returns and the clean latents
-    ``encode_output`` returns for the target fitted to ``output_geometry()``, under the adapter's column names.
+    ``encode_output`` returns for the target fitted to ``output_geometry()``, under the adapter's column names. A
+    preference record's two arms are encoded in turn and stored under the latent columns prefixed ``chosen_`` and
+    ``rejected_``.
 
     Args:
         adapter: the loaded adapter.
-        records: demonstration records.
-        start: the first record's position in the split (seeds the posterior sample).
+        records: demonstration records, or preference records (not both).
+        start: the first record's position in the split (seeds the posterior samples: ``derive_seed(seed, start)``
+            for a target, ``derive_seed(seed, start, 1)`` and ``(..., 2)`` for the chosen and rejected arms).
         seed: the run's seed.
         dtype: floating-point tensors are stored in this dtype (``None``: as computed).
     """
@@ -199,20 +203,24 @@ def encode_rows(
 
     from ff_core.data.dataflow import derive_seed
     from ff_core.data.processors import ConditionedRecord, RecordProcessor, condition_input
+    from ff_core.data.tensor_rows import LATENT_BATCH_KEYS
 
     conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
     processor = RecordProcessor(adapter.output_geometry())  # the training loader's decoding and fitting
-    targets = [processor.process(ConditionedRecord(start + k, r, {}))["target"] for k, r in enumerate(records)]
+    samples = [processor.process(ConditionedRecord(start + k, r, {})) for k, r in enumerate(records)]
     prepared = adapter.prepare_condition(default_collate(conditions))
-    generator = torch.Generator().manual_seed(derive_seed(seed, start))
-    clean = adapter.encode_output(targets, prepared, generator=generator)
+    preference = "chosen" in samples[0]
+    arms = {"target": ("", (seed, start))} if not preference else {
+        "chosen": (LATENT_BATCH_KEYS["preference"]["chosen_latents"], (seed, start, 1)),
+        "rejected": (LATENT_BATCH_KEYS["preference"]["rejected_latents"], (seed, start, 2))}
     columns: TensorColumns = adapter.tensor_columns
-    rows = []
-    for k, record in enumerate(records):
-        latents = {name: value[k] for name, value in clean.components.items()}
-        tensors = columns.to_row(conditions[k], latents)
-        rows.append({"prompt": record.prompt, "source": f"{record.source}:{record.line}",
-                     **{name: _stored(t, dtype) for name, t in tensors.items()}})
+    rows = [{"prompt": r.prompt, "source": f"{r.source}:{r.line}"} for r in records]
+    for key, (prefix, seeds) in arms.items():
+        generator = torch.Generator().manual_seed(derive_seed(*seeds))
+        clean = adapter.encode_output([s[key] for s in samples], prepared, generator=generator)
+        for k, row in enumerate(rows):
+            latents = {name: value[k] for name, value in clean.components.items()}
+            row.update({name: _stored(t, dtype) for name, t in columns.to_row(conditions[k], latents, prefix).items()})
     return rows
 
 

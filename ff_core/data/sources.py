@@ -64,8 +64,8 @@ class DatasetConfig:
         dataset_dir: the dataset folder (``~`` expanded); V2 and Ref2VA reference paths resolve against it.
         tensor_parquet_dir: the root of preprocessed tensor-parquet shards (every ``*.parquet`` below it; spec
             tensor-parquet-dataset-card): rows holding the adapter's conditions and clean latents
-            (``Adapter.tensor_columns``), trained from without text encoders or VAE encodes (SFT only; no ``eval``
-            split: evaluation prompts come from a dataset folder entry).
+            (``Adapter.tensor_columns``), trained from without text encoders or VAE encodes (SFT and offline DPO;
+            no ``eval`` split: evaluation prompts come from a dataset folder entry).
         image_dir: root of legacy ``image``/``images`` paths (default ``{dataset_dir}/images``).
         video_dir: root of legacy ``video``/``videos`` paths (default ``{dataset_dir}/videos``).
         audio_dir: root of legacy ``audio``/``audios`` paths (default ``{dataset_dir}/audios``).
@@ -131,12 +131,12 @@ def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: Train
 
     Spec: "Each offline source must use train.weight: 1; replacement weighting would make full traversal
     stop meaning one data epoch". Names must be unique (they label logs and caches). Tensor-parquet shards train
-    SFT only, have no evaluation split and no media folders, and do not mix with dataset folders in training (their
-    batches carry stored latents, a folder's decoded media).
+    the offline trainers only, have no evaluation split and no media folders, and do not mix with dataset folders in
+    training (their batches carry stored latents, a folder's decoded media).
     """
-    problems = [] if trainer_type == "sft" else [
-        f"data.datasets[{i}].tensor_parquet_dir: tensor-parquet shards train SFT only, not trainer {trainer_type!r}"
-        for i, cfg in enumerate(datasets) if cfg.is_tensor_parquet and cfg.train is not None]  # fmt: skip
+    problems = [] if trainer_type in OFFLINE_TRAINERS else [
+        f"data.datasets[{i}].tensor_parquet_dir: tensor-parquet shards train the offline trainers (sft, offline-dpo), "
+        f"not {trainer_type!r}" for i, cfg in enumerate(datasets) if cfg.is_tensor_parquet and cfg.train is not None]
     for i, cfg in enumerate(datasets):
         if not cfg.is_tensor_parquet:
             continue

@@ -36,6 +36,14 @@ if TYPE_CHECKING:  # pyarrow is only needed once shards are opened
     from ff_core.data.tensor_parquet import TensorParquetDataset
 
 
+LATENT_BATCH_KEYS: dict[str, dict[str, str]] = {
+    "demonstration": {"latents": ""},
+    "preference": {"chosen_latents": "chosen_", "rejected_latents": "rejected_"},
+}
+"""Per supervision, the batch keys of the stored clean latents and the prefix of their columns: a preference row
+holds the condition once and each latent column twice, as ``chosen_<column>`` and ``rejected_<column>``."""
+
+
 def _as_mapping(value: Mapping[str, str] | Sequence[str], what: str) -> dict[str, str]:
     if isinstance(value, str):
         raise TypeError(f"TensorColumns.{what}: give a sequence of column names or a mapping, not the string {value!r}")
@@ -80,13 +88,19 @@ class TensorColumns:
 
     @property
     def required(self) -> tuple[str, ...]:
-        """The tensor columns every row must have: condition columns not optional, then the latent columns."""
-        return (*(c for c in self.condition if c not in self.optional), *self.latents)
+        """The tensor columns every demonstration row must have: condition columns not optional, then the latents."""
+        return self.required_for("demonstration")
 
-    def missing(self, tensors: Sequence[str]) -> list[str]:
+    def required_for(self, supervision: str) -> tuple[str, ...]:
+        """The tensor columns every row of ``supervision`` (``demonstration`` or ``preference``) must have."""
+        prefixes = LATENT_BATCH_KEYS[supervision].values()
+        return (*(c for c in self.condition if c not in self.optional),
+                *(prefix + c for prefix in prefixes for c in self.latents))
+
+    def missing(self, tensors: Sequence[str], supervision: str = "demonstration") -> list[str]:
         """Required tensor columns absent from ``tensors`` (a dataset's tensor names), in declaration order."""
         have = set(tensors)
-        return [c for c in self.required if c not in have]
+        return [c for c in self.required_for(supervision) if c not in have]
 
     def readable(self, tensors: Sequence[str]) -> tuple[str, ...]:
         """The tensor columns to read from a dataset holding ``tensors``: the required ones and the optional ones it
@@ -94,16 +108,30 @@ class TensorColumns:
         have = set(tensors)
         return (*self.required, *(c for c in self.optional if c in have))
 
-    def from_row(self, row: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(condition, latents)`` of one decoded row, keyed as the adapter consumes them."""
+    def from_row(
+        self, row: Mapping[str, Any], prefix: str = ""
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(condition, latents)`` of one decoded row, keyed as the adapter consumes them.
+
+        Args:
+            row: the decoded row.
+            prefix: of the latent columns (``chosen_`` / ``rejected_`` for a preference arm).
+        """
         condition = {key: row[col] for col, key in self.condition.items() if col in row}
-        latents = {key: row[col] for col, key in self.latents.items()}
+        latents = {key: row[prefix + col] for col, key in self.latents.items()}
         return condition, latents
 
-    def to_row(self, condition: Mapping[str, torch.Tensor], latents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def to_row(
+        self, condition: Mapping[str, torch.Tensor], latents: Mapping[str, torch.Tensor], prefix: str = ""
+    ) -> dict[str, Any]:
         """The tensor columns of one sample (``ff data preprocess-latents``): the inverse of :meth:`from_row`.
 
         Condition keys the columns do not name are left out; a missing required one is an error.
+
+        Args:
+            condition: one sample's condition, as ``preprocess`` returns it.
+            latents: one sample's clean latent components (no batch axis).
+            prefix: of the latent columns (``chosen_`` / ``rejected_`` for a preference arm).
         """
         row: dict[str, Any] = {}
         for col, key in self.condition.items():
@@ -116,7 +144,7 @@ class TensorColumns:
             if key not in latents:
                 raise KeyError(f"TensorColumns: the latents have no component {key!r} (column {col!r}); they have "
                                f"{sorted(latents)}")
-            row[col] = latents[key]
+            row[prefix + col] = latents[key]
         return row
 
 
@@ -183,19 +211,26 @@ class TensorRows:
 class TensorRowProcessor(RawItemProcessor):
     """Row number -> the sample a training step consumes (runs in the loader's workers).
 
-    The sample is ``{"index", "prompt", "condition": {key: tensor}, "latents": {component: tensor}, "metadata"}``.
-    With ``defer`` it is ``{"index", "shapes"}`` only, read from the ``_shape`` columns, and
-    :class:`TensorRowCollator` reads the rest once the batcher has chosen the batch: a packing batcher then weighs
-    its pool without decoding a single tensor, and holds no decoded tensors while it chooses.
+    The sample is ``{"index", "prompt", "condition": {key: tensor}, "latents": {component: tensor}, "metadata"}``
+    (a preference row: ``chosen_latents`` and ``rejected_latents`` instead of ``latents``). With ``defer`` it is
+    ``{"index", "shapes"}`` only, read from the ``_shape`` columns, and :class:`TensorRowCollator` reads the rest once
+    the batcher has chosen the batch: a packing batcher then weighs its pool without decoding a single tensor, and
+    holds no decoded tensors while it chooses.
 
     Args:
         rows: the shard datasets.
         columns: the adapter's :class:`TensorColumns`.
         defer: leave the tensors to the collator (packing batchers).
+        supervision: ``demonstration`` (SFT) or ``preference`` (offline DPO: the latent columns prefixed
+            ``chosen_`` and ``rejected_``; :data:`LATENT_BATCH_KEYS`).
     """
 
-    def __init__(self, rows: TensorRows, columns: TensorColumns, defer: bool = False) -> None:
-        self.rows, self.columns, self.defer = rows, columns, defer
+    def __init__(self, rows: TensorRows, columns: TensorColumns, defer: bool = False,
+                 supervision: str = "demonstration") -> None:
+        if supervision not in LATENT_BATCH_KEYS:
+            raise ValueError(f"TensorRowProcessor: supervision must be one of {sorted(LATENT_BATCH_KEYS)}, "
+                             f"got {supervision!r}")
+        self.rows, self.columns, self.defer, self.supervision = rows, columns, defer, supervision
 
     def process(self, item: int) -> dict[str, Any]:
         if self.defer:
@@ -205,14 +240,17 @@ class TensorRowProcessor(RawItemProcessor):
     def load(self, index: int) -> dict[str, Any]:
         """The full sample of row ``index``."""
         row = self.rows.read(index)
-        condition, latents = self.columns.from_row(row)
         prompt = row.get(self.columns.prompt, "") if self.columns.prompt else ""
-        return {"index": index, "prompt": prompt, "condition": condition, "latents": latents, "metadata": {}}
+        sample = {"index": index, "prompt": prompt, "metadata": {}}
+        for key, prefix in LATENT_BATCH_KEYS[self.supervision].items():
+            sample["condition"], sample[key] = self.columns.from_row(row, prefix)
+        return sample
 
 
 class TensorRowCollator(BatchCollator):
     """Samples of :class:`TensorRowProcessor` -> a batch: ``index`` (tensor), ``prompt`` (list), ``condition`` and
-    ``latents`` (dicts of tensors stacked on a new batch axis), ``metadata`` (list).
+    ``latents`` (or ``chosen_latents`` and ``rejected_latents``; dicts of tensors stacked on a new batch axis),
+    ``metadata`` (list).
 
     Deferred samples (``{"index", "shapes"}``) are read here through ``processor``. Tensors of one key must share a
     shape within a batch (one resolution per batch, as the loader fits media targets to one geometry): a packing
@@ -229,16 +267,14 @@ class TensorRowCollator(BatchCollator):
         if not samples:
             raise ValueError("TensorRowCollator: cannot collate an empty batch")
         samples = [self._complete(s) for s in samples]
-        return {
-            "index": torch.tensor([s["index"] for s in samples]),
-            "prompt": [s["prompt"] for s in samples],
-            "condition": _stack(samples, "condition"),
-            "latents": _stack(samples, "latents"),
-            "metadata": [s["metadata"] for s in samples],
-        }
+        batch = {"index": torch.tensor([s["index"] for s in samples]), "prompt": [s["prompt"] for s in samples],
+                 "condition": _stack(samples, "condition"), "metadata": [s["metadata"] for s in samples]}
+        for keys in LATENT_BATCH_KEYS.values():
+            batch.update({key: _stack(samples, key) for key in keys if key in samples[0]})
+        return batch
 
     def _complete(self, sample: dict[str, Any]) -> dict[str, Any]:
-        if "latents" in sample:
+        if "condition" in sample:
             return sample
         if self.processor is None:
             raise ValueError(f"TensorRowCollator: row {sample['index']} was deferred (no tensors read) and the "
@@ -319,18 +355,18 @@ class ShardSource:
 
 
 def column_problems(dataset: TensorParquetDataset, columns: TensorColumns, adapter: str,
-                    what: str = "the dataset") -> list[DatasetError]:
+                    what: str = "the dataset", supervision: str = "demonstration") -> list[DatasetError]:
     """One error per tensor column the adapter trains from that ``dataset`` lacks, naming its first file (every
     file has the first one's columns: the reader checks) and the tensors it has."""
     have = ", ".join(dataset.tensor_names) or "no tensor"
     return [DatasetError(dataset.files[0], None, column, f"no tensor column {column!r} ({column}_bytes, _shape, "
                          f"_dtype), which adapter {adapter!r} trains from; {what} has {have}")
-            for column in columns.missing(dataset.tensor_names)]
+            for column in columns.missing(dataset.tensor_names, supervision)]
 
 
 def open_shards(
     configs: Sequence[DatasetConfig], columns: TensorColumns, adapter: str, cache_dir: str | None = None,
-    cached_groups: int = 4,
+    cached_groups: int = 4, supervision: str = "demonstration",
 ) -> list[ShardSource]:
     """Open every tensor-parquet entry of ``data.datasets`` for training, checked against the adapter's columns.
 
@@ -348,6 +384,7 @@ def open_shards(
         cache_dir: where the readers cache their row indexes (``None``: beside the data when writable).
         cached_groups: decoded multi-row row groups each reader keeps per process (at least the two-level shuffle's
             window, :mod:`ff_core.data.shard_order`).
+        supervision: ``demonstration`` or ``preference`` (latent columns prefixed ``chosen_`` / ``rejected_``).
     """
     from ff_core.data.tensor_parquet import TensorParquetDataset
 
@@ -359,15 +396,15 @@ def open_shards(
         except DatasetError as exc:
             errors += exc.errors
             continue
-        errors += column_problems(full, columns, adapter, f"dataset {cfg.name!r}")
+        errors += column_problems(full, columns, adapter, f"dataset {cfg.name!r}", supervision)
         opened.append((cfg, full))
     raise_collected(errors)
     optional = [c for c in columns.optional if all(c in full.tensor_names for _, full in opened)]
     sources = []
     for cfg, full in opened:
         prompt = [columns.prompt] if columns.prompt in full.scalar_names else []
-        dataset = TensorParquetDataset(cfg.root, columns=[*columns.required, *optional, *prompt], cache_dir=cache_dir,
-                                       cached_groups=cached_groups)
+        read = [*columns.required_for(supervision), *optional, *prompt]
+        dataset = TensorParquetDataset(cfg.root, columns=read, cache_dir=cache_dir, cached_groups=cached_groups)
         limit = cfg.train.max_dataset_size if cfg.train is not None else None
         rows = len(dataset) if limit is None else min(limit, len(dataset))
         sources.append(ShardSource(cfg.name, dataset, rows, {**dataset.identity, "rows": rows}))

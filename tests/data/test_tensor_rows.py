@@ -111,6 +111,23 @@ def test_collator_names_the_rows_of_a_batch_with_mixed_shapes(tmp_path):
         TensorRowCollator().collate([processor.process(i) for i in (0, 1)])
 
 
+def test_preference_rows_give_both_arms(tmp_path):
+    """A preference row holds the condition once and each latent column twice, ``chosen_`` and ``rejected_``."""
+    rows = [{"prompt": f"p{i}", "text_embedding": row_tensors(i)["text_embedding"], "pooled": row_tensors(i)["pooled"],
+             "chosen_latent": row_tensors(i)["latent"], "rejected_latent": -row_tensors(i)["latent"]} for i in range(3)]
+    write_rows(tmp_path / "pairs", rows)
+    configs = [DatasetConfig(name="pairs", tensor_parquet_dir=str(tmp_path / "pairs"))]
+    assert COLUMNS.required_for("preference") == ("text_embedding", "pooled", "chosen_latent", "rejected_latent")
+    table = TensorRows([s.dataset for s in open_shards(configs, COLUMNS, "test", supervision="preference")])
+    processor = TensorRowProcessor(table, COLUMNS, supervision="preference")
+    batch = TensorRowCollator().collate([processor.process(i) for i in (2, 0)])
+    assert set(batch) == {"index", "prompt", "condition", "chosen_latents", "rejected_latents", "metadata"}
+    assert torch.equal(batch["chosen_latents"]["latent"][0], row_tensors(2)["latent"])
+    assert torch.equal(batch["rejected_latents"]["latent"][1], -row_tensors(0)["latent"])
+    with pytest.raises(DatasetErrors, match="no tensor column 'latent'"):  # demonstration columns are not there
+        open_shards(configs, COLUMNS, "test")
+
+
 def test_max_dataset_size_serves_the_first_rows(shards):
     configs = [DatasetConfig(name="a", tensor_parquet_dir=str(shards[0]), train={"max_dataset_size": 2}),
                DatasetConfig(name="b", tensor_parquet_dir=str(shards[1]))]
@@ -220,13 +237,14 @@ def test_an_entry_is_a_folder_or_shards(entry, message):
         DatasetConfig(**entry)
 
 
-def test_shard_entries_train_sft_only_without_eval_media_or_folders():
+def test_shard_entries_train_offline_only_without_eval_media_or_folders():
     shards_entry = DatasetConfig(name="s", tensor_parquet_dir="r", eval={}, image_dir="i")
     folder = DatasetConfig(name="f", dataset_dir="d")
     with pytest.raises(ValueError) as exc:
-        check_dataset_configs([shards_entry, folder], "offline-dpo")
+        check_dataset_configs([shards_entry, folder], "grpo")
     assert str(exc.value).splitlines() == [
-        "data.datasets[0].tensor_parquet_dir: tensor-parquet shards train SFT only, not trainer 'offline-dpo'",
+        "data.datasets[0].tensor_parquet_dir: tensor-parquet shards train the offline trainers (sft, offline-dpo), "
+        "not 'grpo'",
         "data.datasets[0].eval: tensor-parquet shards hold no evaluation prompts; evaluate on a dataset folder entry "
         "(dataset_dir with eval: {}, train: null)",
         "data.datasets[0].image_dir: only dataset folders (dataset_dir) have media folders",
