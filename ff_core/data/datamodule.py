@@ -36,12 +36,7 @@ from torch.utils.data import DataLoader
 from ff_core.adapter import Adapter
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
-from ff_core.data.dataflow import (
-    DataflowLoader,
-    DataParallelCoords,
-    MapDistributor,
-    SamplerDistributor,
-)
+from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
@@ -70,7 +65,7 @@ from ff_core.data.tensor_rows import (
     open_shards,
 )
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
-from ff_core.errors import DatasetErrors
+from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.plugins import get_adapter_class
 
 log = logging.getLogger(__name__)
@@ -259,14 +254,13 @@ class FlowDataModule(L.LightningDataModule):
         configs = [cfg for cfg in self.datasets if cfg.is_tensor_parquet and cfg.train is not None]
         if not configs:
             return
-        index = self.datasets.index(configs[0])
+        key = f"data.datasets[{self.datasets.index(configs[0])}].tensor_parquet_dir"
         if self.adapter_name is None:
-            raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: the adapter's columns are unknown (set "
-                             "model.adapter, which links data.adapter)")
+            raise ConfigError(key, "the adapter's columns are unknown (set model.adapter, which links data.adapter)")
         cls = get_adapter_class(self.adapter_name)
         if cls.tensor_columns is None:
-            raise ValueError(f"data.datasets[{index}].tensor_parquet_dir: adapter {cls.name!r} declares no "
-                             "tensor_columns, so it cannot train from tensor-parquet shards")
+            raise ConfigError(key, f"adapter {cls.name!r} declares no tensor_columns, so it cannot train from "
+                                   "tensor-parquet shards")
         window = self.row_group_window
         self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision)
@@ -391,7 +385,7 @@ class FlowDataModule(L.LightningDataModule):
         the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
         used by exact-resume checks").
         """
-        if self.train_rows is not None:  # shards: their files' footers (docs/datasets.md, "Tensor-parquet shards")
+        if self.train_rows is not None:  # shards: their files' paths, sizes and mtimes (not their data pages)
             return {source.name: source.identity for source in self.shard_sources}
         return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}
