@@ -102,12 +102,6 @@ class TensorColumns:
         have = set(tensors)
         return [c for c in self.required_for(supervision) if c not in have]
 
-    def readable(self, tensors: Sequence[str]) -> tuple[str, ...]:
-        """The tensor columns to read from a dataset holding ``tensors``: the required ones and the optional ones it
-        has (present in every file of it, or the reader would fail on the files without)."""
-        have = set(tensors)
-        return (*self.required, *(c for c in self.optional if c in have))
-
     def from_row(
         self, row: Mapping[str, Any], prefix: str = ""
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -73,7 +73,7 @@ def test_columns_map_rows_both_ways():
     with pytest.raises(KeyError, match="no 'pooled' \\(column 'pooled'\\)"):
         COLUMNS.to_row({"prompt_embeds": row["text_embedding"]}, latents)
     optional = TensorColumns(condition=("a", "neg"), optional=("neg",))
-    assert optional.required == ("a", "latent") and optional.readable(["a", "latent", "neg"])[-1] == "neg"
+    assert optional.required == ("a", "latent") and optional.missing(["latent"]) == ["a"]
     assert optional.to_row({"a": row["pooled"]}, {"latent": row["latent"]}).keys() == {"a", "latent"}
 
 
