@@ -11,7 +11,8 @@ Rows have the card's columns at about 10 MB (bf16 latents 16x16x60x104 twice, te
 CLIP 257x1280, tracks 121x2500x2 and 121x2500, float32 ids and weights): ``--gb 2`` is 200 rows per layout.
 Files are read warm (from the page cache, as after the first epoch): the figures are decoding costs, not disk.
 
-Readers, each over a random permutation of the rows (the same one), for at most ``--seconds`` each:
+Readers, each over a random permutation of the rows (the same one), for at most ``--seconds`` each, best of three
+rounds (each from a freshly opened dataset; the machine may be shared):
 
 * ``card recipe``: the card's ``pq.read_table(file).slice(k, 1).to_pylist()`` + ``torch.frombuffer(bytearray)``;
 * ``whole row group``: like the reference loader, decode the row's whole row group, all columns, to Python, and
@@ -153,6 +154,22 @@ def timed(read: Callable[[int], dict], order: Iterator[int], budget: float, row_
             "ms_row": 1e3 * seconds / done}
 
 
+ROUNDS = 3  # every measurement is repeated from scratch and the best round kept: the machine is shared
+
+
+def best_of(rounds: int, measure_once: Callable[[], dict]) -> dict:
+    return max((measure_once() for _ in range(rounds)), key=lambda r: r["rows_s"])
+
+
+def run_reader(root: Path, name: str, order: torch.Tensor, budget: float, row_bytes: float) -> dict:
+    """One round of one reader over a freshly opened dataset (no decoded group carried over between rounds)."""
+    ds = TensorParquetDataset(root, cached_groups=4)
+    if name == "ff two-level":
+        return timed(ds.__getitem__, iter(two_level_order(ds.group_bounds, 0, 0, window=4)), budget, row_bytes)
+    read = {"card recipe": card_recipe, "whole row group": whole_group}.get(name, lambda d: d.__getitem__)(ds)
+    return timed(read, iter(order), budget, row_bytes)
+
+
 def copy_ceiling(row_bytes: int, rows: int, budget: float) -> tuple[dict, dict]:
     """``memmove`` between RAM buffers, and ``pread`` of a page-cached file, of ``row_bytes`` a row."""
     src = np.random.default_rng(0).integers(0, 255, size=row_bytes * 8, dtype=np.uint8)
@@ -222,6 +239,8 @@ def main() -> None:
     if args.rss_child:
         return rss_child(args.rss_child)
     torch.set_num_threads(1)
+    global ROUNDS
+    ROUNDS = 1 if args.quick else ROUNDS
     scale = 0.01 if args.quick else 1.0
     budget = 0.15 if args.quick else args.seconds
     rows = 48 if args.quick else max(32, round(args.gb * 1e9 / 10e6))
@@ -243,17 +262,12 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
     results: dict = {}
     print("| layout | reader | rows read | rows/s | GB/s | ms/row |\n|---|---|---|---|---|---|")
     for layout in ("reference", "ff"):
-        ds = TensorParquetDataset(work / layout)
-        for i in order[:4]:  # warm: every file mapped once (the page cache is already warm from writing)
-            ds[int(i)]
-        readers = {"card recipe": card_recipe(ds), "whole row group": whole_group(ds), "ff": ds.__getitem__}
-        runs = {name: (read, iter(order)) for name, read in readers.items()}
-        cached = TensorParquetDataset(work / layout, cached_groups=4)
-        runs["ff two-level"] = (cached.__getitem__, iter(two_level_order(cached.group_bounds, 0, 0, window=4)))
-        for name, (read, it) in runs.items():
-            r = results[f"{layout}/{name}"] = timed(read, it, budget, row_bytes)
+        for name in ("card recipe", "whole row group", "ff", "ff two-level"):
+            r = results[f"{layout}/{name}"] = best_of(ROUNDS, lambda: run_reader(work / layout, name, order, budget,
+                                                                                 row_bytes))
             print(f"| {layout} | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-    mem, pread = copy_ceiling(int(row_bytes), rows, budget)
+    pairs = [copy_ceiling(int(row_bytes), rows, budget) for _ in range(ROUNDS)]
+    mem, pread = (max((p[k] for p in pairs), key=lambda r: r["rows_s"]) for k in (0, 1))
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(f"| - | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
@@ -263,7 +277,7 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
         ds = TensorParquetDataset(work / layout, cached_groups=4)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
         main = results[f"{layout}/ff two-level" if two_level else f"{layout}/ff"]
-        r = results[f"{layout}/loader"] = loader_rate(ds, rows_order, budget, row_bytes)
+        r = results[f"{layout}/loader"] = best_of(ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes))
         print(f"| {layout}, {'two-level' if two_level else 'random'} | {r['rows_s']:.1f} | {r['gb_s']:.2f} "
               f"| {r['ms_row']:.2f} | {r['worker_ms_row']:.2f} | {main['ms_row']:.2f} |")
     if not quick:
