@@ -216,3 +216,27 @@ def test_offline_dpo_from_preference_shards_is_the_in_memory_loss(tiny_sd3, shap
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_preprocess_latents_publishes_whole_datasets_only(reference, tmp_path, monkeypatch):
+    """A failure half-way leaves neither shards nor temporary files; a completed run replaces what was there."""
+    module, records, _, _ = reference
+    adapter, out = module.adapter, tmp_path / "shards"
+    out.mkdir()
+    (out / "stale.parquet").write_bytes(b"old")
+    encode, calls = adapter.encode_output, []
+
+    def failing(*args, **kwargs):  # the second batch fails, after the first one's rows were written
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "encode_output", failing)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_latent_shards(adapter, records[:4], out, batch_size=2, rows_per_file=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"] and (out / "stale.parquet").read_bytes() == b"old"
+    monkeypatch.setattr(adapter, "encode_output", encode)
+    assert write_latent_shards(adapter, records[:4], out, batch_size=2, rows_per_file=3, progress=False) == 4
+    assert not (out / "stale.parquet").exists() and len(TensorParquetDataset(out)) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
