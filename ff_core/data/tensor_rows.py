@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,12 +65,17 @@ class TensorColumns:
         optional: condition columns a dataset may lack (a negative prompt's embeddings, used for CFG only); read when
             the shards have them.
         prompt: the scalar column holding each row's prompt (logs, sample records); ``None``: rows have none.
+        pad: condition column -> length: tensors stored without padding (the card's text embeddings ``[L, 4096]``,
+            "padding stripped") are zero-padded on their first axis to this length when read, as the family's
+            pipeline pads them (diffusers' Wan pipelines pad T5 embeddings to 512 with zeros), so rows of different
+            ``L`` batch together.
     """
 
     condition: Mapping[str, str] | Sequence[str]
     latents: Mapping[str, str] | Sequence[str] = ("latent",)
     optional: tuple[str, ...] = ()
     prompt: str | None = "prompt"
+    pad: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         condition, latents = _as_mapping(self.condition, "condition"), _as_mapping(self.latents, "latents")
@@ -85,6 +90,10 @@ class TensorColumns:
         unknown = set(self.optional) - set(condition)
         if unknown:
             raise ValueError(f"TensorColumns.optional: {sorted(unknown)} are not condition columns")
+        object.__setattr__(self, "pad", dict(self.pad))
+        bad = {c: n for c, n in self.pad.items() if c not in condition or not isinstance(n, int) or n < 1}
+        if bad:
+            raise ValueError(f"TensorColumns.pad: {bad}: expected condition columns and lengths >= 1")
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -111,9 +120,17 @@ class TensorColumns:
             row: the decoded row.
             prefix: of the latent columns (``chosen_`` / ``rejected_`` for a preference arm).
         """
-        condition = {key: row[col] for col, key in self.condition.items() if col in row}
+        condition = {key: self._padded(col, row[col]) for col, key in self.condition.items() if col in row}
         latents = {key: row[prefix + col] for col, key in self.latents.items()}
         return condition, latents
+
+    def _padded(self, column: str, tensor: torch.Tensor) -> torch.Tensor:
+        length = self.pad.get(column)
+        if length is None or tensor.shape[0] == length:
+            return tensor
+        if tensor.shape[0] > length:
+            raise ValueError(f"{column}: {tensor.shape[0]} entries on axis 0, more than the pad length {length}")
+        return torch.cat([tensor, tensor.new_zeros((length - tensor.shape[0], *tensor.shape[1:]))])
 
     def to_row(
         self, condition: Mapping[str, torch.Tensor], latents: Mapping[str, torch.Tensor], prefix: str = ""
@@ -237,7 +254,12 @@ class TensorRowProcessor(RawItemProcessor):
         prompt = row.get(self.columns.prompt, "") if self.columns.prompt else ""
         sample = {"index": index, "prompt": prompt, "metadata": {}}
         for key, prefix in LATENT_BATCH_KEYS[self.supervision].items():
-            sample["condition"], sample[key] = self.columns.from_row(row, prefix)
+            try:
+                sample["condition"], sample[key] = self.columns.from_row(row, prefix)
+            except ValueError as exc:  # a row longer than its pad length
+                k, local = self.rows.locate(index)
+                path, group, within = self.rows.datasets[k].locate(local)
+                raise DatasetError(path, None, None, f"row group {group}, row {within}: {exc}") from None
         return sample
 
 

@@ -295,3 +295,25 @@ def test_validate_with_a_model_checks_the_columns_it_trains_from(tmp_path):
         "prompt_embeds, latent", f"ff data validate: 1 problem(s) in {tmp_path}/s"]
     write_rows(tmp_path / "ok", [{"prompt": "", **tensors, "pooled_prompt_embeds": torch.zeros(8)}])
     assert main(["validate", str(tmp_path / "ok"), "--model", "sd3-5"], io.StringIO()) == 0
+
+
+def test_stripped_text_embeddings_are_zero_padded_to_the_declared_length(tmp_path):
+    """The card stores text embeddings ``[L, D]`` with padding stripped; Wan's pipeline pads them with zeros to 512.
+    Declared ``pad``, rows of different ``L`` read as the padded tensors and batch together; a longer row is an error
+    naming file and row."""
+    columns = TensorColumns(condition={"text_embedding": "prompt_embeds"}, pad={"text_embedding": 6})
+    rows = [{"prompt": "", "text_embedding": torch.arange(1.0, 1 + 5 * n).reshape(n, 5), "latent": torch.zeros(2, 2)}
+            for n in (2, 6, 4, 7)]
+    write_rows(tmp_path / "text", rows, rows_per_file=2)
+    table = rows_of([tmp_path / "text"], columns)
+    processor = TensorRowProcessor(table, columns)
+    batch = TensorRowCollator().collate([processor.process(i) for i in range(3)])
+    embeds = batch["condition"]["prompt_embeds"]
+    assert embeds.shape == (3, 6, 5)
+    for k, n in enumerate((2, 6, 4)):
+        assert torch.equal(embeds[k, :n], rows[k]["text_embedding"]) and not embeds[k, n:].any()
+    with pytest.raises(DatasetError, match=r"data_chunk_1.parquet: row group 1, row 0: text_embedding: 7 entries on "
+                                           r"axis 0, more than the pad length 6"):
+        processor.process(3)
+    with pytest.raises(ValueError, match="TensorColumns.pad"):
+        TensorColumns(condition=("a",), pad={"latent": 4})
