@@ -37,15 +37,20 @@ if TYPE_CHECKING:
     from ff_core.data.records import Record
     from ff_core.data.tensor_rows import TensorColumns
 
-USAGE = ("usage: ff data preprocess-latents --config recipe.yaml --output ROOT [--overwrite] [--rows-per-file N] "
+USAGE = ("ff data preprocess-latents --config recipe.yaml --output ROOT [--overwrite] [--rows-per-file N] "
          "[--dtype keep|float32|bfloat16|float16] [--compression CODEC] [--seed N] [--section.key value ...]")
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCALARS = ("prompt", "source")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ff data preprocess-latents", usage=USAGE, add_help=False,
-                                     allow_abbrev=False)  # the rest of the command line is LightningCLI's
+    parser = argparse.ArgumentParser(
+        # allow_abbrev off: the arguments it does not know are LightningCLI's (--data.seed is not --seed)
+        prog="ff data preprocess-latents", usage=USAGE, add_help=False, allow_abbrev=False,
+        description="Write a recipe's training split as tensor-parquet shards: per record the condition "
+                    "adapter.preprocess returns and the clean latents adapter.encode_output returns "
+                    "(docs/datasets.md, \"ff data preprocess-latents\"). Every other argument is the recipe's, as for "
+                    "ff fit (--config, --data.*, --model.*).")
     parser.add_argument("--output", required=True, help="the shard root to create (must be absent or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     parser.add_argument("--rows-per-file", type=int, default=64, help="rows per parquet file (default 64)")
@@ -67,7 +72,7 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     """
     out = out or sys.stdout
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=out)
+        print(_parser().format_help() if argv else f"usage: {USAGE}", file=out)
         return EXIT_OK if argv else EXIT_INVALID
     try:
         args, rest = _parser().parse_known_args(list(argv))
