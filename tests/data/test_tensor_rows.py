@@ -317,3 +317,49 @@ def test_stripped_text_embeddings_are_zero_padded_to_the_declared_length(tmp_pat
         processor.process(3)
     with pytest.raises(ValueError, match="TensorColumns.pad"):
         TensorColumns(condition=("a",), pad={"latent": 4})
+
+
+def sd3_row(i: int, negative: bool) -> dict:
+    row = {"prompt": f"p{i}", "prompt_embeds": torch.full((3, 4), float(i)), "pooled_prompt_embeds": torch.zeros(8),
+           "latent": torch.zeros(2, 4, 4)}
+    if negative:
+        row |= {"negative_prompt_embeds": torch.ones(3, 4), "negative_pooled_prompt_embeds": torch.ones(8)}
+    return row
+
+
+def test_optional_columns_are_read_only_when_every_root_has_them(tmp_path):
+    """SD3's negative-prompt embeddings are optional: read when all roots store them, else from none (one batch never
+    mixes rows with and without them)."""
+    from ff_sd3.adapter import SD3Adapter
+
+    write_rows(tmp_path / "neg", [sd3_row(i, True) for i in range(2)])
+    write_rows(tmp_path / "plain", [sd3_row(i, False) for i in range(2)])
+
+    def read(*names):
+        configs = [DatasetConfig(name=n, tensor_parquet_dir=str(tmp_path / n)) for n in names]
+        return [set(s.dataset.tensor_names) for s in open_shards(configs, SD3Adapter.tensor_columns, "sd3-5")]
+
+    required = {"prompt_embeds", "pooled_prompt_embeds", "latent"}
+    assert read("neg") == [required | {"negative_prompt_embeds", "negative_pooled_prompt_embeds"}]
+    assert read("neg", "plain") == [required, required]
+
+
+def test_setup_warns_when_row_groups_hold_many_rows_and_no_window_is_set(tmp_path, caplog):
+    import pyarrow.parquet as pq
+
+    write_rows(tmp_path / "ff", [sd3_row(i, False) for i in range(4)])
+    table = pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "ff").rglob("*.parquet"))])
+    (tmp_path / "ref" / "w").mkdir(parents=True)
+    pq.write_table(table, tmp_path / "ref" / "w" / "data_chunk_0.parquet", row_group_size=4)
+
+    def warnings(root, **kw):
+        caplog.clear()
+        FlowDataModule([{"name": "s", "tensor_parquet_dir": str(root)}], adapter="sd3-5", **kw).setup("fit")
+        return [r.getMessage() for r in caplog.records if "row_group_window" in r.getMessage()]
+
+    assert warnings(tmp_path / "ff") == []  # ff's layout: one row per group
+    assert warnings(tmp_path / "ref") == [
+        "data.datasets: tensor-parquet row groups hold up to 4 rows and Parquet decodes whole groups: a uniformly "
+        "shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) to shuffle groups, then rows "
+        "within windows of groups"]
+    assert warnings(tmp_path / "ref", row_group_window=2) == []
