@@ -23,8 +23,8 @@ rounds (each from a freshly opened dataset; the machine may be shared):
   returns memory it owns; ``pread``: reading each row's byte range of a file into a reused buffer (kernel copy from
   the page cache).
 
-``DataLoader``: ff with 2 workers (``batch_size=None``; tensors cross to the main process in shared memory), with the
-time each row's read took inside its worker beside the main process's.
+``DataLoader``: ff with 1 and 2 workers (``batch_size=None``; tensors cross to the main process in shared memory),
+with the time each row's read took inside its worker beside the main process's.
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).
@@ -199,9 +199,10 @@ class TimedReads(torch.utils.data.Dataset):
         return {"read_s": time.perf_counter() - start, **row}
 
 
-def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float) -> dict:
-    """Rows delivered by a 2-worker DataLoader, and the per-row read time inside the workers."""
-    loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=2,
+def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float,
+                workers: int = 2) -> dict:
+    """Rows delivered by a DataLoader with ``workers`` workers, and the per-row read time inside the workers."""
+    loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=workers,
                                          prefetch_factor=2, persistent_workers=False)
     it = iter(loader)
     next(it)  # workers started and primed: measure the steady state
@@ -271,15 +272,16 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(f"| - | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-    print("\n| layout, order | DataLoader 2 workers: rows/s | GB/s | ms/row delivered | ms/row read in a worker "
-          "| main process: ms/row read |\n|---|---|---|---|---|---|")
-    for layout, two_level in (("ff", False), ("reference", True)):
+    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered | ms/row read in a worker "
+          "| main process: ms/row read |\n|---|---|---|---|---|---|---|")
+    for layout, two_level, workers in (("ff", False, 1), ("ff", False, 2), ("reference", True, 2)):
         ds = TensorParquetDataset(work / layout, cached_groups=4)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
         main = results[f"{layout}/ff two-level" if two_level else f"{layout}/ff"]
-        r = results[f"{layout}/loader"] = best_of(ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes))
-        print(f"| {layout}, {'two-level' if two_level else 'random'} | {r['rows_s']:.1f} | {r['gb_s']:.2f} "
-              f"| {r['ms_row']:.2f} | {r['worker_ms_row']:.2f} | {main['ms_row']:.2f} |")
+        r = results[f"{layout}/loader{workers}"] = best_of(
+            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers))
+        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {r['rows_s']:.1f} | "
+              f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['worker_ms_row']:.2f} | {main['ms_row']:.2f} |")
     if not quick:
         print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
         for root in (work / "ff" / "shard000", work / "ff"):

@@ -328,3 +328,22 @@ def test_resident_set_stays_flat(tmp_path):
     for i in range(24):
         assert float(ds[i]["x"][0, 0]) == i
     assert _rss_file_kib() - before < 4 * 1024
+
+
+def test_discovery_order_and_hidden_files(tmp_path):
+    for n in (10, 2, 1):
+        _one_file(tmp_path, [{"id": str(n), **encode_tensor(torch.ones(1), "x")}])
+        os.replace(tmp_path / "part" / "f.parquet", tmp_path / "part" / f"data_chunk_{n}.parquet")
+    (tmp_path / "part" / ".data_chunk_3.parquet.1234.tmp").write_bytes(b"half a file")  # a writer's temporary
+    (tmp_path / "part" / ".data_chunk_4.parquet").write_bytes(b"hidden")
+    ds = TensorParquetDataset(tmp_path)
+    assert [ds[i]["id"] for i in range(len(ds))] == ["1", "2", "10"]  # natural order, hidden files skipped
+
+
+def test_a_damaged_index_cache_is_rebuilt(tmp_path):
+    write_card_layout(tmp_path, [2], workers=1)
+    TensorParquetDataset(tmp_path)
+    (tmp_path / ".ff_tensor_parquet_index.json").write_text("{not json")
+    ds = TensorParquetDataset(tmp_path)
+    assert not ds.index_cached and len(ds) == 2
+    assert TensorParquetDataset(tmp_path).index_cached

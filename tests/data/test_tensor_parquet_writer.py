@@ -70,3 +70,12 @@ def test_rows_that_do_not_fit(tmp_path):
     w.abort()
     with pytest.raises(ValueError, match="schema: y_shape: tensor 'y' has y_bytes but no y_shape column"):
         TensorParquetWriter(tmp_path, pa.schema([pa.field("y_bytes", pa.binary()), pa.field("y_dtype", pa.string())]))
+
+
+def test_a_chunk_that_appears_meanwhile_is_not_replaced(tmp_path):
+    w = TensorParquetWriter(tmp_path, SCHEMA, rows_per_file=1)
+    (tmp_path / "worker_0").mkdir()
+    (tmp_path / "worker_0" / "data_chunk_0.parquet").write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError, match="data_chunk_0.parquet: appeared while writing; not replaced"):
+        w.write(rows(1)[0])
+    assert (tmp_path / "worker_0" / "data_chunk_0.parquet").read_bytes() == b"someone else's"

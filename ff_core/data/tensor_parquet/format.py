@@ -49,9 +49,8 @@ def encode_tensor(t: torch.Tensor, name: str | None = None) -> dict[str, Any]:
         raise ValueError(f"{name or 'tensor'}: dtype {t.dtype} cannot be stored; use one of {sorted(TENSOR_DTYPES)}")
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().tobytes()  # view(uint8) also covers bfloat16, which numpy lacks
-    prefix = name or ""
-    return {f"{prefix}{BYTES}".lstrip("_"): data, f"{prefix}{SHAPE}".lstrip("_"): list(t.shape),
-            f"{prefix}{DTYPE}".lstrip("_"): _DTYPE_NAMES[t.dtype]}
+    keys = (name + BYTES, name + SHAPE, name + DTYPE) if name else ("bytes", "shape", "dtype")
+    return dict(zip(keys, (data, list(t.shape), _DTYPE_NAMES[t.dtype])))
 
 
 def tensor_problem(data_len: int | None, shape: Sequence[int] | None, dtype: str | None) -> tuple[str, str] | None:

@@ -173,7 +173,7 @@ def _footer_figures(report: TensorParquetReport, index: RowIndex) -> None:
 def _file_rows(path: Path, tensors: list[str], report: TensorParquetReport, errors: list[DatasetError],
                check_bytes: bool, first_row: int):
     """Check each row of one file; yield each row's tensor payload bytes."""
-    pf = pq.ParquetFile(path, memory_map=True)
+    pf = pq.ParquetFile(path)  # read, not mapped: --check-media reads every byte, which must not stay resident
     small = pf.read(columns=[t + s for t in tensors for s in (SHAPE, DTYPE)], use_threads=False)
     shapes = {t: small.column(t + SHAPE).to_pylist() for t in tensors}
     dtypes = {t: small.column(t + DTYPE).to_pylist() for t in tensors}

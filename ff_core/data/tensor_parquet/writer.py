@@ -130,8 +130,15 @@ class TensorParquetWriter:
         with open(self._tmp, "rb") as f:
             os.fsync(f.fileno())
         final = self.folder / f"data_chunk_{len(self.paths)}.parquet"
-        os.link(self._tmp, final)  # unlike rename, fails rather than replace a file that appeared meanwhile
-        self._tmp.unlink()
+        try:
+            os.link(self._tmp, final)  # unlike rename, fails rather than replace a file that appeared meanwhile
+            self._tmp.unlink()
+        except FileExistsError:
+            raise FileExistsError(f"{final}: appeared while writing; not replaced (kept {self._tmp})") from None
+        except OSError:  # a filesystem without hard links: check, then rename (a narrow race, but still atomic)
+            if final.exists():
+                raise FileExistsError(f"{final}: appeared while writing; not replaced (kept {self._tmp})") from None
+            os.replace(self._tmp, final)
         self._tmp = None
         self.paths.append(final)
         self._rows_in_file = 0
