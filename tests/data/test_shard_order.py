@@ -119,3 +119,21 @@ def test_row_group_window_is_checked():
         FlowDataModule(roots, row_group_window=0)
     with pytest.raises(ValueError, match="row_group_window must be an integer >= 1"):
         GroupedMapDistributor(TensorRows([list(range(3))]), window=True)
+
+
+def test_the_shard_order_benchmark_runs(monkeypatch, capsys):
+    """benchmarks/bench_shard_order.py on a few tiny rows: both orders serve the epoch; the grouped one decodes each
+    of its 4 groups once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_shard_order.py"
+    spec = importlib.util.spec_from_file_location("bench_shard_order", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["bench", "--rows", "32", "--group-rows", "8", "--row-mb", "0.01", "--window",
+                                      "2"])
+    bench.main()
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `row_group_window")]
+    assert table and table[0].split("|")[3].strip() == "4"
