@@ -77,3 +77,22 @@ def trained_sd3(tmp_path_factory, shapes_dirs):
 
     return build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3-vae"), num_layers=2,
                           vae_train_dir=shapes_dirs[0] / "images", vae_steps=100)
+
+
+@pytest.fixture(scope="session")
+def shapes_latents_dir(tmp_path_factory, tiny_sd3, shapes_dir):
+    """The shapes training split as tensor-parquet shards of ``tiny_sd3`` (fp32 text embeddings and VAE latents at
+    resolution 32, 10 rows per file), written by ``ff data preprocess-latents``."""
+    import json
+    from pathlib import Path
+
+    from ff_core.cli import main
+
+    out = tmp_path_factory.mktemp("shapes_latents") / "shards"
+    recipe = Path(__file__).parent / "configs" / "sd3" / "sft_tiny.yaml"
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
+    status = main(["data", "preprocess-latents", "--output", str(out), "--rows-per-file", "10", "--no-progress",
+                   "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
+                   "--data.datasets", datasets])
+    assert status == 0
+    return out

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.tensor_rows import TensorColumns
 from ff_core.objectives.flow_matching import euler_step, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
@@ -102,6 +103,9 @@ class Adapter(nn.Module):
             condition-only image encoder). Once every condition is in the Arrow cache, ``FlowModule`` releases them
             (:meth:`release_preprocessing`) before the strategy places the model, so they never occupy the
             accelerator for training. A module the other stages use (the VAE that encodes targets) is not one.
+        tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
+            latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
+            from shards. Read without weights, so a dataset is checked before the model loads.
     """
 
     name: ClassVar[str]
@@ -110,6 +114,7 @@ class Adapter(nn.Module):
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ()
+    tensor_columns: ClassVar[TensorColumns | None] = None
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
 
@@ -234,6 +239,18 @@ class Adapter(nn.Module):
                 Training passes one seeded per rank and micro-batch, so ranks differ and resumed runs repeat.
         """
         raise NotImplementedError
+
+    def stored_latents(self, latents: dict[str, Tensor], condition: Condition) -> LatentState:
+        """Clean latents read from tensor-parquet rows (collated, on the CPU, in their stored dtype) as
+        :meth:`encode_output` would return them: on the denoiser's device, in its dtype, in :attr:`tensor_columns`
+        order. Override it to add the masks ``encode_output`` sets (a pinned first-frame latent, say).
+
+        Args:
+            latents: component name -> (B, ...) tensor, from ``batch["latents"]``.
+            condition: the batch's prepared condition.
+        """
+        param = next(self.denoiser.parameters())
+        return LatentState({k: v.to(device=param.device, dtype=param.dtype) for k, v in latents.items()})
 
     def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
         """Predict the flow velocity ``eps - x0`` at noise level ``sigma`` (shape (B,), in [0, 1])."""

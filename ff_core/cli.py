@@ -41,8 +41,10 @@ def usage() -> str:
     width = max(len(name) for name, _ in rows) + 2
     return "\n".join([
         "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]",
-        "       ff data {" + ",".join(k for k in DATA_COMMANDS if k != "preprocess") + "} DATASET_DIR [options]",
+        "       ff data {" + ",".join(k for k in DATA_COMMANDS if not k.startswith("preprocess")) + "} DATASET_DIR "
+        "[options]",
         "       ff data preprocess --config recipe.yaml [--section.key value ...]",
+        "       ff data preprocess-latents --config recipe.yaml --output ROOT [--section.key value ...]",
         "       ff plugins",
         "",
         "ff post-trains flow-matching models on PyTorch Lightning. A recipe is one YAML with model: (FlowModule:",

@@ -23,13 +23,16 @@ def test_help_describes_ff_and_lists_every_subcommand(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]"
-    assert lines[1:4] == ["       ff data {validate,inspect} DATASET_DIR [options]",
+    assert lines[1:5] == ["       ff data {validate,inspect} DATASET_DIR [options]",
                           "       ff data preprocess --config recipe.yaml [--section.key value ...]",
+                          "       ff data preprocess-latents --config recipe.yaml --output ROOT "
+                          "[--section.key value ...]",
                           "       ff plugins"]
-    assert lines[5].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
+    assert lines[6].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
     block = lines[lines.index("commands:") + 1 : lines.index("", lines.index("commands:"))]
     assert [line[2:].split("  ")[0] for line in block] == [
-        "fit", "validate", "test", "predict", "data validate", "data inspect", "data preprocess", "plugins"]
+        "fit", "validate", "test", "predict", "data validate", "data inspect", "data preprocess",
+        "data preprocess-latents", "plugins"]
     assert lines[-1] == "`ff COMMAND --help` shows a command's options (`ff fit --help` lists every config key)."
     assert main(["-h"]) == 0 and capsys.readouterr().out == out
 

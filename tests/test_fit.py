@@ -340,7 +340,11 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.relative_to(REPO / 'configs')}")
     trainer_type = recipe_trainer_type(recipe)
     data_dir = request.getfixturevalue({"sft": "shapes_dir", "offline-dpo": "shapes_dpo_dir"}[trainer_type])
-    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(data_dir), "eval": {}}])
+    datasets = [{"name": "shapes", "dataset_dir": str(data_dir), "eval": {}}]
+    if "tensor_parquet_dir" in recipe.read_text():  # trains from shards; evaluates on the folder's prompts
+        shards = request.getfixturevalue("shapes_latents_dir")
+        datasets = [{"name": "latents", "tensor_parquet_dir": str(shards)}, {**datasets[0], "train": None}]
+    datasets = json.dumps(datasets)
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
         "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path)])

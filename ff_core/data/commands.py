@@ -52,6 +52,8 @@ DATA_COMMANDS = {
     "validate": "check a dataset folder (optionally against an adapter); exit 2 listing every problem",
     "inspect": "describe a dataset folder: rows, formats, metadata, media per role, sizes/durations/rates",
     "preprocess": "build a recipe's condition caches ahead of training: ff data preprocess --config recipe.yaml",
+    "preprocess-latents": "write a recipe's training split as tensor-parquet shards (conditions + clean latents): "
+                          "ff data preprocess-latents --config recipe.yaml --output ROOT",
 }
 
 
@@ -114,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     _dataset_arguments(i)
     i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
     sub.add_parser("preprocess", help=DATA_COMMANDS["preprocess"])
+    sub.add_parser("preprocess-latents", help=DATA_COMMANDS["preprocess-latents"])
     return parser
 
 
@@ -139,6 +142,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         from ff_core.data.preprocess import main as preprocess
 
         return preprocess(argv[1:], out)
+    if list(argv[:1]) == ["preprocess-latents"]:  # its own flags, then a LightningCLI command line
+        from ff_core.data.preprocess_latents import main as preprocess_latents
+
+        return preprocess_latents(argv[1:], out)
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage
@@ -277,6 +284,11 @@ def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
     """``inspect`` / ``validate`` of a tensor-parquet root: the report, or every problem and exit status 2."""
     schema = CARD_SCHEMAS[args.schema] if getattr(args, "schema", None) else None
     report, errors = inspect_tensor_parquet(args.dataset_dir, schema, getattr(args, "check_media", False))
+    if getattr(args, "model", None) and not errors:  # the columns the adapter trains from (docs/plugins.md)
+        found = _model_columns(args.model, args.dataset_dir, out)
+        if isinstance(found, int):
+            return found
+        errors += found
     if getattr(args, "json", False):
         print(json.dumps({**report.to_json(), "errors": [_error_json(e) for e in errors]}, indent=2), file=out)
     elif command == "inspect" or not errors:
@@ -286,6 +298,23 @@ def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
     if errors and not getattr(args, "json", False):
         _print_problems(command, errors, args.dataset_dir, out)
     return EXIT_INVALID if errors else EXIT_OK
+
+
+def _model_columns(model: str, root: str, out: TextIO) -> list[DatasetError] | int:
+    """``validate --model`` on a tensor-parquet root: the tensor columns the adapter trains from that it lacks."""
+    from ff_core.data.tensor_parquet import TensorParquetDataset
+    from ff_core.data.tensor_rows import column_problems
+    from ff_core.plugins import get_adapter_class
+
+    try:
+        cls = get_adapter_class(model)
+    except KeyError as exc:
+        print(f"ff data validate: --model: {exc.args[0]}", file=out)
+        return EXIT_INVALID
+    if cls.tensor_columns is None:
+        return [DatasetError(root, None, None, f"adapter {cls.name!r} declares no tensor_columns: it cannot train "
+                             "from tensor-parquet shards")]
+    return column_problems(TensorParquetDataset(root), cls.tensor_columns, cls.name)
 
 
 def _print_problems(command: str, problems: list[DatasetError], dataset_dir: str, out: TextIO,

@@ -46,6 +46,7 @@ from ff_core.data.processors import (
     process_and_collate,
 )
 from ff_core.data.records import Record
+from ff_core.data.shard_order import GroupedMapDistributor, GroupedSamplerDistributor
 from ff_core.data.sources import (
     OFFLINE_TRAINERS,
     DatasetConfig,
@@ -55,8 +56,16 @@ from ff_core.data.sources import (
     load_split,
     split_file,
 )
+from ff_core.data.tensor_rows import (
+    ShardSource,
+    TensorColumns,
+    TensorRowCollator,
+    TensorRowProcessor,
+    TensorRows,
+    open_shards,
+)
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
-from ff_core.errors import DatasetErrors
+from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.plugins import get_adapter_class
 
 log = logging.getLogger(__name__)
@@ -105,6 +114,10 @@ class FlowDataModule(L.LightningDataModule):
             loads in the main process.
         seed: shuffling seed (epoch ``e``'s order depends only on ``(seed, e)``; in the resume fingerprint).
         shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
+        row_group_window: tensor-parquet shards only: shuffle at two levels, the order of row groups and then the
+            rows within each window of this many groups, keeping this many decoded groups per reader
+            (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
+            decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
     """
@@ -123,6 +136,7 @@ class FlowDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        row_group_window: int | None = None,
         adapter: str | None = None,
         trainer_type: TrainerType = "sft",
     ) -> None:
@@ -137,6 +151,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
         if preprocess_parallelism not in ("local", "global"):
             raise ValueError(f"data.preprocess_parallelism must be 'local' or 'global', got {preprocess_parallelism!r}")
+        if row_group_window is not None and (isinstance(row_group_window, bool) or row_group_window < 1):
+            raise ValueError(f"data.row_group_window must be an integer >= 1 or null, got {row_group_window!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
@@ -151,10 +167,15 @@ class FlowDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.shuffle = shuffle
+        self.row_group_window = row_group_window
         self.adapter_name = adapter
         self.trainer_type = trainer_type
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
+        self.train_rows: TensorRows | None = None
+        """Training rows of tensor-parquet shards (``tensor_parquet_dir`` entries), once :meth:`setup` opened them."""
+        self.shard_sources: list[ShardSource] = []
+        self.tensor_columns: TensorColumns | None = None
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
         self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
@@ -171,13 +192,15 @@ class FlowDataModule(L.LightningDataModule):
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.train_records or self.eval_records:
+        if self.train_records or self.eval_records or self.train_rows is not None:
             return
         errors = []
         for cfg in self.datasets:
             missing = folder_error(cfg)
             if missing is not None:  # once per dataset, not once per split
                 errors.append(missing)
+                continue
+            if cfg.is_tensor_parquet:  # training rows already preprocessed: opened below, against the adapter
                 continue
             for split, enabled in (("train", cfg.train is not None), ("test", cfg.eval is not None)):
                 if not enabled:
@@ -191,6 +214,11 @@ class FlowDataModule(L.LightningDataModule):
                 if records:
                     self._sources[split].append(ConditionSource(cfg.name, split, cfg.root, split_file(cfg, split),
                                                                 records))  # fmt: skip
+        if not errors:
+            try:
+                self._open_shards()
+            except DatasetErrors as exc:
+                errors.extend(exc.errors)
         if errors:
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
@@ -210,9 +238,39 @@ class FlowDataModule(L.LightningDataModule):
                     source.records = records[start : start + len(source.records)]
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
-        if stage == "fit" and not self.train_records:
+        train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
+        if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
-        log.info("data: %d training rows, %d evaluation rows", len(self.train_records), len(self.eval_records))
+        log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    @property
+    def _supervision(self) -> str:
+        """What training rows supervise: ``preference`` pairs for offline DPO, else ``demonstration`` targets."""
+        return "preference" if self.trainer_type == "offline-dpo" else "demonstration"
+
+    def _open_shards(self) -> None:
+        """Open the tensor-parquet training entries, checked against the adapter's ``tensor_columns`` from the files'
+        footers (before weights load); :attr:`train_rows` serves their rows."""
+        configs = [cfg for cfg in self.datasets if cfg.is_tensor_parquet and cfg.train is not None]
+        if not configs:
+            return
+        key = f"data.datasets[{self.datasets.index(configs[0])}].tensor_parquet_dir"
+        if self.adapter_name is None:
+            raise ConfigError(key, "the adapter's columns are unknown (set model.adapter, which links data.adapter)")
+        cls = get_adapter_class(self.adapter_name)
+        if cls.tensor_columns is None:
+            raise ConfigError(key, f"adapter {cls.name!r} declares no tensor_columns, so it cannot train from "
+                                   "tensor-parquet shards")
+        window = self.row_group_window
+        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0),
+                                         supervision=self._supervision)
+        self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
+        self.tensor_columns = cls.tensor_columns
+        largest = self.train_rows.max_group_rows()
+        if window is None and largest > 1 and self.shuffle:
+            log.warning("data.datasets: tensor-parquet row groups hold up to %d rows and Parquet decodes whole groups: "
+                        "a uniformly shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) "
+                        "to shuffle groups, then rows within windows of groups", largest)
 
     # -- after weights: conditions and loaders -----------------------------------------------------------
     def _adapter(self) -> Adapter:
@@ -296,11 +354,22 @@ class FlowDataModule(L.LightningDataModule):
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
             distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
+            options = {"shuffle": self.shuffle, "seed": self.seed, "name": "train", "identity": self.train_identity()}
+            if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
+                processor = TensorRowProcessor(self.train_rows, self.tensor_columns, supervision=self._supervision)
+                collator = TensorRowCollator()
+                if self.row_group_window is not None:  # two-level order (ff_core.data.shard_order)
+                    grouped = GroupedSamplerDistributor if distributor is SamplerDistributor else GroupedMapDistributor
+                    source = grouped(self.train_rows, self.row_group_window, **options)
+                else:
+                    source = distributor(self.train_rows, **options)
+            else:
+                source = distributor(self._conditioned("train", self.train_records), **options)
+                processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
             self._train_loader = EpochAlignedLoader(
-                distributor(self._conditioned("train", self.train_records), shuffle=self.shuffle, seed=self.seed,
-                            name="train", identity=self.train_identity()),
-                RecordProcessor(self._adapter().output_geometry()),
-                collator=SampleCollator(),
+                source,
+                processor,
+                collator=collator,
                 batch_size=self.per_device_batch_size,
                 num_workers=self.num_workers,
                 coords=DataParallelCoords.from_trainer(self.trainer),
@@ -316,6 +385,8 @@ class FlowDataModule(L.LightningDataModule):
         the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
         used by exact-resume checks").
         """
+        if self.train_rows is not None:  # shards: their files' paths, sizes and mtimes (not their data pages)
+            return {source.name: source.identity for source in self.shard_sources}
         return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}
 

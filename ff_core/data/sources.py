@@ -56,11 +56,16 @@ class SplitConfig:
 
 @dataclass
 class DatasetConfig:
-    """One entry of ``data.datasets``.
+    """One entry of ``data.datasets``: a dataset folder (``dataset_dir``) or tensor-parquet shards
+    (``tensor_parquet_dir``), exactly one of them.
 
     Attributes:
         name: a name for logs and mixing.
         dataset_dir: the dataset folder (``~`` expanded); V2 and Ref2VA reference paths resolve against it.
+        tensor_parquet_dir: the root of preprocessed tensor-parquet shards (every ``*.parquet`` below it; spec
+            tensor-parquet-dataset-card): rows holding the adapter's conditions and clean latents
+            (``Adapter.tensor_columns``), trained from without text encoders or VAE encodes (SFT and offline DPO;
+            no ``eval`` split: evaluation prompts come from a dataset folder entry).
         image_dir: root of legacy ``image``/``images`` paths (default ``{dataset_dir}/images``).
         video_dir: root of legacy ``video``/``videos`` paths (default ``{dataset_dir}/videos``).
         audio_dir: root of legacy ``audio``/``audios`` paths (default ``{dataset_dir}/audios``).
@@ -69,7 +74,8 @@ class DatasetConfig:
     """
 
     name: str
-    dataset_dir: str
+    dataset_dir: str | None = None
+    tensor_parquet_dir: str | None = None
     image_dir: str | None = None
     video_dir: str | None = None
     audio_dir: str | None = None
@@ -77,7 +83,11 @@ class DatasetConfig:
     eval: SplitConfig | None = None
 
     def __post_init__(self) -> None:
-        for key in ("name", "dataset_dir"):
+        if (self.dataset_dir is None) == (self.tensor_parquet_dir is None):
+            raise ValueError("set exactly one of dataset_dir (a dataset folder) and tensor_parquet_dir (tensor-parquet "
+                             f"shards), found dataset_dir={self.dataset_dir!r}, "
+                             f"tensor_parquet_dir={self.tensor_parquet_dir!r}")
+        for key in ("name", "dataset_dir" if self.dataset_dir is not None else "tensor_parquet_dir"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{key} must be a non-empty string, got {value!r}")
@@ -91,9 +101,15 @@ class DatasetConfig:
                     raise ValueError(f"{key}: {exc}") from None
 
     @property
+    def is_tensor_parquet(self) -> bool:
+        """Whether this entry is tensor-parquet shards (``tensor_parquet_dir``) rather than a dataset folder."""
+        return self.tensor_parquet_dir is not None
+
+    @property
     def root(self) -> Path:
-        """``dataset_dir``, ``~`` expanded and normalised (``a/../b`` -> ``b``), so messages name files one way."""
-        return _normalised(self.dataset_dir)
+        """``dataset_dir`` (or ``tensor_parquet_dir``), ``~`` expanded and normalised (``a/../b`` -> ``b``), so
+        messages name files one way."""
+        return _normalised(self.tensor_parquet_dir if self.is_tensor_parquet else self.dataset_dir)
 
     def media_dir(self, mtype: MediaType | str) -> Path:
         """The root of relative ordinary media paths of one type (spec: ``image_dir`` and friends)."""
@@ -114,9 +130,25 @@ def check_dataset_configs(datasets: Sequence[DatasetConfig], trainer_type: Train
     """Cross-entry rules of ``data.datasets``, naming the key the user wrote.
 
     Spec: "Each offline source must use train.weight: 1; replacement weighting would make full traversal
-    stop meaning one data epoch". Names must be unique (they label logs and caches).
+    stop meaning one data epoch". Names must be unique (they label logs and caches). Tensor-parquet shards train
+    the offline trainers only, have no evaluation split and no media folders, and do not mix with dataset folders in
+    training (their batches carry stored latents, a folder's decoded media).
     """
-    problems = []
+    problems = [] if trainer_type in OFFLINE_TRAINERS else [
+        f"data.datasets[{i}].tensor_parquet_dir: tensor-parquet shards train the offline trainers (sft, offline-dpo), "
+        f"not {trainer_type!r}" for i, cfg in enumerate(datasets) if cfg.is_tensor_parquet and cfg.train is not None]
+    for i, cfg in enumerate(datasets):
+        if not cfg.is_tensor_parquet:
+            continue
+        if cfg.eval is not None:
+            problems.append(f"data.datasets[{i}].eval: tensor-parquet shards hold no evaluation prompts; evaluate on a "
+                            "dataset folder entry (dataset_dir with eval: {}, train: null)")
+        problems += [f"data.datasets[{i}].{key}: only dataset folders (dataset_dir) have media folders"
+                     for key in ("image_dir", "video_dir", "audio_dir") if getattr(cfg, key) is not None]
+    kinds = {cfg.is_tensor_parquet for cfg in datasets if cfg.train is not None}
+    if len(kinds) > 1:
+        problems.append("data.datasets: training mixes tensor-parquet shards with dataset folders; train from one kind "
+                        "(convert folders with `ff data preprocess-latents`)")
     seen: dict[str, int] = {}
     for i, cfg in enumerate(datasets):
         if cfg.name in seen:
@@ -137,7 +169,8 @@ def folder_error(cfg: DatasetConfig) -> DatasetError | None:
     if cfg.root.is_dir():
         return None
     what = "is not a folder" if cfg.root.exists() else "folder does not exist"
-    return DatasetError(cfg.root, None, "dataset_dir", f"dataset {cfg.name!r}: {what}")
+    key = "tensor_parquet_dir" if cfg.is_tensor_parquet else "dataset_dir"
+    return DatasetError(cfg.root, None, key, f"dataset {cfg.name!r}: {what}")
 
 
 def split_file(cfg: DatasetConfig, split: Split) -> Path | None:

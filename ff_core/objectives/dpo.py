@@ -156,9 +156,13 @@ class DPOObjective(Objective):
         if self.reference is None:
             raise RuntimeError("DPOObjective has no reference model: FlowModule.configure_model builds it; used alone, "
                                "call objective.configure_model(adapter, lora=...) first")  # fmt: skip
+        condition = adapter.prepare_condition(batch["condition"])  # once: both encodes and all four forwards
+        if "chosen_latents" in batch and "rejected_latents" in batch:  # tensor-parquet rows: stored, no VAE runs
+            chosen = adapter.stored_latents(batch["chosen_latents"], condition)
+            rejected = adapter.stored_latents(batch["rejected_latents"], condition)
+            return self.loss(adapter, chosen, rejected, condition, generator)
         if "chosen" not in batch or "rejected" not in batch:
             raise KeyError(f"offline DPO needs preference batches ('chosen', 'rejected'), got keys {sorted(batch)}")
-        condition = adapter.prepare_condition(batch["condition"])  # once: both encodes and all four forwards
         with torch.no_grad():
             chosen = adapter.encode_output(batch["chosen"], condition, generator=child_generator(generator, 1))
             rejected = adapter.encode_output(batch["rejected"], condition, generator=child_generator(generator, 2))

@@ -4,6 +4,11 @@ For a clean latent ``x0`` and noise ``eps``: ``x_sigma = (1 - sigma) x0 + sigma 
 loss = fp32 squared error per sample averaged over elements (Lipman et al. 2023; Esser et al. 2024).
 ``num_train_timesteps`` independent (sigma, eps) draws are averaged inside the microbatch (spec: "Offline
 dataloader and epoch semantics"); it does not change epoch length or gradient accumulation.
+
+Targets are decoded media encoded on the fly (``batch["target"]``), or clean latents stored in tensor-parquet shards
+(``batch["latents"]``, :mod:`ff_core.data.tensor_rows`). Either way the (sigma, eps) draws come from the same
+generator in the same order (the VAE's posterior sample uses a child generator), so a batch whose stored latents
+equal the encoded ones gives the same loss.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ class SFTObjective(Objective):
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
     ) -> LossOutput:
         condition = adapter.prepare_condition(batch["condition"])
-        with torch.no_grad():
-            clean = adapter.encode_output(batch["target"], condition, generator=child_generator(generator, 1))
+        if "latents" in batch:  # rows of tensor-parquet shards: the clean latents are stored, no VAE runs
+            clean = adapter.stored_latents(batch["latents"], condition)
+        else:
+            with torch.no_grad():
+                clean = adapter.encode_output(batch["target"], condition, generator=child_generator(generator, 1))
         return self.loss(adapter, clean, condition, generator)
 
     def loss(

@@ -194,6 +194,29 @@ class AdapterConformance:
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.denoiser.parameters())
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
+    def test_tensor_rows_round_trip(self, adapter, batch):
+        """With ``tensor_columns`` declared: the rows ``ff data preprocess-latents`` writes (``to_row`` of the
+        preprocessed condition and the encoded latents), read back (``from_row``, collated, ``stored_latents``), are
+        the condition and the clean state training would have computed, so SFT from shards equals SFT on the fly."""
+        columns = self.adapter_cls.tensor_columns
+        if columns is None:
+            pytest.skip(f"{self.adapter_cls.__name__} declares no tensor_columns (no training from shards)")
+        conditions = adapter.preprocess([ConditionInput(p) for p in self.prompts])
+        condition = adapter.prepare_condition(default_collate(conditions))
+        clean = adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(0))
+        rows = [columns.to_row(c, {k: v[i].cpu() for k, v in clean.components.items()})
+                for i, c in enumerate(conditions)]
+        assert set(columns.required) <= set(rows[0]), f"rows lack {set(columns.required) - set(rows[0])}"
+        read = [columns.from_row(row) for row in rows]
+        stored_condition = default_collate([c for c, _ in read])
+        for key in stored_condition:
+            torch.testing.assert_close(stored_condition[key], batch["condition"][key], rtol=0, atol=0, msg=key)
+        state = adapter.stored_latents(default_collate([latents for _, latents in read]), condition)
+        assert list(state.components) == list(clean.components)
+        for name, tensor in clean.components.items():
+            torch.testing.assert_close(state.components[name], tensor, rtol=0, atol=0, msg=name)
+        assert state.masks.keys() == clean.masks.keys(), "stored_latents must set the masks encode_output sets"
+
     def test_preprocess_identity_keys_the_cache(self, pretrained):
         """Plain JSON data, the same for two loads of one checkpoint (else no condition cache is ever reused)."""
         identity = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs).preprocess_identity()

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
+from ff_core.data.tensor_rows import TensorColumns
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
@@ -49,6 +50,13 @@ class SD3Adapter(Adapter):
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    # Shards hold preprocess's keys under their own names and the scaled VAE latent; the negative prompt's
+    # embeddings only serve CFG at sampling time, so shards may leave them out.
+    tensor_columns: ClassVar[TensorColumns] = TensorColumns(
+        condition=("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"),
+        latents=("latent",),
+        optional=("negative_prompt_embeds", "negative_pooled_prompt_embeds"),
+    )
 
     def __init__(
         self,
