@@ -361,7 +361,8 @@ class ShardSource:
         name: the entry's name.
         dataset: the reader, opened for the adapter's columns only.
         rows: the rows training serves (its first ones with ``train.max_dataset_size``).
-        identity: ``{"rows", "sha256"}`` for the loader's resume fingerprint (the files' paths, sizes and mtimes).
+        identity: ``{"rows", "sha256"}`` for the loader's resume fingerprint (the files' paths, sizes and row-group
+            sizes, not their times: a copy of the shards on another node resumes alike).
     """
 
     name: str
