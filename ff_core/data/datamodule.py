@@ -36,7 +36,14 @@ from torch.utils.data import DataLoader
 from ff_core.adapter import Adapter
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
-from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
+from ff_core.data.dataflow import (
+    DataflowLoader,
+    DataParallelCoords,
+    GroupedDistributor,
+    MapDistributor,
+    SamplerDistributor,
+    check_grouping,
+)
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
@@ -107,6 +114,10 @@ class FlowDataModule(L.LightningDataModule):
         shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
+        grouping: GRPO's ``(prompts_per_step, group_size)`` (linked from ``model.objective``; not set by hand): every
+            step the ranks share P prompts, each sampled K times, each rank taking ``P * K / W`` of the pairs
+            (:class:`~ff_core.data.dataflow.GroupedDistributor`); ``per_device_batch_size`` is then unused.
+            ``None`` with ``grpo``: ``per_device_batch_size`` prompts per rank, one sample each.
     """
 
     def __init__(
@@ -125,6 +136,7 @@ class FlowDataModule(L.LightningDataModule):
         shuffle: bool = True,
         adapter: str | None = None,
         trainer_type: TrainerType = "sft",
+        grouping: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if not datasets:
@@ -153,6 +165,7 @@ class FlowDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.adapter_name = adapter
         self.trainer_type = trainer_type
+        self.grouping = tuple(grouping) if grouping is not None else None
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
         self._train_loader: DataflowLoader | None = None
@@ -295,20 +308,36 @@ class FlowDataModule(L.LightningDataModule):
         # (``reload_dataloaders_every_n_epochs``) must continue from its position rather than restart the order.
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
-            distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
+            coords = DataParallelCoords.from_trainer(self.trainer)
+            distributor, batch_size = self._train_distributor(coords)
             self._train_loader = EpochAlignedLoader(
-                distributor(self._conditioned("train", self.train_records), shuffle=self.shuffle, seed=self.seed,
-                            name="train", identity=self.train_identity()),
+                distributor,
                 RecordProcessor(self._adapter().output_geometry()),
                 collator=SampleCollator(),
-                batch_size=self.per_device_batch_size,
+                batch_size=batch_size,
                 num_workers=self.num_workers,
-                coords=DataParallelCoords.from_trainer(self.trainer),
+                coords=coords,
                 stamp_key=STAMP_KEY,
             )
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def _train_distributor(self, coords: DataParallelCoords) -> tuple[MapDistributor | SamplerDistributor, int]:
+        """The training distributor and the per-rank batch size: the offline trainers' epoch sampler, GRPO's prompt
+        groups (one step's ``P * K / W`` (prompt, sample) pairs per rank), or a plain shuffled map."""
+        table, common = self._conditioned("train", self.train_records), dict(
+            shuffle=self.shuffle, seed=self.seed, name="train", identity=self.train_identity())
+        if self.trainer_type in OFFLINE_TRAINERS:
+            return SamplerDistributor(table, **common), self.per_device_batch_size
+        if self.trainer_type == "grpo" and self.grouping is not None:
+            prompts, group_size = self.grouping
+            if self.num_workers > 1:  # worker streams interleave whole batches: a step's block would be split
+                raise ValueError(f"data.num_workers={self.num_workers}: GRPO steps hold whole prompt groups, served by "
+                                 "one stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
+            batch_size = check_grouping(prompts, group_size, coords.world_size)
+            return GroupedDistributor(table, group_size, prompts, **common), batch_size
+        return MapDistributor(table, **common), self.per_device_batch_size
 
     def train_identity(self) -> dict[str, dict[str, Any]]:
         """Per dataset, the training rows and the SHA-256 of their content (prompts, metadata, every input and
