@@ -136,6 +136,24 @@ class FlowModule(L.LightningModule):
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
 
+    @property
+    def automatic_optimization(self) -> bool:
+        """Lightning's switch: off for objectives that optimise themselves (GRPO: several optimiser steps per batch).
+        ``trainer.accumulate_grad_batches`` and ``trainer.gradient_clip_val`` are then refused by Lightning; GRPO has
+        its own ``mini_batches`` and ``max_grad_norm``."""
+        return self.objective.automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        if value != self.objective.automatic_optimization:
+            raise ValueError("FlowModule.automatic_optimization follows model.objective; it cannot be set")
+
+    def setup(self, stage: str) -> None:
+        # Before any weight loads: the objective refuses rows it cannot use (a reward's missing metadata field).
+        records = getattr(getattr(self._trainer, "datamodule", None), "train_records", None)
+        if stage == "fit" and records:
+            self.objective.check_records(records)
+
     # -- model -------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.adapter is not None:
@@ -249,8 +267,11 @@ class FlowModule(L.LightningModule):
         return torch.Generator().manual_seed(seed), seed
 
     # -- steps -------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         generator, seed = self.noise_generator(batch_idx)
+        if not self.automatic_optimization:  # the objective runs its own optimiser steps (GRPO)
+            self.objective.training_step(self, batch, generator)
+            return None
         out = self.objective.training_loss(self.adapter, batch, generator)
         bs = len(batch["index"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)

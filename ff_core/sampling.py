@@ -126,8 +126,14 @@ def gaussian_log_density(x_next: Tensor, mean: Tensor, std: float) -> Tensor:
     return -((x_next.float() - mean) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI
 
 
-def _pooled_mean(per_element: dict[str, Tensor], masks: Mapping[str, Tensor]) -> Tensor:
-    """Per sample, the mean over every active element of every component (pooled by count); fp32, shape (B,)."""
+def pooled_element_mean(per_element: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> Tensor:
+    """Per sample, the mean over every active element (mask 1) of every component, pooled by element count; fp32,
+    shape (B,).
+
+    Args:
+        per_element: per component name, values shaped like the component.
+        masks: per component name, its {0, 1} mask (absent: every element active).
+    """
     total = count = None
     for name, values in per_element.items():
         mask = masks.get(name)
@@ -171,7 +177,7 @@ def step_log_prob(
         sigma, sigma_next = _component_sigmas(sigmas, name)
         means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta, sigma_max)
         dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
-    return StepResult(next_state, _pooled_mean(dens, state.masks), means, stds)
+    return StepResult(next_state, pooled_element_mean(dens, state.masks), means, stds)
 
 
 def sde_step(

@@ -195,6 +195,26 @@ def write_preference_dataset(
     return _write_splits(out, lines, prompts)
 
 
+def write_prompt_dataset(out: Path | str, colourless: bool = True) -> Path:
+    """A prompt-only dataset for online RL (GRPO): ``train.txt`` and ``test.txt``, one prompt per line, each holding
+    every (shape, background) prompt: colourless ones ("a circle on a white background", which the demo model draws
+    in a spread of colours: the colour rewards' playground), or with ``colourless=False`` one per palette colour too.
+
+    Args:
+        out: the dataset folder (created).
+        colourless: prompts that name no colour.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if colourless:
+        prompts = [_colourless_prompt(shape, bg) for bg in BACKGROUNDS for shape in SHAPES]
+    else:
+        prompts = [ShapeSpec(c, shape, bg).prompt for c in COLOURS for bg in BACKGROUNDS for shape in SHAPES]
+    for split in ("train", "test"):
+        (out / f"{split}.txt").write_text("\n".join(prompts) + "\n")
+    return out
+
+
 def _colourless_prompt(shape: str, background: str) -> str:
     return f"a {shape} on a {background} background"
 
