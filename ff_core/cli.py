@@ -28,7 +28,7 @@ TRAINER_COMMANDS = {
     "test": "the same as validate, on Lightning's test loop",
     "predict": "write one file per evaluation prompt plus an index (MediaWriter)",
 }
-PLUGINS_HELP = "list installed adapters (distribution, version, IO contract) and plugins that failed to load"
+PLUGINS_HELP = "list installed adapters (distribution, version, IO contract), rewards, and plugins that failed to load"
 _HELP_FLAGS = ("-h", "--help")
 _OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints these and exits
 
@@ -62,7 +62,7 @@ def _print_usage() -> int:
 
 
 def print_plugins(stream: TextIO | None = None) -> int:
-    """``ff plugins``: each adapter with its distribution, version and IO contract; then failures."""
+    """``ff plugins``: each adapter with its distribution, version and IO contract; each reward; then failures."""
     from ff_core.plugins import get_registry
 
     out = stream or sys.stdout
@@ -72,6 +72,8 @@ def print_plugins(stream: TextIO | None = None) -> int:
         print("no adapters installed (install a model plugin such as ff-sd3)", file=out)
     for info in sorted(adapters.values(), key=lambda a: a.name):
         print(f"{info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
+    for info in sorted(registry.rewards().values(), key=lambda r: r.name):
+        print(f"reward {info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
     for failure in registry.failures:
         print(f"FAILED plugin {failure.plugin!r} from {failure.distribution}: {failure.error}", file=out)
     return 0

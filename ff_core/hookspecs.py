@@ -20,6 +20,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
+    from ff_core.rewards import Reward
 
 PROJECT = "ff"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -34,4 +35,18 @@ def ff_adapters() -> list[type[Adapter]]:
     Each class must subclass :class:`ff_core.adapter.Adapter` and set ``name`` and ``io_contract`` as class
     attributes; nothing may load weights here. Results of all plugins are merged; two adapters with the same
     ``name`` from different plugins are a conflict reported by ``ff plugins`` (the first one loaded wins).
+    """
+
+
+@hookspec
+def ff_rewards() -> list[type[Reward]]:
+    """Return the reward classes this plugin provides.
+
+    Called once per process, when the registry is first built, like :func:`ff_adapters`; ff_core's own rewards
+    (``colour``, ``brightness``, ``jpeg_compressibility``, ``audio_loudness``, ``clip_score``) come through this
+    same hook. Each class must subclass :class:`ff_core.rewards.Reward` and set ``name`` (what recipes write in
+    ``rewards: [{name: ...}]``); ``kind`` (``pointwise`` or ``groupwise``), ``required_fields`` (record metadata it
+    reads) and ``media_types`` default to a pointwise image reward reading no metadata. Nothing may load weights
+    here: a reward loads its model in ``__init__``. Two rewards with the same ``name`` are a conflict reported by
+    ``ff plugins`` (the first one loaded wins; ff_core's built-ins load first).
     """

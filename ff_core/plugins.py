@@ -20,9 +20,12 @@ import pluggy
 
 from ff_core import hookspecs
 from ff_core.adapter import Adapter
+from ff_core.rewards.base import GROUPWISE, POINTWISE, Reward
 
 ENTRY_POINT_GROUP = "ff"
 DISABLE_ENV = "FF_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_PLUGIN = "ff-core"
+BUILTIN_DISTRIBUTION = "ff-core"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,22 @@ class AdapterInfo:
 
 
 @dataclass(frozen=True)
+class RewardInfo:
+    """One registered reward and where it came from."""
+
+    name: str
+    cls: type[Reward]
+    distribution: str
+    version: str
+
+    @property
+    def summary(self) -> str:
+        cls = self.cls
+        fields = f"; needs metadata {', '.join(cls.required_fields)}" if cls.required_fields else ""
+        return f"{cls.kind} reward of {'/'.join(cls.media_types)}{fields}"
+
+
+@dataclass(frozen=True)
 class PluginFailure:
     """A plugin that could not be loaded or registered."""
 
@@ -50,7 +69,10 @@ class PluginFailure:
 
 @dataclass
 class PluginRegistry:
-    """Adapters found through entry points (plus dotted paths resolved on demand).
+    """Adapters and rewards found through entry points (plus dotted paths resolved on demand).
+
+    ff_core's built-in rewards (:mod:`ff_core.rewards.builtin`) register first, through the same hook, also when
+    autoload is disabled.
 
     Args:
         entry_points: entry points to load; default: the installed ``ff`` group, or none when
@@ -61,44 +83,76 @@ class PluginRegistry:
     manager: pluggy.PluginManager = field(init=False)
     failures: list[PluginFailure] = field(init=False, default_factory=list)
     _adapters: dict[str, AdapterInfo] = field(init=False, default_factory=dict)
+    _rewards: dict[str, RewardInfo] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
+        self._register(BUILTIN_PLUGIN, BUILTIN_DISTRIBUTION, _core_version(), lambda: importlib.import_module(
+            "ff_core.rewards.builtin"))
         eps = self.entry_points
         if eps is None:
             eps = () if os.environ.get(DISABLE_ENV) else md.entry_points(group=ENTRY_POINT_GROUP)
         for ep in eps:
-            self._load(ep)
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            self._register(ep.name, dist, version, ep.load)
 
-    def _load(self, ep: md.EntryPoint) -> None:
-        dist = ep.dist.name if ep.dist is not None else "?"
-        version = ep.dist.version if ep.dist is not None else "?"
+    def _register(self, name: str, dist: str, version: str, load) -> None:
         try:
-            module = ep.load()
-            self.manager.register(module, name=ep.name)
+            module = load()
+            self.manager.register(module, name=name)
             # Ask this plugin alone, so a faulty hook is blamed on the plugin that has it.
-            hook = self.manager.subset_hook_caller("ff_adapters", remove_plugins=[
-                p for p in self.manager.get_plugins() if p is not module
-            ])
-            classes = [c for result in hook() for c in result]
+            others = [p for p in self.manager.get_plugins() if p is not module]
+            adapters = [c for r in self.manager.subset_hook_caller("ff_adapters", remove_plugins=others)() for c in r]
+            rewards = [c for r in self.manager.subset_hook_caller("ff_rewards", remove_plugins=others)() for c in r]
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported, not raised
-            if self.manager.has_plugin(ep.name):
-                self.manager.unregister(name=ep.name)
-            self.failures.append(PluginFailure(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+            if self.manager.has_plugin(name):
+                self.manager.unregister(name=name)
+            self.failures.append(PluginFailure(name, dist, f"{type(exc).__name__}: {exc}"))
             return
+        self._add_adapters(adapters, name, dist, version)
+        self._add_rewards(rewards, name, dist, version)
+
+    def _add_rewards(self, classes: list[type[Reward]], plugin: str, dist: str, version: str) -> None:
+        for cls in classes:
+            problem = _check_reward_class(cls)
+            if problem is None and cls.name in self._rewards:
+                problem = f"reward name {cls.name!r} is already provided by {self._rewards[cls.name].distribution}"
+            if problem:
+                self.failures.append(PluginFailure(plugin, dist, problem))
+                continue
+            self._rewards[cls.name] = RewardInfo(cls.name, cls, dist, version)
+
+    def _add_adapters(self, classes: list[type[Adapter]], plugin: str, dist: str, version: str) -> None:
         for cls in classes:
             problem = _check_adapter_class(cls)
             if problem is None and cls.name in self._adapters:
                 other = self._adapters[cls.name]
                 problem = f"adapter name {cls.name!r} is already provided by {other.distribution}"
             if problem:
-                self.failures.append(PluginFailure(ep.name, dist, problem))
+                self.failures.append(PluginFailure(plugin, dist, problem))
                 continue
             self._adapters[cls.name] = AdapterInfo(cls.name, cls, dist, version)
 
     def adapters(self) -> dict[str, AdapterInfo]:
         return dict(self._adapters)
+
+    def rewards(self) -> dict[str, RewardInfo]:
+        return dict(self._rewards)
+
+    def reward_class(self, name: str) -> type[Reward]:
+        """Resolve a registered reward name or a dotted path ``pkg.module:Class``; unknown names raise KeyError
+        naming the closest registered reward."""
+        if name in self._rewards:
+            return self._rewards[name].cls
+        if ":" in name or ("." in name and closest_name(name, self._rewards) is None):
+            return load_dotted_reward(name)
+        close = closest_name(name, self._rewards)
+        guess = f"; did you mean {close!r}?" if close else ""
+        known = ", ".join(sorted(self._rewards)) or "none"
+        hint = "".join(f"\n  plugin {f.plugin} ({f.distribution}) failed: {f.error}" for f in self.failures)
+        raise KeyError(f"unknown reward {name!r}{guess} (registered rewards: {known}){hint}")
 
     def adapter_class(self, name: str) -> type[Adapter]:
         """Resolve a registered name, or a dotted path ``pkg.module:Class`` (or ``pkg.module.Class``).
@@ -153,6 +207,28 @@ def load_dotted_adapter(path: str) -> type[Adapter]:
     return cls
 
 
+def load_dotted_reward(path: str) -> type[Reward]:
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise KeyError(f"cannot import reward {path!r}: {exc}") from exc
+    problem = _check_reward_class(cls)
+    if problem:
+        raise KeyError(f"{path!r}: {problem}")
+    return cls
+
+
+def _check_reward_class(cls: object) -> str | None:
+    if not (isinstance(cls, type) and issubclass(cls, Reward)):
+        return f"{cls!r} is not a subclass of ff_core.rewards.Reward"
+    if not isinstance(getattr(cls, "name", None), str):
+        return f"{cls.__name__} does not set the class attribute 'name'"
+    if cls.kind not in (POINTWISE, GROUPWISE):
+        return f"{cls.__name__}.kind must be {POINTWISE!r} or {GROUPWISE!r}, got {cls.kind!r}"
+    return None
+
+
 def _check_adapter_class(cls: object) -> str | None:
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
         return f"{cls!r} is not a subclass of ff_core.adapter.Adapter"
@@ -170,3 +246,14 @@ def get_registry() -> PluginRegistry:
 
 def get_adapter_class(name: str) -> type[Adapter]:
     return get_registry().adapter_class(name)
+
+
+def get_reward_class(name: str) -> type[Reward]:
+    return get_registry().reward_class(name)
+
+
+def _core_version() -> str:
+    try:
+        return md.version(BUILTIN_DISTRIBUTION)
+    except md.PackageNotFoundError:
+        return "?"

@@ -1,0 +1,326 @@
+"""The reward interface: a reward scores decoded media (and prompts, and each row's metadata) as one float each.
+
+Rewards are what online objectives (Flow-GRPO) optimise and what evaluation reports (``val/reward/<name>``). A
+reward is **pointwise** (each sample scored alone: colour, aesthetics, CLIP score) or **groupwise** (a sample's score
+depends on the other samples of its group, the samples of one prompt: a pairwise preference model, a rank). Under
+data parallelism pointwise rewards run on each rank; groupwise ones only after the group is gathered onto one rank,
+which is why :class:`Rewards` can compute the two kinds separately (Flow-GRPO, Liu et al. 2025, sec. 4: advantages are
+normalised within each prompt's group).
+
+A reward declares the record metadata it reads (:attr:`Reward.required_fields`, e.g. a GenEval-style reward needs
+``include``/``exclude``, a Sudoku reward ``solution``); :meth:`Rewards.check_records` refuses a dataset that lacks one
+before any weight loads, naming the reward, the field and the record's file and line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ff_core.errors import ConfigError, DatasetError, DatasetErrors
+
+POINTWISE = "pointwise"
+GROUPWISE = "groupwise"
+MAX_REPORTED_RECORDS = 20
+"""check_records reports at most this many records per missing field (then a count), so a big dataset stays legible."""
+
+
+@dataclass
+class RewardBatch:
+    """What a reward scores: B generated samples with their prompts and the metadata of the rows they came from.
+
+    Attributes:
+        media: per sample, the decoded outputs in the adapter contract's output order: image uint8 (3, H, W),
+            video uint8 (T, 3, H, W), audio float32 (C, N) in [-1, 1].
+        prompts: the prompt of each sample.
+        metadata: each row's reward metadata (a legacy row's extra columns, a V2 record's ``metadata``).
+        groups: (B,) int group id per sample (same prompt = same group), for groupwise rewards; ``None``: every
+            sample is its own group.
+        output_types: the contract's output kinds (``image``, ``video``, ``audio``), parallel to ``media[i]``.
+        rates: fps (video) or sample rate (audio) per output where known, parallel to ``output_types``.
+    """
+
+    media: list[list[Tensor]]
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    groups: Tensor | None = None
+    output_types: tuple[str, ...] = ("image",)
+    rates: tuple[float | None, ...] = (None,)
+
+    def __post_init__(self) -> None:
+        n = len(self.media)
+        if len(self.prompts) != n or len(self.metadata) != n:
+            raise ValueError(
+                f"RewardBatch: {n} samples of media but {len(self.prompts)} prompts and {len(self.metadata)} metadata"
+            )
+        if self.groups is not None and tuple(self.groups.shape) != (n,):
+            raise ValueError(f"RewardBatch.groups must have shape ({n},), got {tuple(self.groups.shape)}")
+        self.output_types = tuple(str(t) for t in self.output_types)
+        if len(self.rates) != len(self.output_types):
+            self.rates = tuple(self.rates) + (None,) * (len(self.output_types) - len(self.rates))
+
+    def __len__(self) -> int:
+        return len(self.media)
+
+    def output_index(self, media_types: Iterable[str], reward: str = "reward") -> int:
+        """Position of the first output whose type is one of ``media_types`` (what a single-medium reward scores).
+
+        Args:
+            media_types: the kinds the reward accepts.
+            reward: the reward's name, for the error.
+        """
+        media_types = tuple(media_types)
+        for i, kind in enumerate(self.output_types):
+            if kind in media_types:
+                return i
+        raise ValueError(
+            f"reward {reward!r} scores {'/'.join(media_types)} but the samples hold {', '.join(self.output_types)}"
+        )
+
+    def outputs(self, media_types: Iterable[str], reward: str = "reward") -> list[Tensor]:
+        """Per sample, the first output whose type is one of ``media_types``."""
+        i = self.output_index(media_types, reward)
+        return [sample[i] for sample in self.media]
+
+    def rate(self, media_types: Iterable[str]) -> float | None:
+        """The fps / sample rate of the output :meth:`outputs` picks (``None`` when unknown)."""
+        return self.rates[self.output_index(media_types)]
+
+
+class Reward:
+    """One reward: ``reward(batch)`` returns a (B,) float32 tensor, higher is better.
+
+    Subclasses set the class attributes and take their options (the config's ``args``) as typed ``__init__``
+    arguments documented in ``Args:``. Plugins register them through the ``ff_rewards`` hook
+    (:mod:`ff_core.hookspecs`); nothing may load weights at import or registration time, only in ``__init__``.
+
+    Attributes:
+        name: registry name used in configs (``rewards: [{name: colour, ...}]``).
+        kind: ``pointwise`` (each sample alone) or ``groupwise`` (needs the whole group: gathered across ranks first;
+            ``batch.groups`` says which samples belong together).
+        required_fields: metadata fields each record must carry (checked before training, by
+            :meth:`Rewards.check_records`). An instance may narrow or extend it from its options.
+        media_types: the output kinds the reward scores (the first matching output of each sample).
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = POINTWISE
+    required_fields: ClassVar[tuple[str, ...]] = ()
+    media_types: ClassVar[tuple[str, ...]] = ("image",)
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> Reward:
+        """Move whatever model the reward holds to ``device`` (scores are computed there); returns ``self``."""
+        self.device = torch.device(device)
+        return self
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+@dataclass
+class RewardSpec:
+    """One configured reward of a weighted set (``rewards: [{name: colour, weight: 1.0, args: {...}}]``).
+
+    Attributes:
+        name: a registered reward name (see ``ff plugins``) or a dotted path ``pkg.module:Class``.
+        weight: its weight in the total, ``sum(weight * score)``.
+        args: keyword arguments of the reward class's ``__init__``.
+        label: the key it is logged and reported under (``val/reward/<label>``); default: ``name``. Needed when one
+            reward appears twice with different ``args``.
+    """
+
+    name: str
+    weight: float = 1.0
+    args: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
+@dataclass
+class RewardScores:
+    """The scores of one batch.
+
+    Attributes:
+        total: (B,) weighted sum of the per-reward scores.
+        per_reward: (B,) score of each reward, keyed by its :attr:`RewardSpec.key`, in config order.
+    """
+
+    total: Tensor
+    per_reward: dict[str, Tensor]
+
+
+class Rewards:
+    """The weighted set of rewards a recipe configures.
+
+    Args:
+        specs: the rewards, their weights and options; ``RewardSpec`` objects or plain dicts as written in YAML.
+        config_key: the config key they were given under, for error messages (``model.eval_rewards``).
+    """
+
+    def __init__(self, specs: Sequence[RewardSpec | dict[str, Any]], config_key: str = "rewards") -> None:
+        self.config_key = config_key
+        self.specs: list[RewardSpec] = [_as_spec(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
+        self.rewards: list[Reward] = [_build(s, f"{config_key}[{i}]") for i, s in enumerate(self.specs)]
+        keys = [s.key for s in self.specs]
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                raise ConfigError(
+                    f"{config_key}[{i}]", f"reward {key!r} is configured twice; give one a distinct `label`"
+                )
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def keys(self) -> list[str]:
+        return [s.key for s in self.specs]
+
+    @property
+    def has_groupwise(self) -> bool:
+        return any(r.kind == GROUPWISE for r in self.rewards)
+
+    def to(self, device: torch.device | str) -> Rewards:
+        for reward in self.rewards:
+            reward.to(device)
+        return self
+
+    # -- checks before training ----------------------------------------------------------------------------
+    def check_records(self, records: Iterable[Any]) -> None:
+        """Refuse records that lack a metadata field a configured reward reads.
+
+        Raises :class:`~ff_core.errors.DatasetErrors` with one ``path:line: metadata.<field>: ...`` error per record
+        and field (at most :data:`MAX_REPORTED_RECORDS` per field), each naming the reward.
+
+        Args:
+            records: :class:`~ff_core.data.records_base.Record` objects (anything with ``metadata``, ``source``
+                and ``line``).
+        """
+        needs = [(spec.key, f) for spec, r in zip(self.specs, self.rewards) for f in r.required_fields]
+        if not needs:
+            return
+        errors: list[DatasetError] = []
+        missing: dict[tuple[str, str], int] = {}
+        for record in records:
+            for reward, name in needs:
+                if name in record.metadata:
+                    continue
+                n = missing[(reward, name)] = missing.get((reward, name), 0) + 1
+                if n <= MAX_REPORTED_RECORDS:
+                    errors.append(DatasetError(record.source, record.line, f"metadata.{name}", (
+                        f"reward {reward!r} ({self.config_key}) needs the metadata field {name!r}, which this record "
+                        "lacks (a legacy row's extra column or a V2 record's metadata key)"
+                    )))
+        for (reward, name), n in missing.items():
+            if n > MAX_REPORTED_RECORDS:
+                last = errors[-1]
+                errors.append(DatasetError(last.path, None, f"metadata.{name}",
+                                           f"... {n - MAX_REPORTED_RECORDS} more records lack it (reward {reward!r})"))
+        if errors:
+            raise DatasetErrors(errors)
+
+    def check_outputs(self, output_types: Sequence[str], adapter: str = "the adapter") -> None:
+        """Refuse a reward whose media kinds the adapter never emits (found before weights load).
+
+        Args:
+            output_types: the adapter contract's output kinds.
+            adapter: the adapter's name, for the message.
+        """
+        kinds = {str(t) for t in output_types}
+        for i, (spec, reward) in enumerate(zip(self.specs, self.rewards)):
+            if not kinds & set(reward.media_types):
+                raise ConfigError(f"{self.config_key}[{i}]", (
+                    f"reward {spec.name!r} scores {'/'.join(reward.media_types)}, but {adapter} outputs "
+                    f"{', '.join(map(str, output_types))}"
+                ))
+
+    # -- scoring ---------------------------------------------------------------------------------------------
+    def pointwise(self, batch: RewardBatch) -> dict[str, Tensor]:
+        """Scores of the pointwise rewards (computable on each rank alone)."""
+        return self._score(batch, POINTWISE)
+
+    def groupwise(self, batch: RewardBatch) -> dict[str, Tensor]:
+        """Scores of the groupwise rewards; ``batch`` must hold whole groups (gathered across ranks)."""
+        return self._score(batch, GROUPWISE)
+
+    def combine(self, per_reward: dict[str, Tensor]) -> RewardScores:
+        """The weighted total of per-reward scores (every configured reward must be present), in config order."""
+        absent = [k for k in self.keys if k not in per_reward]
+        if absent:
+            raise KeyError(f"scores of {', '.join(absent)} are missing: compute pointwise and groupwise rewards")
+        ordered = {k: per_reward[k] for k in self.keys}
+        total = sum(spec.weight * ordered[spec.key].float() for spec in self.specs)
+        if not isinstance(total, Tensor):  # no rewards configured
+            total = torch.zeros(0)
+        return RewardScores(total=total, per_reward=ordered)
+
+    def __call__(self, batch: RewardBatch) -> RewardScores:
+        """Every reward on one batch (pointwise and groupwise alike): for single-process use and evaluation."""
+        return self.combine({**self.pointwise(batch), **self.groupwise(batch)})
+
+    def _score(self, batch: RewardBatch, kind: str) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for spec, reward in zip(self.specs, self.rewards):
+            if reward.kind != kind:
+                continue
+            with torch.no_grad():
+                scores = reward(batch)
+            out[spec.key] = _check_scores(scores, len(batch), spec.key)
+        return out
+
+
+def _check_scores(scores: Tensor, n: int, key: str) -> Tensor:
+    if not isinstance(scores, Tensor) or tuple(scores.shape) != (n,):
+        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(f"reward {key!r} returned {shape}; a reward returns one score per sample, shape ({n},)")
+    scores = scores.detach().float()
+    if not torch.isfinite(scores).all():
+        bad = int((~torch.isfinite(scores)).nonzero()[0])
+        raise ValueError(f"reward {key!r} returned a non-finite score for sample {bad}: {scores[bad].item()}")
+    return scores
+
+
+def _as_spec(spec: RewardSpec | dict[str, Any], key: str) -> RewardSpec:
+    if isinstance(spec, RewardSpec):
+        result = spec
+    elif isinstance(spec, dict):
+        unknown = set(spec) - {"name", "weight", "args", "label"}
+        if unknown or "name" not in spec:
+            what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else "missing `name`"
+            raise ConfigError(key, f"{what}; a reward is {{name, weight, args, label}}")
+        result = RewardSpec(**spec)
+    else:
+        raise ConfigError(key, f"expected {{name, weight, args}}, found {type(spec).__name__}")
+    if not isinstance(result.weight, (int, float)) or not math.isfinite(result.weight):
+        raise ConfigError(f"{key}.weight", f"expected a finite number, found {result.weight!r}")
+    if not isinstance(result.args, dict):
+        raise ConfigError(f"{key}.args", f"expected a mapping of keyword arguments, found {result.args!r}")
+    return result
+
+
+def _build(spec: RewardSpec, key: str) -> Reward:
+    from ff_core.plugins import get_reward_class
+
+    try:
+        cls = get_reward_class(spec.name)
+    except KeyError as exc:
+        raise ConfigError(f"{key}.name", exc.args[0]) from None
+    try:
+        return cls(**spec.args)
+    except TypeError as exc:  # an unknown or missing keyword argument
+        raise ConfigError(f"{key}.args", f"reward {spec.name!r}: {exc}") from None
+    except ValueError as exc:  # the reward's own check of a value
+        raise ConfigError(f"{key}.args", f"reward {spec.name!r}: {exc}") from None

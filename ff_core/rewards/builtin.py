@@ -1,0 +1,13 @@
+"""ff_core's own rewards, registered through the same ``ff_rewards`` hook as any plugin's (STYLE 11)."""
+
+from __future__ import annotations
+
+from ff_core.hookspecs import hookimpl
+from ff_core.rewards.base import Reward
+
+
+@hookimpl
+def ff_rewards() -> list[type[Reward]]:
+    from ff_core.rewards.image import BrightnessReward, ColourReward, JpegCompressibilityReward
+
+    return [ColourReward, BrightnessReward, JpegCompressibilityReward]
