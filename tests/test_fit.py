@@ -332,7 +332,12 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     a dataset of the supervision its objective consumes (demonstrations or preference pairs) is finite."""
     assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.relative_to(REPO / 'configs')}")
     trainer_type = recipe_trainer_type(recipe)
-    data_dir = request.getfixturevalue({"sft": "shapes_dir", "offline-dpo": "shapes_dpo_dir"}[trainer_type])
+    if trainer_type == "grpo":  # prompt rows; the recipe runs end to end in tests/test_grpo_fit.py
+        from ff_core.testing.shapes import write_prompt_dataset
+
+        data_dir = write_prompt_dataset(tmp_path / "prompts")
+    else:
+        data_dir = request.getfixturevalue({"sft": "shapes_dir", "offline-dpo": "shapes_dpo_dir"}[trainer_type])
     datasets = json.dumps([{"name": "shapes", "dataset_dir": str(data_dir), "eval": {}}])
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
@@ -341,6 +346,9 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     assert cli.datamodule.adapter_name == cli.model.hparams.adapter
     cli.datamodule.setup("fit")
     cli.model.configure_model()
+    if trainer_type == "grpo":
+        assert cli.datamodule.grouping == cli.model.objective.grouping
+        return
     # Training noise levels follow the schedule the recipe samples with (the checkpoint scheduler's shift).
     assert cli.model.objective.timesteps.resolve_shift(cli.model.adapter) == cli.model.adapter.timestep_shift()
     batch = next(iter(_loader(cli)))
