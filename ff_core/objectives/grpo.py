@@ -356,8 +356,18 @@ def _gather_objects(module: Any, obj: Any) -> list[Any]:
 
 
 def _progress(module: Any, done: int, total: int) -> None:
-    """Rollout progress on rank 0's progress bar (Lightning's tqdm bar: a postfix, overwritten at the step's end)."""
+    """``rollout done/total`` on rank 0's training progress bar while an iteration samples: appended to the task's
+    description of Lightning's rich bar (removed when the rollout ends), the postfix of its tqdm bar."""
     trainer = getattr(module, "_trainer", None)
-    bar = getattr(getattr(trainer, "progress_bar_callback", None), "train_progress_bar", None)
-    if bar is not None and trainer.is_global_zero and hasattr(bar, "set_postfix_str"):
-        bar.set_postfix_str(f"rollout {done}/{total}", refresh=True)
+    if trainer is None or not trainer.is_global_zero:
+        return
+    bar, text = trainer.progress_bar_callback, f"rollout {done}/{total}" if done < total else ""
+    task_id, progress = getattr(bar, "train_progress_bar_id", None), getattr(bar, "progress", None)
+    if task_id is not None and progress is not None:  # RichProgressBar
+        base = progress.tasks[task_id].description.split(" · rollout")[0]
+        progress.update(task_id, description=f"{base} · {text}" if text else base)
+        bar.refresh()
+        return
+    tqdm_bar = getattr(bar, "train_progress_bar", None)
+    if tqdm_bar is not None and hasattr(tqdm_bar, "set_postfix_str"):
+        tqdm_bar.set_postfix_str(text, refresh=True)

@@ -181,3 +181,23 @@ def test_slice_batch_cuts_nested_collated_conditions():
     value = {"a": torch.arange(4), "b": [torch.arange(8).view(4, 2)], "n": 3}
     out = slice_batch(value, slice(1, 3))
     assert out["a"].tolist() == [1, 2] and out["b"][0].tolist() == [[2, 3], [4, 5]] and out["n"] == 3
+
+
+def test_rollout_progress_shows_on_the_rich_bar_and_clears():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
+
+    from ff_core.objectives.grpo import _progress
+
+    bar = RichProgressBar()
+    bar.progress = CustomProgress(disable=True)  # what the bar builds when training starts
+    bar.train_progress_bar_id = bar.progress.add_task("Epoch 0/9", total=4)
+    module = SimpleNamespace(_trainer=SimpleNamespace(is_global_zero=True, progress_bar_callback=bar))
+    _progress(module, 8, 32)
+    assert bar.progress.tasks[0].description == "Epoch 0/9 · rollout 8/32"
+    _progress(module, 16, 32)
+    assert bar.progress.tasks[0].description == "Epoch 0/9 · rollout 16/32"
+    _progress(module, 32, 32)
+    assert bar.progress.tasks[0].description == "Epoch 0/9"
