@@ -190,6 +190,7 @@ class GRPOObjective(Objective):
             generator: the rollout noise generator of this rank and step.
         """
         adapter = module.adapter
+        _take_over_gradient_sync(module)
         was_training = adapter.training
         adapter.eval()  # rollout and replay alike: the first ratio is exactly 1 (module docstring)
         try:
@@ -263,6 +264,7 @@ class GRPOObjective(Objective):
                     for t in r.trajectory.transitions:
                         loss = self.transition_loss(adapter, r, t, stats)
                         module.manual_backward(loss * (r.rows.stop - r.rows.start) / terms)
+                _average_gradients(module)
                 if self.max_grad_norm is not None:
                     module.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
                                           gradient_clip_algorithm="norm")  # fmt: skip
@@ -353,6 +355,44 @@ def _gather_objects(module: Any, obj: Any) -> list[Any]:
     out: list[Any] = [None] * trainer.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def _take_over_gradient_sync(module: Any) -> None:
+    """Under DDP, turn the wrapper's per-backward gradient all-reduce off; :func:`_average_gradients` averages once
+    per optimiser step instead.
+
+    Under manual optimisation Lightning re-arms DDP's reducer before every ``manual_backward``, so each replayed
+    transition would all-reduce the whole gradient; GRPO accumulates over every transition of a run first (as
+    Flow-GRPO does under accelerate's ``accumulate``), so it sets DDP's ``require_backward_grad_sync`` off (the flag
+    ``no_sync`` sets, which Lightning's ``prepare_for_backward`` honours) and averages the accumulated gradients in one
+    flat all-reduce. Multi-process strategies that shard parameters (FSDP, DeepSpeed) are refused.
+    """
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapper = getattr(trainer.strategy, "model", None)
+    if not isinstance(wrapper, DistributedDataParallel):
+        raise ValueError(f"GRPO runs on one device or under DDP (trainer.strategy: ddp); got "
+                         f"{type(trainer.strategy).__name__}")  # fmt: skip
+    wrapper.require_backward_grad_sync = False
+
+
+def _average_gradients(module: Any) -> None:
+    """Average the trainable parameters' gradients over the data-parallel ranks (one flat all-reduce)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= trainer.world_size
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
 
 
 def _progress(module: Any, done: int, total: int) -> None:
