@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -107,3 +108,24 @@ def test_accumulate_grad_batches_is_refused(tiny_sd3, prompts_dir, tmp_path):
     cli = fit(tiny_sd3, prompts_dir, tmp_path, "--trainer.max_steps", "1", "--trainer.accumulate_grad_batches", "2")
     with pytest.raises(Exception, match="accumulat"):
         cli.trainer.fit(cli.model, cli.datamodule)
+
+
+def test_lightning_ema_averages_the_grpo_weights(tiny_sd3, prompts_dir, tmp_path):
+    """EMA of the trained weights is Lightning's EMAWeightAveraging: it updates once per GRPO iteration, and after
+    training the module holds the average, which differs from the last iterate."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    cli = fit(tiny_sd3, prompts_dir, tmp_path, "--trainer.max_steps", "2")
+    ema = EMAWeightAveraging(decay=0.5)
+    cli.trainer.callbacks.append(ema)
+    last = {}
+
+    class LastIterate(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            last.update({n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad})
+
+    cli.trainer.callbacks.insert(0, LastIterate())
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert ema._latest_update_step == 2
+    final = {n: p for n, p in cli.model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(final[n], last[n]) for n in last)
