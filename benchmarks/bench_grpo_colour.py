@@ -60,11 +60,8 @@ class ColourShareReward(ColourReward):
 
     name = "colour_share"
 
-    def __init__(self, target: tuple[int, int, int] = (0, 255, 0), measure: str = "hue_fraction",
-                 hue_tolerance: float = 30.0) -> None:  # fmt: skip
-        if measure != "hue_fraction":  # a share of the coloured pixels' hues (the option exists for config merges)
-            raise ValueError(f"colour_share measures hue_fraction, got {measure!r}")
-        super().__init__(target=target, measure=measure, hue_tolerance=hue_tolerance)
+    def __init__(self, target: tuple[int, int, int] = (0, 255, 0), hue_tolerance: float = 30.0) -> None:
+        super().__init__(target=target, measure="hue_fraction", hue_tolerance=hue_tolerance)
 
     def score(self, image: torch.Tensor) -> torch.Tensor:
         x = _frames(image).movedim(1, -1)  # float in [0, 1]

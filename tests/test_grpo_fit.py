@@ -14,6 +14,7 @@ import torch
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
+from ff_core.rewards.base import Reward
 from ff_core.testing.shapes import write_prompt_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,3 +130,21 @@ def test_lightning_ema_averages_the_grpo_weights(tiny_sd3, prompts_dir, tmp_path
     assert ema._latest_update_step == 2
     final = {n: p for n, p in cli.model.named_parameters() if p.requires_grad}
     assert any(not torch.equal(final[n], last[n]) for n in last)
+
+
+class NeedsSolution(Reward):
+    name = "needs_solution"
+    required_fields = ("solution",)
+
+    def __call__(self, batch):
+        return torch.zeros(len(batch))
+
+
+def test_rows_lacking_a_reward_field_fail_before_weights_load(tiny_sd3, prompts_dir, tmp_path):
+    from ff_core.errors import DatasetErrors
+
+    cli = fit(tiny_sd3, prompts_dir, tmp_path, "--trainer.max_steps", "1", "--model.objective.init_args.rewards",
+              json.dumps([{"name": "test_grpo_fit:NeedsSolution"}]))  # fmt: skip
+    with pytest.raises(DatasetErrors, match=r"train.txt:1: metadata.solution: reward 'test_grpo_fit:NeedsSolution'"):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.model.adapter is None

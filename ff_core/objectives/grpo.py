@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
-from ff_core.rewards.base import RewardBatch, Rewards, RewardSpec
+from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
@@ -93,7 +93,10 @@ class GRPOObjective(Objective):
     """Flow-GRPO on prompt rows (module docstring; maths and keys: docs/objectives.md, "GRPO").
 
     Args:
-        rewards: the weighted rewards to maximise (``[{name, weight, args}]``; see ``ff plugins``).
+        rewards: the weighted rewards to maximise, each ``{name, weight, args, label}`` (a
+            :class:`~ff_core.rewards.base.RewardSpec`; ``ff plugins`` lists the names). Plain mappings, not RewardSpec
+            objects, in the signature: jsonargparse merges a list of dataclasses item by item, so a command-line
+            ``rewards`` override would inherit the recipe's ``args``; a list of mappings is replaced whole.
         group_size: K, samples per prompt (a group; advantages compare them).
         prompts_per_step: P, prompts per step over all data-parallel ranks; every rank takes ``P*K/W`` samples.
         num_steps: sampler steps of a rollout.
@@ -119,7 +122,7 @@ class GRPOObjective(Objective):
 
     def __init__(
         self,
-        rewards: list[RewardSpec],
+        rewards: list[dict[str, Any]],
         group_size: int = 8,
         prompts_per_step: int = 4,
         num_steps: int = 10,
