@@ -235,8 +235,6 @@ def main() -> None:
     seconds = time.perf_counter() - start
     if probe.evals[-1][0] != args.steps:
         probe.evaluate(cli.trainer, cli.model, args.steps)
-    ratios = [grpo / bare for grpo, bare in probe.paired[1:]]  # the first pays one-off warm-up
-    grpo_s, bare_s = (statistics.median(x) for x in zip(*probe.paired[1:]))
 
     curve = LossCurve(smoothing=10)
     curve.history = probe.train
@@ -252,11 +250,15 @@ def main() -> None:
     for step, r, g in probe.evals:
         print(f"| {step} | {r:.3f} | {g:.1%} |")
     print(f"\ngap to the maximum closed: {closed:.1%} (goal >= 50 %)")
+    with open(args.out / "evals.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("step", "eval_reward", "green_share"), *probe.evals])
+    if len(probe.paired) < 2:
+        return
+    ratios = [grpo / bare for grpo, bare in probe.paired[1:]]  # the first pays one-off warm-up
+    grpo_s, bare_s = (statistics.median(x) for x in zip(*probe.paired[1:]))
     print(f"GRPO iteration in Lightning's loop {grpo_s * 1000:.0f} ms, bare compute of the same batch right after "
           f"{bare_s * 1000:.0f} ms (medians of {len(ratios)} pairs): ratio median {statistics.median(ratios):.3f}, "
           f"quartiles {statistics.quantiles(ratios, n=4)[0]:.3f} / {statistics.quantiles(ratios, n=4)[2]:.3f}")
-    with open(args.out / "evals.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("step", "eval_reward", "green_share"), *probe.evals])
 
 
 if __name__ == "__main__":
