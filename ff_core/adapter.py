@@ -271,6 +271,20 @@ class Adapter(nn.Module):
         sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
         return shift_sigma(sigmas, self.timestep_shift() if shift is None else shift)
 
+    def sampling_schedules(self, state: LatentState, num_steps: int, shift: float | None = None) -> dict[str, Tensor]:
+        """Per latent component of ``state``, its noise levels (``num_steps + 1`` values from 1 towards 0) for sampling.
+
+        Default: :meth:`sampling_sigmas` for every component. A family whose components denoise on their own schedules
+        (an audio stream beside video) overrides it; the velocity is evaluated at the first component's level.
+
+        Args:
+            state: the initial noise (component names and shapes).
+            num_steps: sampler steps.
+            shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: the adapter's.
+        """
+        sigmas = self.sampling_sigmas(num_steps, shift=shift)
+        return {name: sigmas for name in state.components}
+
     @torch.no_grad()
     def sample(
         self,

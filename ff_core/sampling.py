@@ -74,14 +74,27 @@ def _component_sigmas(sigmas: Sigmas, name: str) -> tuple[float, float]:
     return sigmas
 
 
+def _component_value(value: float | Mapping[str, float] | None, name: str) -> float | None:
+    return value.get(name) if isinstance(value, Mapping) else value
+
+
+def ode_step(state: LatentState, velocity: LatentState, sigmas: Sigmas) -> LatentState:
+    """:func:`euler_step` with each component on its own ``(sigma, sigma_next)`` (or one pair for all)."""
+    out = {}
+    for name, x in state.components.items():
+        sigma, sigma_next = _component_sigmas(sigmas, name)
+        out[name] = keep_pinned(x + (sigma_next - sigma) * velocity.components[name], x, state.masks.get(name))
+    return replace(state, components=out, masks=dict(state.masks))
+
+
 def euler_step(state: LatentState, velocity: LatentState, sigma: float, sigma_next: float) -> LatentState:
     """One ODE step ``x <- x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler.step).
 
     Elements the state's masks pin (mask 0) are left unchanged, as in training, where they are never noised.
     """
-    out = state.zip_map(velocity, lambda x, v: x + (sigma_next - sigma) * v)
-    kept = {k: keep_pinned(x, state.components[k], state.masks.get(k)) for k, x in out.components.items()}
-    return replace(out, components=kept)
+    if list(state.components) != list(velocity.components):
+        raise ValueError(f"latent components differ: {list(state.components)} vs {list(velocity.components)}")
+    return ode_step(state, velocity, (sigma, sigma_next))
 
 
 # -- one Gaussian step, on plain tensors ----------------------------------------------------------------------------
@@ -168,14 +181,15 @@ def step_log_prob(
     sigmas: Sigmas,
     kind: StepKind,
     eta: float,
-    sigma_max: float | None = None,
+    sigma_max: float | Mapping[str, float] | None = None,
 ) -> StepResult:
     """The log-prob of a given ``next_state`` under one step of ``kind`` from ``state`` (replay; with gradient when
     ``velocity`` has one). Arguments as :func:`sde_step`."""
     means, stds, dens = {}, {}, {}
     for name, x in state.components.items():
         sigma, sigma_next = _component_sigmas(sigmas, name)
-        means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta, sigma_max)
+        means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
+                                                _component_value(sigma_max, name))  # fmt: skip
         dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
     return StepResult(next_state, pooled_element_mean(dens, state.masks), means, stds)
 
@@ -187,7 +201,7 @@ def sde_step(
     kind: StepKind,
     eta: float,
     generator: torch.Generator | None = None,
-    sigma_max: float | None = None,
+    sigma_max: float | Mapping[str, float] | None = None,
 ) -> StepResult:
     """Draw ``x_next`` for one stochastic step and score it.
 
@@ -202,12 +216,13 @@ def sde_step(
         kind: ``flow_sde`` or ``cps`` (``ode`` has no density).
         eta: noise level of the step.
         generator: draws the noise; ``None``: the global generator.
-        sigma_max: see :func:`step_gaussian`.
+        sigma_max: see :func:`step_gaussian`; one for all components or per component name.
     """
     nxt = {}
     for name, x in state.components.items():
         sigma, sigma_next = _component_sigmas(sigmas, name)
-        mean, std = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta, sigma_max)
+        mean, std = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
+                                  _component_value(sigma_max, name))  # fmt: skip
         device = generator.device if generator is not None else x.device
         noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
         nxt[name] = keep_pinned((mean + std * noise).to(x.dtype), x, state.masks.get(name))
@@ -279,9 +294,10 @@ class Transition:
         step: index in the schedule.
         state: ``x_t`` (storage dtype).
         next: ``x_next`` as sampled, rounded to the storage dtype.
-        sigma: noise level of ``state``.
-        sigma_next: noise level of ``next``.
+        sigma: noise level of ``state`` the velocity is evaluated at (the first component's).
+        sigma_next: the first component's next noise level.
         log_prob: rollout log-prob of ``next``, fp32, shape (B,).
+        levels: per component, its ``(sigma, sigma_next)`` (components may run on their own schedules).
     """
 
     step: int
@@ -290,6 +306,7 @@ class Transition:
     sigma: float
     sigma_next: float
     log_prob: Tensor
+    levels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -299,12 +316,12 @@ class Trajectory:
     Attributes:
         final: the sampled clean latent state.
         transitions: the stochastic steps (the trained ones).
-        sigma_max: the schedule's second noise level (``flow_sde`` at ``sigma = 1``).
+        sigma_max: per component, its schedule's second noise level (``flow_sde`` at ``sigma = 1``).
     """
 
     final: LatentState
     transitions: list[Transition] = field(default_factory=list)
-    sigma_max: float | None = None
+    sigma_max: dict[str, float] = field(default_factory=dict)
 
 
 def guided_velocity(
@@ -320,6 +337,15 @@ def guided_velocity(
     return v
 
 
+def schedules(adapter: Adapter, state: LatentState, num_steps: int, shift: float | None) -> dict[str, list[float]]:
+    """Per component, its ``num_steps + 1`` noise levels (:meth:`Adapter.sampling_schedules`), checked."""
+    out = {k: [float(x) for x in v] for k, v in adapter.sampling_schedules(state, num_steps, shift=shift).items()}
+    if list(out) != list(state.components) or any(len(v) != num_steps + 1 for v in out.values()):
+        raise ValueError(f"{adapter.name}: sampling_schedules must give {num_steps + 1} noise levels for each of "
+                         f"{list(state.components)}, got {({k: len(v) for k, v in out.items()})}")  # fmt: skip
+    return out
+
+
 def sample_ode(
     adapter: Adapter,
     condition: Condition,
@@ -329,13 +355,15 @@ def sample_ode(
     generator: torch.Generator | None = None,
     shift: float | None = None,
 ) -> LatentState:
-    """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does)."""
+    """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
+    each component steps on its own schedule, the velocity is evaluated at the first component's noise level."""
     state = adapter.initial_noise(condition, generator)
     negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
-    sigmas = adapter.sampling_sigmas(num_steps, shift=shift).tolist()
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        v = guided_velocity(adapter, state, sigma, condition, negative, guidance_scale)
-        state = euler_step(state, v, sigma, sigma_next)
+    levels = schedules(adapter, state, num_steps, shift)
+    primary = levels[next(iter(state.components))]
+    for i in range(num_steps):
+        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
     return state
 
 
@@ -349,7 +377,8 @@ def sample_sde(
     generator: torch.Generator | None = None,
     shift: float | None = None,
 ) -> Trajectory:
-    """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them.
+    """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
+    each component on its own schedule, as :func:`sample_ode`.
 
     Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
     SDE step's noise in step order. Call it under ``torch.no_grad()``.
@@ -357,16 +386,18 @@ def sample_sde(
     state = adapter.initial_noise(condition, generator)
     sde = set(sampler.sde_steps(num_steps, generator))
     negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
-    sigmas = adapter.sampling_sigmas(num_steps, shift=shift).tolist()
-    sigma_max = sigmas[1] if len(sigmas) > 1 else None
-    trajectory = Trajectory(state, sigma_max=sigma_max)
-    for i, (sigma, sigma_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
-        v = guided_velocity(adapter, state, sigma, condition, negative, guidance_scale)
+    levels = schedules(adapter, state, num_steps, shift)
+    primary = levels[next(iter(state.components))]
+    trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
+    for i in range(num_steps):
+        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
-            out = sde_step(state, v, (sigma, sigma_next), sampler.kind, sampler.eta, generator, sigma_max)
-            trajectory.transitions.append(Transition(i, state, out.next, sigma, sigma_next, out.log_prob))
+            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max)
+            trajectory.transitions.append(Transition(i, state, out.next, primary[i], primary[i + 1], out.log_prob,
+                                                     steps))  # fmt: skip
             state = out.next
         else:
-            state = euler_step(state, v, sigma, sigma_next)
+            state = ode_step(state, v, steps)
     trajectory.final = state
     return trajectory

@@ -280,7 +280,7 @@ class GRPOObjective(Objective):
     def transition_loss(self, adapter: Adapter, rollout: Rollout, t, stats: UpdateStats) -> Tensor:
         """The mean over the micro-batch of one transition's clipped surrogate plus the KL term, with gradient."""
         trajectory = rollout.trajectory
-        sigmas = (t.sigma, t.sigma_next)
+        sigmas = t.levels or (t.sigma, t.sigma_next)
         v = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative, self.guidance_scale)
         step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max)
         policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
@@ -304,7 +304,7 @@ class GRPOObjective(Objective):
         with torch.no_grad(), self.reference.active(adapter):
             v_ref = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative,
                                     self.guidance_scale)  # fmt: skip
-            ref = step_log_prob(t.state, v_ref, t.next, (t.sigma, t.sigma_next), self.sampler.kind,
+            ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
                                 self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip
         masks = t.state.masks
         if self.kl_on == "velocity":
