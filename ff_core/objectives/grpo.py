@@ -165,6 +165,7 @@ class GRPOObjective(Objective):
         self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
         self.reference_offload = reference_offload
         self.reference: ReferenceModel | None = None
+        self._rewards_device: torch.device | None = None
 
     @property
     def grouping(self) -> tuple[int, int]:
@@ -194,6 +195,9 @@ class GRPOObjective(Objective):
         """
         adapter = module.adapter
         _take_over_gradient_sync(module)
+        if self._rewards_device != module.device:  # reward models score where the policy runs
+            self.rewards.to(module.device)
+            self._rewards_device = module.device
         was_training = adapter.training
         adapter.eval()  # rollout and replay alike: the first ratio is exactly 1 (module docstring)
         try:
@@ -346,7 +350,8 @@ def _gatherer(module: Any):
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
         return lambda x: x
-    return lambda x: module.all_gather(x).flatten(0, 1)
+    # On the module's device: NCCL gathers device tensors only (rewards may score on the CPU).
+    return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1)
 
 
 def _gather_objects(module: Any, obj: Any) -> list[Any]:

@@ -89,6 +89,8 @@ class RedReward(Reward):
 class Host:
     """What GRPO asks of the LightningModule in one process (the optimiser calls, logging): not the model path."""
 
+    device = torch.device("cpu")
+
     def __init__(self, adapter, lr=1e-2):
         self.adapter = adapter
         self.optimizer = torch.optim.SGD(adapter.net.parameters(), lr=lr)
