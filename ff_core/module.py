@@ -25,6 +25,7 @@ from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import load_pretrained
+from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -99,6 +100,13 @@ class FlowModule(L.LightningModule):
             (0 without one). Each micro-batch draws from a generator seeded by (this seed, data-parallel rank,
             optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
             the same noise as the uninterrupted one (checkpoints keep the seed).
+        eval_rewards: rewards scored on the samples generated from the evaluation prompts (validation and test),
+            ``[{name, weight, args, label}]`` (see ``ff plugins``); logged as ``val/reward/<label>`` (batch mean) and
+            ``val/reward`` (weighted total, on the progress bar). ``None``: the objective's default (an online
+            objective's training rewards), else none. Every evaluation record must carry the metadata fields they
+            read. Plain mappings, not dataclasses, on purpose: jsonargparse merges a list of dataclasses given on the
+            command line into the recipe's item by item (a reward would inherit the recipe's ``args`` and ``label``);
+            a list of mappings is replaced whole.
     """
 
     def __init__(
@@ -113,6 +121,7 @@ class FlowModule(L.LightningModule):
         sampling: SamplingConfig | None = None,
         gradient_checkpointing: bool = False,
         noise_seed: int | None = None,
+        eval_rewards: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -131,6 +140,11 @@ class FlowModule(L.LightningModule):
         self.noise_seed = noise_seed
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
+        # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
+        self.eval_rewards = None if eval_rewards is None else [
+            RewardSpec.from_config(spec, f"model.eval_rewards[{i}]") for i, spec in enumerate(eval_rewards)]
+        self.eval_reward_set: Rewards | None = None  # built in setup, before weights load
+        self._rewards_device: torch.device | None = None
         self.adapter: Adapter | None = None
         self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
@@ -148,11 +162,36 @@ class FlowModule(L.LightningModule):
         if value != self.objective.automatic_optimization:
             raise ValueError("FlowModule.automatic_optimization follows model.objective; it cannot be set")
 
+    # -- before weights: rewards and the records they read ---------------------------------------------
     def setup(self, stage: str) -> None:
-        # Before any weight loads: the objective refuses rows it cannot use (a reward's missing metadata field).
-        records = getattr(getattr(self._trainer, "datamodule", None), "train_records", None)
-        if stage == "fit" and records:
-            self.objective.check_records(records)
+        """Build the evaluation rewards and check that the records carry the metadata fields every configured reward
+        reads. Lightning calls it after the data module's ``setup`` (records loaded and validated) and before
+        ``configure_model`` loads any weight, so a dataset without a needed field fails fast, naming the reward, the
+        field and each record's file and line."""
+        if self.eval_reward_set is None and stage != TrainerFn.PREDICTING:  # ff predict scores nothing
+            self.eval_reward_set = self._build_eval_rewards()
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if self.eval_reward_set is not None and datamodule is not None:
+            self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
+        training = self.objective.training_rewards()
+        if training is not None and datamodule is not None and stage == TrainerFn.FITTING:
+            training.check_records(getattr(datamodule, "train_records", ()))
+
+    def _build_eval_rewards(self) -> Rewards | None:
+        key = "model.eval_rewards"
+        specs = self.eval_rewards
+        if specs is None:
+            specs, key = self.objective.default_eval_rewards(), "model.objective (its default eval rewards)"
+        if not specs:
+            return None
+        rewards = Rewards(specs, config_key=key)
+        rewards.check_outputs([str(t) for t in self.adapter_cls.io_contract.output_types], self.adapter_cls.name)
+        return rewards
+
+    @property
+    def output_types(self) -> tuple[str, ...]:
+        """The adapter contract's output kinds (``image``, ``video``, ``audio``), in ``decode``'s order."""
+        return tuple(str(t) for t in self.adapter_cls.io_contract.output_types)
 
     # -- model -------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -281,18 +320,49 @@ class FlowModule(L.LightningModule):
         return {"loss": out.loss, "sigma": out.sigma, "noise_seed": seed}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self.generate(batch, batch_idx)
+        return self.evaluate(batch, batch_idx, "val")
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self.generate(batch, batch_idx)
+        return self.evaluate(batch, batch_idx, "test")
+
+    def evaluate(self, batch: dict[str, Any], batch_idx: int, prefix: str) -> dict[str, Any]:
+        """:meth:`generate`, then score the samples with the evaluation rewards: logs ``<prefix>/reward/<label>``
+        and ``<prefix>/reward`` (means over the evaluation set, reduced across ranks) and adds ``rewards`` (per
+        label, one float per sample) and ``reward`` (weighted totals) to the outputs the callbacks see."""
+        out = self.generate(batch, batch_idx)
+        rewards = self.eval_reward_set
+        if not rewards:
+            return out
+        if self._rewards_device != self.device:
+            rewards.to(self.device)
+            self._rewards_device = self.device
+        scores = rewards(self.reward_batch(out))
+        size = len(out["prompt"])
+        for key, values in scores.per_reward.items():
+            self.log(f"{prefix}/reward/{key}", values.mean(), batch_size=size, sync_dist=True)
+        self.log(f"{prefix}/reward", scores.total.mean(), prog_bar=True, batch_size=size, sync_dist=True)
+        out["rewards"] = {key: values.tolist() for key, values in scores.per_reward.items()}
+        out["reward"] = scores.total.tolist()
+        return out
+
+    def reward_batch(self, out: dict[str, Any]) -> RewardBatch:
+        """The :class:`~ff_core.rewards.RewardBatch` of :meth:`generate`'s output; samples of one prompt form a
+        group (for groupwise rewards)."""
+        prompts = list(out["prompt"])
+        first = {p: i for i, p in reversed(list(enumerate(prompts)))}
+        return RewardBatch(media=out["media"], prompts=prompts, metadata=list(out["metadata"]),
+                           groups=torch.tensor([first[p] for p in prompts]), output_types=out["output_types"],
+                           rates=out["rates"])
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         return self.generate(batch, batch_idx)
 
     def generate(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        """Sample media for a batch of evaluation prompts: ``{"index", "prompt", "media", "metadata"}`` (media per
-        sample, in the contract's output order; each row's reward metadata, for whatever scores the samples).
-        Batch ``i`` is seeded with ``sampling.seed + i``, so runs compare."""
+        """Sample media for a batch of evaluation prompts: ``{"index", "prompt", "media", "metadata",
+        "output_types", "rates"}`` (media per sample, in the contract's output order; each row's reward metadata,
+        for whatever scores the samples; the output kinds; their fps / sample rate where the adapter states them in
+        an ``output_rates`` attribute, else ``None``). Batch ``i`` is seeded with ``sampling.seed + i``, so runs
+        compare."""
         condition = self.adapter.prepare_condition(batch["condition"])
         generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
         state = self.adapter.sample(
@@ -302,8 +372,11 @@ class FlowModule(L.LightningModule):
             generator=generator,
             shift=self.sampling.shift,
         )
+        types = self.output_types
+        rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))
         return {"index": batch["index"].tolist(), "prompt": batch["prompt"], "media": self.adapter.decode(state),
-                "metadata": batch.get("metadata", [{} for _ in batch["prompt"]])}
+                "metadata": batch.get("metadata", [{} for _ in batch["prompt"]]), "output_types": types,
+                "rates": rates}
 
     # -- optimisation --------------------------------------------------------------------------------------
     def configure_optimizers(self):

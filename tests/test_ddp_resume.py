@@ -48,8 +48,12 @@ def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra:
     ``grid``: also validate once at the end (6 prompts, 2 per batch, sharded over the ranks) into a SampleGrid."""
     dataset = {"name": "shapes", "dataset_dir": str(shapes_dir), **({"eval": {}} if grid else {})}
     if grid:
+        # A CSVLogger writing into the run folder itself (name and version empty): the recipe's eval rewards, reduced
+        # across the ranks, land in root/metrics.csv while every other file stays where logger=false puts it.
+        csv_logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                      "init_args": {"save_dir": str(root), "name": "", "version": ""}}
         extra = (*extra, "--trainer.val_check_interval", str(max_steps), "--data.eval_batch_size", "2",
-                 "--model.sampling.num_steps", "2")
+                 "--model.sampling.num_steps", "2", "--trainer.logger", json.dumps(csv_logger))
     callbacks = [
         {"class_path": "ff_core.callbacks.FlowCheckpoint",
          "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "dirpath": str(root / "ckpt")}},
@@ -165,5 +169,13 @@ def test_sample_grid_gathers_every_rank_under_ddp(runs):
     """Each rank generated a shard of the 6 evaluation prompts; rank 0's grid holds all of them, once, in order."""
     uninterrupted, _, _ = runs
     grid = uninterrupted / "samples" / f"step_{MAX_STEPS:06d}.json"
-    assert [row["index"] for row in json.loads(grid.read_text())] == list(range(6))
+    rows = json.loads(grid.read_text())
+    assert [row["index"] for row in rows] == list(range(6))
     assert grid.with_suffix(".png").stat().st_size > 0
+    # The recipe's eval rewards: each rank scored its 3 samples; the logged means (sync_dist) are those of all 6.
+    import csv
+
+    [val] = [r for r in csv.DictReader((uninterrupted / "metrics.csv").open()) if r.get("val/reward")]
+    for label in ("prompt_colour", "green"):
+        mean = sum(row["rewards"][label] for row in rows) / 6
+        assert float(val[f"val/reward/{label}"]) == pytest.approx(mean, abs=1e-6)

@@ -76,6 +76,13 @@ def test_fit_writes_checkpoint_lora_samples_and_loss_curve(first_run):
     assert (first_run / "logs" / "version_0" / "loss.png").exists()
     steps = (first_run / "logs" / "version_0" / "loss.csv").read_text().splitlines()[1:]
     assert len(steps) == 20
+    # The recipe's eval rewards were scored on the validation samples (the colour accuracy is a share of 6 prompts).
+    import csv
+
+    [val] = [r for r in csv.DictReader(open(first_run / "logs" / "version_0" / "metrics.csv")) if r.get("val/reward")]
+    accuracy = float(val["val/reward/prompt_colour"])
+    assert accuracy * 6 == pytest.approx(round(accuracy * 6))
+    assert float(val["val/reward"]) == pytest.approx(accuracy)
 
 
 def test_resume_continues_step_count_and_optimiser_state(first_run, tiny_sd3, shapes_dir, tmp_path):
@@ -345,6 +352,9 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     assert cli.datamodule.trainer_type == cli.model.objective.trainer_type == trainer_type
     assert cli.datamodule.adapter_name == cli.model.hparams.adapter
     cli.datamodule.setup("fit")
+    cli.model.setup("fit")  # builds the recipe's eval rewards and checks the records carry what they read
+    if cli.model.eval_rewards:
+        assert cli.model.eval_reward_set.keys == [s.key for s in cli.model.eval_rewards]
     cli.model.configure_model()
     if trainer_type == "grpo":
         assert cli.datamodule.grouping == cli.model.objective.grouping

@@ -76,6 +76,8 @@ def test_recipe_runs_rollout_reward_update_and_eval(grpo_run):
         for name in ("reward/colour_mean", "reward/colour_std", "ratio", "clipped_low", "clipped_high", "policy_loss",
                      "approx_kl", "advantage_abs_mean"):
             assert row[f"train/{name}"] != ""
+    evals = [r for r in csv.DictReader(open(grpo_run / "logs" / "version_0" / "metrics.csv")) if r.get("val/reward")]
+    assert len(evals) == 1 and 0 <= float(evals[0]["val/reward/colour"]) <= 1  # eval scores the training reward
     last = torch.load(grpo_run / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 3
     assert last["state_dict"] and all("lora_" in k for k in last["state_dict"])
@@ -144,7 +146,8 @@ def test_rows_lacking_a_reward_field_fail_before_weights_load(tiny_sd3, prompts_
     from ff_core.errors import DatasetErrors
 
     cli = fit(tiny_sd3, prompts_dir, tmp_path, "--trainer.max_steps", "1", "--model.objective.init_args.rewards",
-              json.dumps([{"name": "test_grpo_fit:NeedsSolution"}]))  # fmt: skip
-    with pytest.raises(DatasetErrors, match=r"train.txt:1: metadata.solution: reward 'test_grpo_fit:NeedsSolution'"):
+              json.dumps([{"name": "test_grpo_fit:NeedsSolution"}]), "--model.eval_rewards", "[]")  # fmt: skip
+    with pytest.raises(DatasetErrors, match=r"train.txt:1: metadata.solution: reward 'test_grpo_fit:NeedsSolution' "
+                                            r"\(model.objective.rewards\)"):
         cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.adapter is None

@@ -1,7 +1,8 @@
 """``ff predict`` output: every generated sample written to disk with its prompt.
 
 ``<log_dir>/predictions/00007.png`` for the evaluation row with index 7 (several outputs per sample get ``_1``,
-``_2`` … suffixes), and one JSON line per sample in ``predictions/rank<r>.jsonl``: ``{"index", "prompt", "files"}``.
+``_2`` … suffixes; videos are animated GIFs, audio 16-bit WAV: :mod:`ff_core.callbacks.media_log`), and one JSON
+line per sample in ``predictions/rank<r>.jsonl``: ``{"index", "prompt", "files"}``.
 Files are written atomically; each rank writes the rows it generated.
 """
 
@@ -12,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
-from PIL import Image
 
-from ff_core.callbacks.samples import log_dir, save_png
+from ff_core.atomic import write_bytes_atomic
+from ff_core.callbacks.media_log import encode_output, samples_from_outputs
+from ff_core.callbacks.samples import log_dir
 
 
 class MediaWriter(BasePredictionWriter):
-    """Write the media ``FlowModule.predict_step`` generates (images as PNG).
+    """Write the media ``FlowModule.predict_step`` generates (images as PNG, videos as GIF, audio as WAV).
 
     Args:
         dirpath: output folder; ``None``: ``<log_dir>/predictions``.
@@ -37,19 +38,14 @@ class MediaWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction: Any, batch_indices, batch, batch_idx,
                            dataloader_idx) -> None:
         lines = []
-        for index, prompt, media in zip(prediction["index"], prediction["prompt"], prediction["media"]):
+        for sample in samples_from_outputs(prediction):
             files = []
-            for position, item in enumerate(media):
-                name = f"{index:05d}" + (f"_{position}" if position else "")
-                files.append(self._write(item, name))
-            lines.append(json.dumps({"index": index, "prompt": prompt, "files": files}))
+            for position in range(len(sample.media)):
+                name = sample.file_name(position)
+                write_bytes_atomic(self.out_dir / name, encode_output(sample, position))
+                files.append(name)
+            lines.append(json.dumps({"index": sample.index, "prompt": sample.prompt, "files": files}))
         index_file = self.out_dir / f"rank{trainer.global_rank}.jsonl"
         index_file.parent.mkdir(parents=True, exist_ok=True)
         with index_file.open("a") as f:
             f.write("".join(line + "\n" for line in lines))
-
-    def _write(self, item: Any, name: str) -> str:
-        if not (isinstance(item, torch.Tensor) and item.dtype == torch.uint8 and item.ndim == 3):
-            raise NotImplementedError(f"MediaWriter writes images (uint8 (3, H, W)) so far, got {type(item).__name__}")
-        save_png(Image.fromarray(item.permute(1, 2, 0).cpu().numpy()), self.out_dir / f"{name}.png")
-        return f"{name}.png"

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
+    from ff_core.rewards import Rewards, RewardSpec
 
 
 @dataclass
@@ -56,11 +57,18 @@ class Objective:
         """
         return None
 
-    def check_records(self, records: list[Any]) -> None:
-        """Refuse training records the objective cannot use (a reward's missing metadata field), before weights load.
+    def training_rewards(self) -> Rewards | None:
+        """The rewards this objective trains on (online objectives such as GRPO), or ``None``.
 
-        ``FlowModule.setup`` calls it with the data module's training records; the default accepts all.
+        ``FlowModule.setup`` checks, before any weight loads, that every training record carries the metadata fields
+        they read (:meth:`ff_core.rewards.Rewards.check_records`).
         """
+        return None
+
+    def default_eval_rewards(self) -> list[RewardSpec] | None:
+        """The rewards validation computes when the recipe sets no ``model.eval_rewards`` (an online objective can
+        return its training rewards); ``None``: none."""
+        return None
 
     def training_step(self, module: Any, batch: dict[str, Any], generator: torch.Generator) -> None:
         """One manual-optimisation step (objectives with ``automatic_optimization = False``): the objective calls

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
-from ff_core.rewards.base import RewardBatch, Rewards
+from ff_core.rewards.base import RewardBatch, Rewards, RewardSpec
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
@@ -177,9 +177,13 @@ class GRPOObjective(Objective):
             self.reference = ReferenceModel(adapter, lora=lora, offload=self.reference_offload)
         return self.reference
 
-    def check_records(self, records: list[Any]) -> None:
-        """Refuse training rows lacking a metadata field a configured reward reads (before any weight loads)."""
-        self.rewards.check_records(records)
+    def training_rewards(self) -> Rewards:
+        """The rewards maximised: ``FlowModule.setup`` refuses training rows lacking a metadata field they read."""
+        return self.rewards
+
+    def default_eval_rewards(self) -> list[RewardSpec]:
+        """Validation scores the training rewards unless the recipe sets ``model.eval_rewards``."""
+        return list(self.rewards.specs)
 
     def training_loss(self, adapter, batch, generator=None) -> LossOutput:
         raise RuntimeError("GRPO optimises manually: FlowModule.training_step calls GRPOObjective.training_step")
@@ -234,8 +238,9 @@ class GRPOObjective(Objective):
         groups = batch.get("group")
         if groups is None:  # not dealt by a GroupedDistributor: each sample is its own group
             groups = batch["index"]
-        reward_batch = RewardBatch(media, list(batch["prompt"]), list(batch["metadata"]), groups.cpu(),
-                                   output_types=tuple(str(t.value) for t in adapter.io_contract.output_types))
+        types = tuple(str(t.value) for t in adapter.io_contract.output_types)
+        rates = tuple(getattr(adapter, "output_rates", None) or (None,) * len(types))  # as FlowModule.generate
+        reward_batch = RewardBatch(media, list(batch["prompt"]), list(batch["metadata"]), groups.cpu(), types, rates)
         per_reward = self.rewards.pointwise(reward_batch)
         gather = _gatherer(module)
         all_groups = gather(groups.to(torch.long))

@@ -67,6 +67,10 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.media)
 
+    def group_ids(self) -> Tensor:
+        """(B,) group id of each sample: :attr:`groups`, or every sample its own group when it is ``None``."""
+        return self.groups if self.groups is not None else torch.arange(len(self.media))
+
     def output_index(self, media_types: Iterable[str], reward: str = "reward") -> int:
         """Position of the first output whose type is one of ``media_types`` (what a single-medium reward scores).
 
@@ -149,6 +153,12 @@ class RewardSpec:
     def key(self) -> str:
         return self.label or self.name
 
+    @classmethod
+    def from_config(cls, value: RewardSpec | dict[str, Any], key: str) -> RewardSpec:
+        """A spec from a config entry (a mapping with these fields), checked; errors name ``key``
+        (``model.eval_rewards[1]``)."""
+        return _as_spec(value, key)
+
 
 @dataclass
 class RewardScores:
@@ -173,7 +183,7 @@ class Rewards:
 
     def __init__(self, specs: Sequence[RewardSpec | dict[str, Any]], config_key: str = "rewards") -> None:
         self.config_key = config_key
-        self.specs: list[RewardSpec] = [_as_spec(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
+        self.specs: list[RewardSpec] = [RewardSpec.from_config(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
         self.rewards: list[Reward] = [_build(s, f"{config_key}[{i}]") for i, s in enumerate(self.specs)]
         keys = [s.key for s in self.specs]
         for i, key in enumerate(keys):
@@ -213,22 +223,21 @@ class Rewards:
         if not needs:
             return
         errors: list[DatasetError] = []
-        missing: dict[tuple[str, str], int] = {}
+        missing: dict[tuple[str, str], list[Any]] = {}  # (reward, field) -> records lacking it
         for record in records:
             for reward, name in needs:
-                if name in record.metadata:
-                    continue
-                n = missing[(reward, name)] = missing.get((reward, name), 0) + 1
-                if n <= MAX_REPORTED_RECORDS:
-                    errors.append(DatasetError(record.source, record.line, f"metadata.{name}", (
-                        f"reward {reward!r} ({self.config_key}) needs the metadata field {name!r}, which this record "
-                        "lacks (a legacy row's extra column or a V2 record's metadata key)"
-                    )))
-        for (reward, name), n in missing.items():
-            if n > MAX_REPORTED_RECORDS:
-                last = errors[-1]
-                errors.append(DatasetError(last.path, None, f"metadata.{name}",
-                                           f"... {n - MAX_REPORTED_RECORDS} more records lack it (reward {reward!r})"))
+                if name not in record.metadata:
+                    missing.setdefault((reward, name), []).append(record)
+        for (reward, name), lacking in missing.items():
+            for record in lacking[:MAX_REPORTED_RECORDS]:
+                errors.append(DatasetError(record.source, record.line, f"metadata.{name}", (
+                    f"reward {reward!r} ({self.config_key}) needs the metadata field {name!r}, which this record "
+                    "lacks (a legacy row's extra column or a V2 record's metadata key)"
+                )))
+            if len(lacking) > MAX_REPORTED_RECORDS:
+                more = len(lacking) - MAX_REPORTED_RECORDS
+                errors.append(DatasetError(lacking[MAX_REPORTED_RECORDS].source, None, f"metadata.{name}",
+                                           f"... {more} more records lack it (reward {reward!r})"))
         if errors:
             raise DatasetErrors(errors)
 

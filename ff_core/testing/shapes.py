@@ -33,6 +33,8 @@ import torch
 from PIL import Image, ImageDraw
 from torch import Tensor
 
+from ff_core.rewards import Reward, RewardBatch
+
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (255, 0, 0),
     "yellow": (255, 255, 0),
@@ -266,6 +268,31 @@ def prompt_colour(prompt: str) -> str:
         if word in PALETTE:
             return word
     return "none"
+
+
+class PromptColourReward(Reward):
+    """Shapes demo reward: 1 when a sample's :func:`dominant_colour` is the colour its prompt names
+    (:func:`prompt_colour`), else 0; its mean over the evaluation prompts is the demo's colour accuracy. Recipes name
+    it by dotted path, ``ff_core.testing.shapes:PromptColourReward``.
+
+    Args:
+        default: the colour to reward for prompts that name none (the preference benchmark's chosen colour);
+            ``None``: such prompts score 0.
+    """
+
+    name = "shapes_prompt_colour"
+
+    def __init__(self, default: str | None = None) -> None:
+        super().__init__()
+        if default is not None and default not in PALETTE:
+            raise ValueError(f"default must be a palette colour {COLOURS}, got {default!r}")
+        self.default = default
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        wanted = [prompt_colour(p) for p in batch.prompts]
+        wanted = [self.default if w == "none" and self.default else w for w in wanted]
+        images = batch.outputs(self.media_types, self.name)
+        return torch.tensor([float(dominant_colour(x.cpu()) == w) for x, w in zip(images, wanted)])
 
 
 def main(argv: list[str] | None = None) -> None:

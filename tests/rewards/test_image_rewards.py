@@ -94,3 +94,21 @@ def test_builtins_through_a_recipe_style_config():
     scores = rewards(batch(white))
     assert_close(scores.per_reward["colour"], torch.tensor([1 - 2 / 3]))
     assert_close(scores.total, torch.tensor([0.5 * (1 - 2 / 3) + 2.0]))
+
+
+def test_shapes_prompt_colour_reward_scores_drawn_shapes():
+    import random
+
+    from ff_core.testing.shapes import PromptColourReward, ShapeSpec, draw_shape
+
+    def drawn(colour):
+        image = draw_shape(ShapeSpec(colour, "square", "white"), 32, random.Random(0))
+        return torch.from_numpy(__import__("numpy").asarray(image).copy()).permute(2, 0, 1)
+
+    images = [drawn("red"), drawn("green"), drawn("blue")]
+    prompts = ["a red square on a white background", "a blue square", "a square on a white background"]
+    b = RewardBatch(media=[[x] for x in images], prompts=prompts, metadata=[{}] * 3)
+    assert PromptColourReward()(b).tolist() == [1.0, 0.0, 0.0]
+    assert PromptColourReward(default="blue")(b).tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="default must be a palette colour"):
+        PromptColourReward(default="teal")

@@ -35,8 +35,9 @@ class GroupCentred(Reward):
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         x = torch.stack([m[0].float().mean() for m in batch.media])
         out = torch.empty_like(x)
-        for g in batch.groups.unique():
-            sel = batch.groups == g
+        groups = batch.group_ids()
+        for g in groups.unique():
+            sel = groups == g
             out[sel] = x[sel] - x[sel].mean()
         return out
 
@@ -72,6 +73,8 @@ def test_weighted_total_pointwise_and_groupwise_split():
     assert scores.total.dtype == torch.float32
     with pytest.raises(KeyError, match="GroupCentred are missing"):
         rewards.combine(point)
+    # Without groups every sample is its own group: centred scores are all 0.
+    assert rewards.groupwise(batch_of([0, 51]))[f"{__name__}:GroupCentred"].tolist() == [0.0, 0.0]
 
 
 def test_config_errors_name_the_key():
@@ -171,3 +174,16 @@ def test_plugin_rewards_register_and_conflicts_are_reported():
     assert registry.rewards()["mean_pixel"].distribution == "toy-rewards"
     assert registry.rewards()["colour"].distribution == "ff-core"
     assert any("reward name 'colour' is already provided by ff-core" in f.error for f in registry.failures)
+
+
+def test_ff_plugins_lists_the_rewards():
+    import io
+
+    from ff_core.cli import print_plugins
+
+    out = io.StringIO()
+    print_plugins(out)
+    lines = out.getvalue().splitlines()
+    for name in ("audio_loudness", "brightness", "clip_score", "colour", "jpeg_compressibility"):
+        assert any(line.startswith(f"reward {name}  [ff-core ") for line in lines), lines
+    assert any(line.endswith("pointwise reward of audio") for line in lines)

@@ -1,0 +1,138 @@
+"""Video and audio samples to files, TensorBoard and CSV, from tensors (no video or audio adapter exists yet)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageSequence
+
+from ff_core.callbacks.media_log import (
+    EvalSample,
+    audio_to_wav,
+    log_csv,
+    log_tensorboard,
+    video_to_gif,
+    write_sample_files,
+)
+
+
+def palette_video(t: int = 3, h: int = 4, w: int = 6) -> torch.Tensor:
+    """uint8 (T, 3, H, W) frames of a few saturated colours (GIF's 256-colour palette holds them exactly)."""
+    colours = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255], [0, 0, 0]], dtype=torch.uint8)
+    pick = torch.randint(0, len(colours), (t, h, w), generator=torch.Generator().manual_seed(0))
+    return colours[pick].permute(0, 3, 1, 2).contiguous()
+
+
+def tone(channels: int = 2, n: int = 800, rate: int = 8000) -> torch.Tensor:
+    t = torch.arange(n) / rate
+    return torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * (c + 1) * t) for c in range(channels)])
+
+
+def test_video_to_gif_round_trips_frames_and_fps():
+    video = palette_video()
+    gif = Image.open(io.BytesIO(video_to_gif(video, fps=10)))
+    frames = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(gif)]
+    assert len(frames) == 3
+    for got, expected in zip(frames, video):
+        np.testing.assert_array_equal(got, expected.permute(1, 2, 0).numpy())
+    assert gif.info["duration"] == 100  # 10 fps: 100 ms a frame
+    with pytest.raises(ValueError, match=r"a video is uint8 \(T, 3, H, W\)"):
+        video_to_gif(video[0])
+
+
+def test_audio_to_wav_is_interleaved_16_bit_pcm():
+    audio = tone()
+    audio[0, 0] = 1.5  # clipped to full scale
+    with wave.open(io.BytesIO(audio_to_wav(audio, 8000))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (2, 2, 8000, 800)
+        pcm = np.frombuffer(w.readframes(800), dtype="<i2").reshape(800, 2).T
+    expected = np.round(audio.clamp(-1, 1).numpy() * 32767).astype(np.int16)
+    np.testing.assert_array_equal(pcm, expected)
+    assert pcm[0, 0] == 32767
+
+
+def av_sample(index: int) -> EvalSample:
+    return EvalSample(index, f"prompt {index}", [palette_video(), tone()], ("video", "audio"), (12.5, 8000),
+                      {"loud": -6.0 - index}, -6.0 - index)
+
+
+def test_video_and_audio_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    log_tensorboard(writer, [av_sample(3)], None, step=7)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "audio": 0})
+    events.Reload()
+    [video] = events.Images("val/sample_00003")
+    assert (video.step, video.width, video.height) == (7, 6, 4)
+    assert Image.open(io.BytesIO(video.encoded_image_string)).n_frames == 3
+    [audio] = events.Audio("val/sample_00003_1")
+    assert (audio.sample_rate, audio.length_frames, audio.content_type) == (8000, 800, "audio/wav")
+    with wave.open(io.BytesIO(audio.encoded_audio_string)) as w:
+        assert w.getnchannels() == 2
+
+
+def test_video_and_audio_files_and_csv_rows(tmp_path):
+    samples = [av_sample(0), av_sample(1)]
+    paths = write_sample_files(samples, tmp_path / "files")
+    assert sorted(p.name for p in paths.values()) == ["00000.gif", "00000_1.wav", "00001.gif", "00001_1.wav"]
+    table = log_csv(tmp_path, samples, step=5)
+    log_csv(tmp_path, samples[:1], step=6)  # a second validation appends
+    rows = list(csv.DictReader(table.open()))
+    expected = [(step, i, kind, f"media/val_step_{step:06d}/{i:05d}{suffix}")
+                for step, indices in ((5, (0, 1)), (6, (0,))) for i in indices
+                for kind, suffix in (("video", ".gif"), ("audio", "_1.wav"))]
+    assert [(int(r["step"]), int(r["index"]), r["output"], r["path"]) for r in rows] == expected
+    assert [float(r["reward/loud"]) for r in rows] == [-6, -6, -7, -7, -6, -6]
+    assert all((tmp_path / r["path"]).stat().st_size > 0 for r in rows)
+
+
+def test_media_writer_writes_video_and_audio_predictions(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from ff_core.callbacks import MediaWriter
+
+    writer = MediaWriter(dirpath=str(tmp_path))
+    writer.setup(None, None, "predict")
+    prediction = {"index": [4], "prompt": ["a clip"], "media": [[palette_video(), tone()]],
+                  "output_types": ("video", "audio"), "rates": (12.5, 8000), "metadata": [{}]}
+    writer.write_on_batch_end(SimpleNamespace(global_rank=0), None, prediction, None, None, 0, 0)
+    [line] = (tmp_path / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(line) == {"index": 4, "prompt": "a clip", "files": ["00004.gif", "00004_1.wav"]}
+    assert Image.open(tmp_path / "00004.gif").n_frames == 3
+    with wave.open(str(tmp_path / "00004_1.wav")) as w:
+        assert (w.getnchannels(), w.getframerate()) == (2, 8000)
+
+
+def test_wandb_payload(monkeypatch):
+    """wandb is optional and not installed here: a stand-in module records what log_wandb hands to wandb's classes
+    (their constructors' arguments as wandb documents them)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from ff_core.callbacks.media_log import log_wandb
+
+    fake = ModuleType("wandb")
+    for cls in ("Image", "Video", "Audio", "Table"):
+        setattr(fake, cls, type(cls, (), {"__init__": lambda self, *a, **k: setattr(self, "args", (a, k))}))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logged = {}
+    logger = SimpleNamespace(experiment=SimpleNamespace(log=logged.update))
+    grid = Image.new("RGB", (4, 4))
+    log_wandb(logger, [av_sample(2)], grid, step=9)
+    assert logged["trainer/global_step"] == 9
+    assert logged["val/samples"].args == ((grid,), {})
+    (video,), kwargs = logged["val/sample_00002"].args
+    assert video.shape == (3, 3, 4, 6) and kwargs == {"fps": 12.5, "format": "gif"}
+    (audio,), kwargs = logged["val/sample_00002_1"].args
+    assert audio.shape == (800, 2) and kwargs == {"sample_rate": 8000}  # wandb.Audio takes (N, C)
+    assert logged["val/samples_table"].args[1] == {"columns": ["index", "prompt", "loud", "reward"],
+                                                   "data": [[2, "prompt 2", -8.0, -8.0]]}
