@@ -306,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chosen-shift", type=int, default=0, help="palette steps from the prompt's colour (--preference)")
     p.add_argument("--rejected-shift", type=int, default=None, help="as --chosen-shift; default: a random other colour")
     p.add_argument("--pair", default=None, help="CHOSEN,REJECTED colours of every pair, prompts without a colour")
+    p.add_argument("--prompts", action="store_true", help="write a prompt-only dataset (online RL: GRPO)")
     a = p.parse_args(argv)
+    if a.prompts:
+        out = write_prompt_dataset(a.out_dir)
+        print(f"wrote the colourless shape prompts (train.txt, test.txt) to {out}")
+        return
     if a.preference:
         pair = tuple(a.pair.split(",")) if a.pair else None
         out = write_preference_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed,
