@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.tensor_rows import TensorColumns
-from ff_core.objectives.flow_matching import euler_step, shift_sigma
+from ff_core.sampling import sample_ode, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
     from peft import LoraConfig
@@ -288,6 +288,20 @@ class Adapter(nn.Module):
         sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
         return shift_sigma(sigmas, self.timestep_shift() if shift is None else shift)
 
+    def sampling_schedules(self, state: LatentState, num_steps: int, shift: float | None = None) -> dict[str, Tensor]:
+        """Per latent component of ``state``, its noise levels (``num_steps + 1`` values from 1 towards 0) for sampling.
+
+        Default: :meth:`sampling_sigmas` for every component. A family whose components denoise on their own schedules
+        (an audio stream beside video) overrides it; the velocity is evaluated at the first component's level.
+
+        Args:
+            state: the initial noise (component names and shapes).
+            num_steps: sampler steps.
+            shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: the adapter's.
+        """
+        sigmas = self.sampling_sigmas(num_steps, shift=shift)
+        return {name: sigmas for name in state.components}
+
     @torch.no_grad()
     def sample(
         self,
@@ -298,22 +312,14 @@ class Adapter(nn.Module):
         generator: torch.Generator | None = None,
         shift: float | None = None,
     ) -> LatentState:
-        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG.
+        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG
+        (:func:`ff_core.sampling.sample_ode`; GRPO's stochastic rollouts are :func:`ff_core.sampling.sample_sde`).
 
         Elements ``initial_noise`` pins through its masks (mask 0, e.g. a condition frame) are never changed.
         ``shift`` overrides the schedule's shift (see :meth:`sampling_sigmas`).
         """
-        state = self.initial_noise(condition, generator)
-        negative = self.unconditional(condition) if guidance_scale != 1.0 else None
-        sigmas = self.sampling_sigmas(num_steps, shift=shift).tolist()
-        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
-            v = self.velocity(state, s, condition)
-            if negative is not None:
-                v_neg = self.velocity(state, s, negative)
-                v = v_neg.zip_map(v, lambda u, c: u + guidance_scale * (c - u))
-            state = euler_step(state, v, sigma, sigma_next)
-        return state
+        return sample_ode(self, condition, num_steps=num_steps, guidance_scale=guidance_scale, generator=generator,
+                          shift=shift)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
     def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:

@@ -23,6 +23,11 @@ class FlowCLI(LightningCLI):
         parser.link_arguments(
             "model", "data.trainer_type", compute_fn=lambda m: m.objective.trainer_type, apply_on="instantiate"
         )
+        # GRPO: the data module deals each step's prompt groups (P prompts x K samples) over the ranks.
+        parser.link_arguments(
+            "model", "data.grouping", compute_fn=lambda m: getattr(m.objective, "grouping", None),
+            apply_on="instantiate",
+        )
 
 
 # Lightning warnings that are expected in every ff run, silenced so real ones stand out:

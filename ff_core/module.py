@@ -150,6 +150,18 @@ class FlowModule(L.LightningModule):
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
 
+    @property
+    def automatic_optimization(self) -> bool:
+        """Lightning's switch: off for objectives that optimise themselves (GRPO: several optimiser steps per batch).
+        ``trainer.accumulate_grad_batches`` and ``trainer.gradient_clip_val`` are then refused by Lightning; GRPO has
+        its own ``mini_batches`` and ``max_grad_norm``."""
+        return self.objective.automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        if value != self.objective.automatic_optimization:
+            raise ValueError("FlowModule.automatic_optimization follows model.objective; it cannot be set")
+
     # -- before weights: rewards and the records they read ---------------------------------------------
     def setup(self, stage: str) -> None:
         """Build the evaluation rewards and check that the records carry the metadata fields every configured reward
@@ -294,8 +306,11 @@ class FlowModule(L.LightningModule):
         return torch.Generator().manual_seed(seed), seed
 
     # -- steps -------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         generator, seed = self.noise_generator(batch_idx)
+        if not self.automatic_optimization:  # the objective runs its own optimiser steps (GRPO)
+            self.objective.training_step(self, batch, generator)
+            return None
         out = self.objective.training_loss(self.adapter, batch, generator)
         bs = len(batch["index"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with ff-core and every model plugin in editable mode (CPU torch pinned), then build the tiny
-# demo inputs: the synthetic shapes dataset (build/shapes), its preference pairs for offline DPO (build/shapes_dpo)
-# and a tiny SD3-architecture base (build/tiny-sd3) whose VAE is trained to reconstruct those images; then the shapes
-# training split as tensor-parquet shards of that base (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml).
+# demo inputs: the synthetic shapes dataset (build/shapes), its preference pairs for offline DPO (build/shapes_dpo),
+# colourless shape prompts for GRPO (build/prompts) and a tiny SD3-architecture base (build/tiny-sd3) whose VAE is
+# trained to reconstruct those images; then the shapes training split as tensor-parquet shards of that base
+# (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,6 +16,7 @@ for p in plugins/*/; do plugins+=(-e "$p"); done
 pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]" "${plugins[@]}"
 [ -f build/shapes/train.jsonl ] || python -m ff_core.testing.shapes build/shapes
 [ -f build/shapes_dpo/train.jsonl ] || python -m ff_core.testing.shapes build/shapes_dpo --preference
+[ -f build/prompts/train.txt ] || python -m ff_core.testing.shapes build/prompts --prompts
 [ -f build/tiny-sd3/model_index.json ] || python -m ff_sd3.testing --out build/tiny-sd3 --vae-train-dir build/shapes/images
 [ -d build/shapes_latents ] || ff data preprocess-latents --config configs/sd3/sft_tiny.yaml --output build/shapes_latents
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"

@@ -339,7 +339,12 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     a dataset of the supervision its objective consumes (demonstrations or preference pairs) is finite."""
     assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.relative_to(REPO / 'configs')}")
     trainer_type = recipe_trainer_type(recipe)
-    data_dir = request.getfixturevalue({"sft": "shapes_dir", "offline-dpo": "shapes_dpo_dir"}[trainer_type])
+    if trainer_type == "grpo":  # prompt rows; the recipe runs end to end in tests/test_grpo_fit.py
+        from ff_core.testing.shapes import write_prompt_dataset
+
+        data_dir = write_prompt_dataset(tmp_path / "prompts")
+    else:
+        data_dir = request.getfixturevalue({"sft": "shapes_dir", "offline-dpo": "shapes_dpo_dir"}[trainer_type])
     datasets = [{"name": "shapes", "dataset_dir": str(data_dir), "eval": {}}]
     if "tensor_parquet_dir" in recipe.read_text():  # trains from shards; evaluates on the folder's prompts
         shards = request.getfixturevalue("shapes_latents_dir")
@@ -355,6 +360,9 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     if cli.model.eval_rewards:
         assert cli.model.eval_reward_set.keys == [s.key for s in cli.model.eval_rewards]
     cli.model.configure_model()
+    if trainer_type == "grpo":
+        assert cli.datamodule.grouping == cli.model.objective.grouping
+        return
     # Training noise levels follow the schedule the recipe samples with (the checkpoint scheduler's shift).
     assert cli.model.objective.timesteps.resolve_shift(cli.model.adapter) == cli.model.adapter.timestep_shift()
     batch = next(iter(_loader(cli)))

@@ -164,7 +164,9 @@ class LossCurve(L.Callback):
         write_bytes_atomic(out / "loss.csv", csv.encode())
         save_png(self.plot(), out / "loss.png")
 
-    def plot(self, width: int = 480, height: int = 240) -> Image.Image:
+    def plot(
+        self, width: int = 480, height: int = 240, title: str = "training loss (raw, moving average)"
+    ) -> Image.Image:
         image = Image.new("RGB", (width, height), "white")
         draw = ImageDraw.Draw(image)
         steps = [s for s, _ in self.history]
@@ -187,5 +189,5 @@ class LossCurve(L.Callback):
         draw.text((2, y1 - 10), f"{lo:.3g}", fill="black")
         draw.text((x0, y1 + 5), f"step {steps[0]}", fill="black")
         draw.text((x1 - 70, y1 + 5), f"step {steps[-1]}", fill="black")
-        draw.text((x0 + 5, y0 + 3), "training loss (raw, moving average)", fill="black")
+        draw.text((x0 + 5, y0 + 3), title, fill="black")
         return image

@@ -36,7 +36,14 @@ from torch.utils.data import DataLoader
 from ff_core.adapter import Adapter
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
-from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, MapDistributor, SamplerDistributor
+from ff_core.data.dataflow import (
+    DataflowLoader,
+    DataParallelCoords,
+    GroupedDistributor,
+    MapDistributor,
+    SamplerDistributor,
+    check_grouping,
+)
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
@@ -120,6 +127,10 @@ class FlowDataModule(L.LightningDataModule):
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
+        grouping: GRPO's ``(prompts_per_step, group_size)`` (linked from ``model.objective``; not set by hand): every
+            step the ranks share P prompts, each sampled K times, each rank taking ``P * K / W`` of the pairs
+            (:class:`~ff_core.data.dataflow.GroupedDistributor`); ``per_device_batch_size`` is then unused.
+            ``None`` with ``grpo``: ``per_device_batch_size`` prompts per rank, one sample each.
     """
 
     def __init__(
@@ -139,6 +150,7 @@ class FlowDataModule(L.LightningDataModule):
         row_group_window: int | None = None,
         adapter: str | None = None,
         trainer_type: TrainerType = "sft",
+        grouping: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if not datasets:
@@ -170,6 +182,7 @@ class FlowDataModule(L.LightningDataModule):
         self.row_group_window = row_group_window
         self.adapter_name = adapter
         self.trainer_type = trainer_type
+        self.grouping = tuple(grouping) if grouping is not None else None
         self.train_records: list[Record] = []
         self.eval_records: list[Record] = []
         self.train_rows: TensorRows | None = None
@@ -353,31 +366,49 @@ class FlowDataModule(L.LightningDataModule):
         # (``reload_dataloaders_every_n_epochs``) must continue from its position rather than restart the order.
         key = (id(self.trainer), id(self._adapter()))
         if self._train_loader is None or self._train_loader_key != key:
-            distributor = SamplerDistributor if self.trainer_type in OFFLINE_TRAINERS else MapDistributor
-            options = {"shuffle": self.shuffle, "seed": self.seed, "name": "train", "identity": self.train_identity()}
+            coords = DataParallelCoords.from_trainer(self.trainer)
+            source, batch_size = self._train_distributor(coords)
             if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
                 processor = TensorRowProcessor(self.train_rows, self.tensor_columns, supervision=self._supervision)
                 collator = TensorRowCollator()
-                if self.row_group_window is not None:  # two-level order (ff_core.data.shard_order)
-                    grouped = GroupedSamplerDistributor if distributor is SamplerDistributor else GroupedMapDistributor
-                    source = grouped(self.train_rows, self.row_group_window, **options)
-                else:
-                    source = distributor(self.train_rows, **options)
             else:
-                source = distributor(self._conditioned("train", self.train_records), **options)
                 processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
             self._train_loader = EpochAlignedLoader(
                 source,
                 processor,
                 collator=collator,
-                batch_size=self.per_device_batch_size,
+                batch_size=batch_size,
                 num_workers=self.num_workers,
-                coords=DataParallelCoords.from_trainer(self.trainer),
+                coords=coords,
                 stamp_key=STAMP_KEY,
             )
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def _train_distributor(self, coords: DataParallelCoords) -> tuple[Any, int]:
+        """The training distributor and the per-rank batch size: shard rows (optionally in two-level order), the
+        offline trainers' epoch sampler, GRPO's prompt groups (one step's ``P * K / W`` (prompt, sample) pairs per
+        rank), or a plain shuffled map."""
+        common = dict(shuffle=self.shuffle, seed=self.seed, name="train", identity=self.train_identity())
+        if self.train_rows is not None:  # shards (offline trainers only): row numbers, optionally in two-level order
+            offline = self.trainer_type in OFFLINE_TRAINERS
+            if self.row_group_window is not None:  # ff_core.data.shard_order
+                grouped = GroupedSamplerDistributor if offline else GroupedMapDistributor
+                return grouped(self.train_rows, self.row_group_window, **common), self.per_device_batch_size
+            distributor = SamplerDistributor if offline else MapDistributor
+            return distributor(self.train_rows, **common), self.per_device_batch_size
+        table = self._conditioned("train", self.train_records)
+        if self.trainer_type in OFFLINE_TRAINERS:
+            return SamplerDistributor(table, **common), self.per_device_batch_size
+        if self.trainer_type == "grpo" and self.grouping is not None:
+            prompts, group_size = self.grouping
+            if self.num_workers > 1:  # worker streams interleave whole batches: a step's block would be split
+                raise ValueError(f"data.num_workers={self.num_workers}: GRPO steps hold whole prompt groups, served by "
+                                 "one stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
+            batch_size = check_grouping(prompts, group_size, coords.world_size)
+            return GroupedDistributor(table, group_size, prompts, **common), batch_size
+        return MapDistributor(table, **common), self.per_device_batch_size
 
     def train_identity(self) -> dict[str, dict[str, Any]]:
         """Per dataset, the training rows and the SHA-256 of their content (prompts, metadata, every input and
@@ -385,7 +416,7 @@ class FlowDataModule(L.LightningDataModule):
         the dataset (spec: "Replacing target, chosen, or rejected media in place changes the full record identity
         used by exact-resume checks").
         """
-        if self.train_rows is not None:  # shards: their files' paths, sizes and mtimes (not their data pages)
+        if self.train_rows is not None:  # shards: their files' paths, sizes and row-group sizes (not their data pages)
             return {source.name: source.identity for source in self.shard_sources}
         return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}

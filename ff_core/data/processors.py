@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.dataflow import BatchCollator, RawItemProcessor
+from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
 from ff_core.data.geometry import MediaGeometry, fit_media
 from ff_core.data.media import decode_media
 from ff_core.data.records import CANDIDATE_FIELDS, Record
@@ -114,7 +114,9 @@ class RecordProcessor(RawItemProcessor):
     def __init__(self, geometry: Sequence[MediaGeometry | None] = ()) -> None:
         self.geometry = tuple(geometry)
 
-    def process(self, item: ConditionedRecord) -> dict[str, Any]:
+    def process(self, item: ConditionedRecord | GroupedItem) -> dict[str, Any]:
+        if isinstance(item, GroupedItem):  # a GRPO (prompt, sample) pair: the row, tagged with its group id
+            return {**self.process(item.item), "group": item.group}
         record = item.record
         sample = {"index": item.index, "prompt": record.prompt, "condition": item.condition,
                   "metadata": record.metadata}
@@ -134,7 +136,7 @@ class SampleCollator(BatchCollator):
     adapter); ``target`` (demonstrations), or ``chosen`` and ``rejected`` (preferences): per-sample lists of decoded
     media, in the contract's output order (sizes may differ between samples); ``metadata``: each record's reward
     metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands every sample's
-    non-model columns to its rewards.
+    non-model columns to its rewards; ``group`` (GRPO batches only): each sample's prompt-group id, a tensor.
     """
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,6 +152,8 @@ class SampleCollator(BatchCollator):
             "condition": default_collate([s["condition"] for s in samples]),
             "metadata": [s["metadata"] for s in samples],
         }
+        if "group" in samples[0]:
+            batch["group"] = torch.tensor([s["group"] for s in samples])
         return batch | {k: [s[k] for s in samples] for k in keys}
 
 

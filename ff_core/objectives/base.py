@@ -39,6 +39,9 @@ class Objective:
     """
 
     trainer_type: ClassVar[str]
+    automatic_optimization: ClassVar[bool] = True
+    """``False``: the objective optimises itself (GRPO's rollout + several optimiser steps per batch): FlowModule
+    turns Lightning's manual optimisation on and calls :meth:`training_step` instead of :meth:`training_loss`."""
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
         """Prepare what the objective needs from the loaded adapter (a frozen reference policy, say).
@@ -66,6 +69,17 @@ class Objective:
         """The rewards validation computes when the recipe sets no ``model.eval_rewards`` (an online objective can
         return its training rewards); ``None``: none."""
         return None
+
+    def training_step(self, module: Any, batch: dict[str, Any], generator: torch.Generator) -> None:
+        """One manual-optimisation step (objectives with ``automatic_optimization = False``): the objective calls
+        ``module.optimizers()``, ``module.manual_backward``, ``module.clip_gradients`` and ``module.log`` itself.
+
+        Args:
+            module: the FlowModule.
+            batch: the rank's batch.
+            generator: the rank's noise generator of this step (``FlowModule.noise_generator``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} optimises automatically: implement training_loss")
 
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None

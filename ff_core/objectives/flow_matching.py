@@ -1,4 +1,5 @@
-"""Rectified-flow maths shared by every objective: timestep sampling, noising, targets, Euler steps.
+"""Rectified-flow training maths shared by every objective: timestep sampling, noising, targets (sampling steps:
+:mod:`ff_core.sampling`, re-exported here).
 
 Convention (SD3, Esser et al. 2024, "Scaling Rectified Flow Transformers", sec. 2-3):
 ``x_sigma = (1 - sigma) * x0 + sigma * eps`` with ``sigma`` in [0, 1] (1 is pure noise) and the network
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ff_core.data.dataflow.distributors import derive_seed
+from ff_core.sampling import euler_step, keep_pinned, shift_sigma  # noqa: F401  (re-exported: sampling maths)
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, LatentState
@@ -117,11 +119,6 @@ def randn_like(x: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x)
 
 
-def shift_sigma(sigma: Tensor, shift: float) -> Tensor:
-    """SD3's timestep shift (eq. 23): more weight on high noise for larger ``shift``."""
-    return shift * sigma / (1 + (shift - 1) * sigma)
-
-
 def _bcast(sigma: Tensor, like: Tensor) -> Tensor:
     """Per-sample ``sigma`` (B,) as fp32, shaped to broadcast against ``like`` (B, ...)."""
     return sigma.to(device=like.device, dtype=torch.float32).reshape(-1, *([1] * (like.ndim - 1)))
@@ -137,7 +134,7 @@ def add_noise(x0: Tensor, noise: Tensor, sigma: Tensor, mask: Tensor | None = No
     s = _bcast(sigma, x0)
     clean = x0.float()
     noisy = (1 - s) * clean + s * noise.float()
-    return _keep_pinned(noisy, clean, mask).to(x0.dtype)
+    return keep_pinned(noisy, clean, mask).to(x0.dtype)
 
 
 def noise_state(clean: LatentState, noise: LatentState, sigma: Tensor) -> LatentState:
@@ -151,27 +148,6 @@ def noise_state(clean: LatentState, noise: LatentState, sigma: Tensor) -> Latent
 def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
     """The rectified-flow regression target ``noise - x0``, in fp32 (the loss is computed in fp32)."""
     return noise.float() - x0.float()
-
-
-def euler_step(state: LatentState, velocity: LatentState, sigma: float, sigma_next: float) -> LatentState:
-    """One ODE step ``x <- x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler.step).
-
-    Elements the state's masks pin (mask 0) are left unchanged, as in training, where they are never noised.
-    """
-    out = state.zip_map(velocity, lambda x, v: x + (sigma_next - sigma) * v)
-    kept = {k: _keep_pinned(x, state.components[k], state.masks.get(k)) for k, x in out.components.items()}
-    return replace(out, components=kept)
-
-
-def _keep_pinned(new: Tensor, old: Tensor, mask: Tensor | None) -> Tensor:
-    """``new`` where ``mask`` is 1 (generated elements), ``old`` where it is 0 (pinned by a condition).
-
-    ``torch.where`` rather than ``mask * new + (1 - mask) * old``: a non-finite ``new`` at a pinned element
-    must not leak into it (``0 * inf`` is NaN).
-    """
-    if mask is None:
-        return new
-    return torch.where(mask.to(device=new.device, dtype=torch.bool), new, old)
 
 
 def per_sample_squared_error(pred: LatentState, target: LatentState) -> Tensor:

@@ -197,6 +197,26 @@ def write_preference_dataset(
     return _write_splits(out, lines, prompts)
 
 
+def write_prompt_dataset(out: Path | str, colourless: bool = True) -> Path:
+    """A prompt-only dataset for online RL (GRPO): ``train.txt`` and ``test.txt``, one prompt per line, each holding
+    every (shape, background) prompt: colourless ones ("a circle on a white background", which the demo model draws
+    in a spread of colours: the colour rewards' playground), or with ``colourless=False`` one per palette colour too.
+
+    Args:
+        out: the dataset folder (created).
+        colourless: prompts that name no colour.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if colourless:
+        prompts = [_colourless_prompt(shape, bg) for bg in BACKGROUNDS for shape in SHAPES]
+    else:
+        prompts = [ShapeSpec(c, shape, bg).prompt for c in COLOURS for bg in BACKGROUNDS for shape in SHAPES]
+    for split in ("train", "test"):
+        (out / f"{split}.txt").write_text("\n".join(prompts) + "\n")
+    return out
+
+
 def _colourless_prompt(shape: str, background: str) -> str:
     return f"a {shape} on a {background} background"
 
@@ -286,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chosen-shift", type=int, default=0, help="palette steps from the prompt's colour (--preference)")
     p.add_argument("--rejected-shift", type=int, default=None, help="as --chosen-shift; default: a random other colour")
     p.add_argument("--pair", default=None, help="CHOSEN,REJECTED colours of every pair, prompts without a colour")
+    p.add_argument("--prompts", action="store_true", help="write a prompt-only dataset (online RL: GRPO)")
     a = p.parse_args(argv)
+    if a.prompts:
+        out = write_prompt_dataset(a.out_dir)
+        print(f"wrote the colourless shape prompts (train.txt, test.txt) to {out}")
+        return
     if a.preference:
         pair = tuple(a.pair.split(",")) if a.pair else None
         out = write_preference_dataset(a.out_dir, n_train=a.n_train, n_test=a.n_test, size=a.size, seed=a.seed,

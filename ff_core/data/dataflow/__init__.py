@@ -24,6 +24,7 @@ from .distributors import (
     apportion_ranks,
     derive_seed,
 )
+from .grouped import GroupedDistributor, GroupedItem, check_grouping
 from .joint import JointDataflowLoader
 from .loader import DataflowLoader
 from .mixture import MixtureDistributor
@@ -39,6 +40,8 @@ __all__ = [
     "DataParallelCoords",
     "DataflowLoader",
     "DefaultBatchCollator",
+    "GroupedDistributor",
+    "GroupedItem",
     "IdentityProcessor",
     "IndexedDistributor",
     "IterableDistributor",
@@ -56,6 +59,7 @@ __all__ = [
     "StateHistory",
     "WorkerCoords",
     "apportion_ranks",
+    "check_grouping",
     "check_state",
     "derive_seed",
     "merge_rank_states",

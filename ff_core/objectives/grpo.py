@@ -1,0 +1,426 @@
+"""Flow-GRPO (``trainer_type: grpo``): online RL of a flow model on prompt rows, with rewards on its own samples.
+
+Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL" (arXiv 2505.05470); the loss maths is in
+:mod:`ff_core.objectives.grpo_loss`, the sampler in :mod:`ff_core.sampling`. One training step of the Lightning loop
+is one GRPO iteration over the rank's share of the step's prompt groups (``P`` prompts x ``K`` samples over ``W``
+ranks, :class:`~ff_core.data.dataflow.GroupedDistributor`):
+
+1. **Rollout** (no_grad), in micro-batches of ``micro_batch_size``: ``num_steps`` sampler steps, SDE steps on the
+   sampler's window (stored as transitions), ODE elsewhere; noise from a generator seeded by (noise seed, rank,
+   optimiser step), so runs and resumes repeat.
+2. **Rewards** on the decoded samples: pointwise ones on each rank, then every rank's scores (and, for groupwise
+   rewards, samples) are gathered; advantages are normalised per group and clipped.
+3. **Update**, ``num_inner_epochs`` times: the rank's micro-batches are split into ``mini_batches`` optimiser steps;
+   in each, every stored transition of every micro-batch is replayed with gradient (the same micro-batches as the
+   rollout, so the first ratio is exactly 1), its clipped surrogate (plus ``kl_beta`` x KL to the reference)
+   back-propagated, gradients accumulated over transitions and micro-batches (Flow-GRPO's accumulation over trained
+   timesteps and samples), clipped to ``max_grad_norm``, then one optimiser and scheduler step.
+
+Rollout and replay run the networks in eval mode (no dropout), so the replayed log-prob of an unchanged policy is
+bitwise the rollout's: SD3-family transformers have no dropout, so nothing is lost there; a LoRA dropout is off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ff_core.objectives.base import LossOutput, Objective
+from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
+from ff_core.objectives.reference import ReferenceModel
+from ff_core.rewards.base import RewardBatch, Rewards, RewardSpec
+from ff_core.sampling import (
+    StochasticSampling,
+    Trajectory,
+    guided_velocity,
+    pooled_element_mean,
+    sample_sde,
+    step_log_prob,
+)
+
+if TYPE_CHECKING:
+    import lightning as L
+
+    from ff_core.adapter import Adapter, Condition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    """One rollout micro-batch: its rows, prepared conditions, trajectory and advantages.
+
+    Attributes:
+        rows: ``slice`` of the rank's batch.
+        condition: the prepared condition (``adapter.prepare_condition``).
+        negative: its CFG branch (``None`` without CFG).
+        trajectory: the sampled trajectory with its stored SDE transitions.
+        advantages: per sample, filled once the rewards are gathered, shape (b,).
+    """
+
+    rows: slice
+    condition: Condition
+    negative: Condition | None
+    trajectory: Trajectory
+    advantages: Tensor | None = None
+
+
+@dataclass
+class UpdateStats:
+    """Per-(sample, transition) diagnostics of one iteration's updates, concatenated."""
+
+    ratio: list[Tensor] = field(default_factory=list)
+    clipped_low: list[Tensor] = field(default_factory=list)
+    clipped_high: list[Tensor] = field(default_factory=list)
+    policy_loss: list[Tensor] = field(default_factory=list)
+    kl: list[Tensor] = field(default_factory=list)
+    approx_kl: list[Tensor] = field(default_factory=list)
+    first_ratio: Tensor | None = None
+
+    def means(self) -> dict[str, Tensor]:
+        out = {name: torch.cat(values).mean() for name, values in vars(self).items()
+               if isinstance(values, list) and values}  # fmt: skip
+        if self.first_ratio is not None:
+            out["ratio_first_max_dev"] = (self.first_ratio - 1).abs().max()
+        return out
+
+
+class GRPOObjective(Objective):
+    """Flow-GRPO on prompt rows (module docstring; maths and keys: docs/objectives.md, "GRPO").
+
+    Args:
+        rewards: the weighted rewards to maximise, each ``{name, weight, args, label}`` (a
+            :class:`~ff_core.rewards.base.RewardSpec`; ``ff plugins`` lists the names). Plain mappings, not RewardSpec
+            objects, in the signature: jsonargparse merges a list of dataclasses item by item, so a command-line
+            ``rewards`` override would inherit the recipe's ``args``; a list of mappings is replaced whole.
+        group_size: K, samples per prompt (a group; advantages compare them).
+        prompts_per_step: P, prompts per step over all data-parallel ranks; every rank takes ``P*K/W`` samples.
+        num_steps: sampler steps of a rollout.
+        guidance_scale: classifier-free guidance of rollouts and replays (1 disables it).
+        shift: noise-schedule shift of the rollout sigmas (``None``: the checkpoint scheduler's).
+        sampler: the stochastic steps (kind, eta, SDE window / random subset).
+        micro_batch_size: samples per rollout and replay forward (``None``: the rank's whole share at once).
+        num_inner_epochs: passes of updates over one rollout (PPO epochs; Flow-GRPO: 1).
+        mini_batches: optimiser steps per inner epoch; the rank's micro-batches are split evenly among them.
+        clip_range: PPO ratio clip ``epsilon`` (Flow-GRPO: 1e-4).
+        adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]`` (Flow-GRPO: 5).
+        global_std: normalise advantages by the std of every reward of the step instead of each group's.
+        kl_beta: weight of the KL penalty to the reference policy (0: none, no reference is kept).
+        kl_on: ``mean`` (the Gaussian steps' KL, ``|mu - mu_ref|^2 / (2 std^2)``, Flow-GRPO) or ``velocity``
+            (``|v - v_ref|^2``).
+        max_grad_norm: clip the gradient norm before each optimiser step (``None``: no clipping). Lightning's
+            ``trainer.gradient_clip_val`` does not apply to manual optimisation.
+        reference_offload: full fine-tuning with ``kl_beta > 0``: keep the frozen reference in CPU memory.
+    """
+
+    trainer_type = "grpo"
+    automatic_optimization = False
+
+    def __init__(
+        self,
+        rewards: list[dict[str, Any]],
+        group_size: int = 8,
+        prompts_per_step: int = 4,
+        num_steps: int = 10,
+        guidance_scale: float = 1.0,
+        shift: float | None = None,
+        sampler: StochasticSampling | None = None,
+        micro_batch_size: int | None = None,
+        num_inner_epochs: int = 1,
+        mini_batches: int = 1,
+        clip_range: float = 1e-4,
+        adv_clip_max: float = 5.0,
+        global_std: bool = False,
+        kl_beta: float = 0.0,
+        kl_on: Literal["mean", "velocity"] = "mean",
+        max_grad_norm: float | None = 1.0,
+        reference_offload: bool = False,
+    ) -> None:
+        for key, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
+                           ("num_steps", num_steps), ("num_inner_epochs", num_inner_epochs),
+                           ("mini_batches", mini_batches), ("micro_batch_size", micro_batch_size or 1)):
+            if value < 1:
+                raise ValueError(f"model.objective.{key} must be >= 1, got {value}")
+        for key, value in (("clip_range", clip_range), ("adv_clip_max", adv_clip_max)):
+            if not value > 0:
+                raise ValueError(f"model.objective.{key} must be > 0, got {value}")
+        if kl_beta < 0:
+            raise ValueError(f"model.objective.kl_beta must be >= 0, got {kl_beta}")
+        if kl_on not in ("mean", "velocity"):
+            raise ValueError(f"model.objective.kl_on must be 'mean' or 'velocity', got {kl_on!r}")
+        if not rewards:
+            raise ValueError("model.objective.rewards: GRPO needs at least one reward")
+        self.rewards = Rewards(rewards, config_key="model.objective.rewards")
+        self.group_size, self.prompts_per_step = group_size, prompts_per_step
+        self.num_steps, self.guidance_scale, self.shift = num_steps, guidance_scale, shift
+        self.sampler = sampler or StochasticSampling()
+        self.sampler.candidate_steps(num_steps)  # a window outside the schedule fails now
+        self.micro_batch_size = micro_batch_size
+        self.num_inner_epochs, self.mini_batches = num_inner_epochs, mini_batches
+        self.clip_range, self.adv_clip_max, self.global_std = clip_range, adv_clip_max, global_std
+        self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
+        self.reference_offload = reference_offload
+        self.reference: ReferenceModel | None = None
+        self._rewards_device: torch.device | None = None
+
+    @property
+    def grouping(self) -> tuple[int, int]:
+        """``(prompts_per_step, group_size)``: what the data module needs to deal prompt groups (linked)."""
+        return self.prompts_per_step, self.group_size
+
+    def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
+        if self.kl_beta > 0:
+            self.reference = ReferenceModel(adapter, lora=lora, offload=self.reference_offload)
+        return self.reference
+
+    def training_rewards(self) -> Rewards:
+        """The rewards maximised: ``FlowModule.setup`` refuses training rows lacking a metadata field they read."""
+        return self.rewards
+
+    def default_eval_rewards(self) -> list[RewardSpec]:
+        """Validation scores the training rewards unless the recipe sets ``model.eval_rewards``."""
+        return list(self.rewards.specs)
+
+    def training_loss(self, adapter, batch, generator=None) -> LossOutput:
+        raise RuntimeError("GRPO optimises manually: FlowModule.training_step calls GRPOObjective.training_step")
+
+    # -- one iteration ---------------------------------------------------------------------------------------------
+    def training_step(self, module: L.LightningModule, batch: dict[str, Any], generator: torch.Generator) -> None:
+        """Rollout, rewards, advantages and ``num_inner_epochs * mini_batches`` optimiser steps (module docstring).
+
+        Args:
+            module: the FlowModule (optimiser, ``manual_backward``, ``clip_gradients``, logging, ``all_gather``).
+            batch: the rank's share of the step's (prompt, sample) pairs, with their ``group`` ids.
+            generator: the rollout noise generator of this rank and step.
+        """
+        adapter = module.adapter
+        _take_over_gradient_sync(module)
+        if self._rewards_device != module.device:  # reward models score where the policy runs
+            self.rewards.to(module.device)
+            self._rewards_device = module.device
+        was_training = adapter.training
+        adapter.eval()  # rollout and replay alike: the first ratio is exactly 1 (module docstring)
+        try:
+            rollouts = self.rollout(adapter, batch, generator, progress=lambda d, n: _progress(module, d, n))
+            rewards = self.score(adapter, module, batch, rollouts)
+            stats = self.update(module, adapter, rollouts)
+        finally:
+            adapter.train(was_training)
+        bs = len(batch["prompt"])
+        for name, value in {**rewards, **stats.means()}.items():
+            module.log(f"train/{name}", value.detach().float(), batch_size=bs, prog_bar=name == "reward_mean")
+
+    def rollout(self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None,
+                progress=None) -> list[Rollout]:  # fmt: skip
+        """The rank's samples, in micro-batches, under no_grad (step 1 of the module docstring)."""
+        n = len(batch["prompt"])
+        size = self.micro_batch_size or n
+        rollouts = []
+        with torch.no_grad():
+            for start in range(0, n, size):
+                rows = slice(start, min(start + size, n))
+                condition = adapter.prepare_condition(slice_batch(batch["condition"], rows))
+                negative = adapter.unconditional(condition) if self.guidance_scale != 1.0 else None
+                trajectory = sample_sde(adapter, condition, self.sampler, num_steps=self.num_steps,
+                                        guidance_scale=self.guidance_scale, generator=generator, shift=self.shift)
+                rollouts.append(Rollout(rows, condition, negative, trajectory))
+                if progress is not None:
+                    progress(rows.stop, n)
+        return rollouts
+
+    def score(self, adapter: Adapter, module: Any, batch: dict[str, Any], rollouts: list[Rollout]) -> dict[str, Tensor]:
+        """Decode, score, gather every rank's scores and set each rollout's advantages; returns reward metrics."""
+        media = [m for r in rollouts for m in adapter.decode(r.trajectory.final)]
+        groups = batch.get("group")
+        if groups is None:  # not dealt by a GroupedDistributor: each sample is its own group
+            groups = batch["index"]
+        types = tuple(str(t.value) for t in adapter.io_contract.output_types)
+        rates = tuple(getattr(adapter, "output_rates", None) or (None,) * len(types))  # as FlowModule.generate
+        reward_batch = RewardBatch(media, list(batch["prompt"]), list(batch["metadata"]), groups.cpu(), types, rates)
+        per_reward = self.rewards.pointwise(reward_batch)
+        gather = _gatherer(module)
+        all_groups = gather(groups.to(torch.long))
+        if self.rewards.has_groupwise:  # needs whole groups: every rank scores the gathered step alike
+            gathered = _gather_objects(module, reward_batch)
+            whole = RewardBatch([m for b in gathered for m in b.media], [p for b in gathered for p in b.prompts],
+                                [d for b in gathered for d in b.metadata], all_groups.cpu(),
+                                reward_batch.output_types, reward_batch.rates)  # fmt: skip
+            all_scores = {k: gather(v) for k, v in per_reward.items()} | self.rewards.groupwise(whole)
+        else:
+            all_scores = {k: gather(v) for k, v in per_reward.items()}
+        total = self.rewards.combine(all_scores).total
+        advantages = group_advantages(total, all_groups.to(total.device), self.global_std)
+        rank, n = _rank(module), len(batch["prompt"])
+        local = advantages[rank * n : (rank + 1) * n]
+        for r in rollouts:
+            r.advantages = local[r.rows]
+        metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0)}
+        for key, scores in all_scores.items():
+            metrics[f"reward/{key}_mean"], metrics[f"reward/{key}_std"] = scores.mean(), scores.std(correction=0)
+        metrics["advantage_abs_mean"] = advantages.abs().mean()
+        return metrics
+
+    def update(self, module: Any, adapter: Adapter, rollouts: list[Rollout]) -> UpdateStats:
+        """``num_inner_epochs`` passes of ``mini_batches`` optimiser steps over the rollouts (step 3)."""
+        optimizer, scheduler = module.optimizers(), module.lr_schedulers()
+        stats = UpdateStats()
+        chunks = [c for c in _split(rollouts, self.mini_batches) if c]
+        for _ in range(self.num_inner_epochs):
+            for chunk in chunks:
+                terms = sum(len(r.trajectory.transitions) * (r.rows.stop - r.rows.start) for r in chunk)
+                for r in chunk:
+                    for t in r.trajectory.transitions:
+                        loss = self.transition_loss(adapter, r, t, stats)
+                        module.manual_backward(loss * (r.rows.stop - r.rows.start) / terms)
+                _average_gradients(module)
+                if self.max_grad_norm is not None:
+                    module.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
+                                          gradient_clip_algorithm="norm")  # fmt: skip
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+        return stats
+
+    def transition_loss(self, adapter: Adapter, rollout: Rollout, t, stats: UpdateStats) -> Tensor:
+        """The mean over the micro-batch of one transition's clipped surrogate plus the KL term, with gradient."""
+        trajectory = rollout.trajectory
+        sigmas = t.levels or (t.sigma, t.sigma_next)
+        v = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative, self.guidance_scale)
+        step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max)
+        policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
+                                     self.adv_clip_max)  # fmt: skip
+        loss = policy.loss
+        if stats.first_ratio is None:
+            stats.first_ratio = policy.ratio
+        if self.kl_beta > 0:
+            kl = self.kl(adapter, rollout, t, v, step)
+            loss = loss + self.kl_beta * kl
+            stats.kl.append(kl.detach())
+        stats.ratio.append(policy.ratio)
+        stats.clipped_low.append(policy.clipped_low)
+        stats.clipped_high.append(policy.clipped_high)
+        stats.policy_loss.append(policy.loss.detach())
+        stats.approx_kl.append(0.5 * (step.log_prob.detach() - t.log_prob) ** 2)
+        return loss.mean()
+
+    def kl(self, adapter: Adapter, rollout: Rollout, t, v, step) -> Tensor:
+        """Per sample, the KL term to the reference at this transition (``kl_on``), element means, with gradient."""
+        with torch.no_grad(), self.reference.active(adapter):
+            v_ref = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative,
+                                    self.guidance_scale)  # fmt: skip
+            ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
+                                self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip
+        masks = t.state.masks
+        if self.kl_on == "velocity":
+            diffs = {k: (x.float() - v_ref.components[k].float()) ** 2 for k, x in v.components.items()}
+        else:
+            diffs = {k: (m - ref.mean[k]) ** 2 / (2 * step.std[k] ** 2) for k, m in step.mean.items()}
+        return pooled_element_mean(diffs, masks)
+
+
+def slice_batch(value: Any, rows: slice) -> Any:
+    """Rows ``rows`` of a collated value (tensors along dim 0; dicts, lists and tuples recursively)."""
+    if isinstance(value, Tensor):
+        return value[rows]
+    if isinstance(value, dict):
+        return {k: slice_batch(v, rows) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(slice_batch(v, rows) for v in value)
+    return value
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` contiguous runs, as even as possible (the first ones longer)."""
+    q, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + q + (i < r)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _rank(module: Any) -> int:
+    trainer = getattr(module, "_trainer", None)
+    return 0 if trainer is None else trainer.global_rank
+
+
+def _gatherer(module: Any):
+    """``tensor -> every rank's tensor, concatenated in rank order`` (the tensor itself on one process)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return lambda x: x
+    # On the module's device: NCCL gathers device tensors only (rewards may score on the CPU).
+    return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1)
+
+
+def _gather_objects(module: Any, obj: Any) -> list[Any]:
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _take_over_gradient_sync(module: Any) -> None:
+    """Under DDP, turn the wrapper's per-backward gradient all-reduce off; :func:`_average_gradients` averages once
+    per optimiser step instead.
+
+    Under manual optimisation Lightning re-arms DDP's reducer before every ``manual_backward``, so each replayed
+    transition would all-reduce the whole gradient; GRPO accumulates over every transition of a run first (as
+    Flow-GRPO does under accelerate's ``accumulate``), so it sets DDP's ``require_backward_grad_sync`` off (the flag
+    ``no_sync`` sets, which Lightning's ``prepare_for_backward`` honours) and averages the accumulated gradients in one
+    flat all-reduce. Multi-process strategies that shard parameters (FSDP, DeepSpeed) are refused.
+    """
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapper = getattr(trainer.strategy, "model", None)
+    if not isinstance(wrapper, DistributedDataParallel):
+        raise ValueError(f"GRPO runs on one device or under DDP (trainer.strategy: ddp); got "
+                         f"{type(trainer.strategy).__name__}")  # fmt: skip
+    wrapper.require_backward_grad_sync = False
+
+
+def _average_gradients(module: Any) -> None:
+    """Average the trainable parameters' gradients over the data-parallel ranks (one flat all-reduce)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= trainer.world_size
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _progress(module: Any, done: int, total: int) -> None:
+    """``rollout done/total`` on rank 0's training progress bar while an iteration samples: appended to the task's
+    description of Lightning's rich bar (removed when the rollout ends), the postfix of its tqdm bar."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not trainer.is_global_zero:
+        return
+    bar, text = trainer.progress_bar_callback, f"rollout {done}/{total}" if done < total else ""
+    task_id, progress = getattr(bar, "train_progress_bar_id", None), getattr(bar, "progress", None)
+    if task_id is not None and progress is not None:  # RichProgressBar
+        base = progress.tasks[task_id].description.split(" · rollout")[0]
+        progress.update(task_id, description=f"{base} · {text}" if text else base)
+        bar.refresh()
+        return
+    tqdm_bar = getattr(bar, "train_progress_bar", None)
+    if tqdm_bar is not None and hasattr(tqdm_bar, "set_postfix_str"):
+        tqdm_bar.set_postfix_str(text, refresh=True)

@@ -1,0 +1,403 @@
+"""Sampling from flow models: the deterministic ODE (Euler) step and stochastic steps with Gaussian log-probabilities,
+shared by :meth:`Adapter.sample <ff_core.adapter.Adapter.sample>` (evaluation) and GRPO rollouts and replays.
+
+Convention (SD3): ``x_sigma = (1 - sigma) x0 + sigma eps``, the network predicts ``v = eps - x0``; a step goes from
+``sigma`` to ``sigma_next < sigma``, ``dt = sigma_next - sigma < 0``. Every step is a Gaussian
+``x_next ~ N(mean, std^2)`` per element (the ODE step is its ``std = 0`` limit):
+
+* ``ode`` (Euler, diffusers' ``FlowMatchEulerDiscreteScheduler.step``): ``mean = x + v dt``.
+* ``flow_sde`` (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, eq. 9-12): with ``s = eta sqrt(sigma / (1 - sigma))``,
+  ``mean = x (1 + s^2 / (2 sigma) dt) + v (1 + s^2 (1 - sigma) / (2 sigma)) dt``, ``std = s sqrt(-dt)``. At
+  ``sigma = 1`` the noise scale is infinite; as flow_grpo's ``sde_step_with_logprob``, ``1 - sigma`` is then taken
+  at the schedule's second level (``sigma_max``).
+* ``cps`` (coefficients-preserving sampling, Wang & Yu 2025, "Coefficients-Preserving Sampling for Reinforcement
+  Learning with Flow Matching"): ``std = sigma_next sin(eta pi / 2)``, ``x0_hat = x - sigma v``,
+  ``eps_hat = x + (1 - sigma) v``, ``mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat``: the
+  sample keeps the noise level ``sigma_next`` exactly. Its log-prob is the normalised Gaussian one (flow_grpo drops
+  the ``1 / (2 std^2)`` factor and the constants; ratios then differ).
+
+Log-probabilities are computed in fp32 and are the **mean over active latent elements** (Flow-GRPO averages over
+elements; pinned elements, mask 0, are excluded), pooled by element count over the components of a multi-component
+state (video + audio), like :func:`ff_core.objectives.flow_matching.per_sample_squared_error`. The sampled
+``x_next`` is rounded to the state's storage dtype *before* its log-prob is taken, and a :class:`Transition` stores
+exactly the inputs replay needs (``x_t``, rounded ``x_next``, the noise levels), so a replay with the same weights
+recomputes the same fp32 mean and gets a bitwise-equal log-prob (tests/test_sampling.py). In bf16 the velocity
+itself is a bf16 forward: the replay is still bitwise equal when run on the same batch (same kernels), the rounding
+of ``x_next`` to bf16 merely moves the sample, not the density it is scored under.
+
+This module imports no objective: ``ff_core.adapter`` uses it for ``Adapter.sample`` and ``ff_core.objectives`` use
+it for training, so neither imports the other for sampling maths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ff_core.adapter import Adapter, Condition, LatentState
+
+StepKind = Literal["ode", "flow_sde", "cps"]
+STEP_KINDS: tuple[str, ...] = ("ode", "flow_sde", "cps")
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+Sigmas = tuple[float, float] | Mapping[str, tuple[float, float]]
+"""One step's ``(sigma, sigma_next)``, shared by every component or per component name (own schedules)."""
+
+
+def shift_sigma(sigma: Tensor, shift: float) -> Tensor:
+    """SD3's timestep shift (eq. 23): more weight on high noise for larger ``shift``."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def keep_pinned(new: Tensor, old: Tensor, mask: Tensor | None) -> Tensor:
+    """``new`` where ``mask`` is 1 (generated elements), ``old`` where it is 0 (pinned by a condition).
+
+    ``torch.where`` rather than ``mask * new + (1 - mask) * old``: a non-finite ``new`` at a pinned element
+    must not leak into it (``0 * inf`` is NaN).
+    """
+    if mask is None:
+        return new
+    return torch.where(mask.to(device=new.device, dtype=torch.bool), new, old)
+
+
+def _component_sigmas(sigmas: Sigmas, name: str) -> tuple[float, float]:
+    if isinstance(sigmas, Mapping):
+        if name not in sigmas:
+            raise KeyError(f"no noise levels for latent component {name!r} (got {sorted(sigmas)})")
+        return sigmas[name]
+    return sigmas
+
+
+def _component_value(value: float | Mapping[str, float] | None, name: str) -> float | None:
+    return value.get(name) if isinstance(value, Mapping) else value
+
+
+def ode_step(state: LatentState, velocity: LatentState, sigmas: Sigmas) -> LatentState:
+    """:func:`euler_step` with each component on its own ``(sigma, sigma_next)`` (or one pair for all)."""
+    out = {}
+    for name, x in state.components.items():
+        sigma, sigma_next = _component_sigmas(sigmas, name)
+        out[name] = keep_pinned(x + (sigma_next - sigma) * velocity.components[name], x, state.masks.get(name))
+    return replace(state, components=out, masks=dict(state.masks))
+
+
+def euler_step(state: LatentState, velocity: LatentState, sigma: float, sigma_next: float) -> LatentState:
+    """One ODE step ``x <- x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler.step).
+
+    Elements the state's masks pin (mask 0) are left unchanged, as in training, where they are never noised.
+    """
+    if list(state.components) != list(velocity.components):
+        raise ValueError(f"latent components differ: {list(state.components)} vs {list(velocity.components)}")
+    return ode_step(state, velocity, (sigma, sigma_next))
+
+
+# -- one Gaussian step, on plain tensors ----------------------------------------------------------------------------
+def step_gaussian(
+    kind: StepKind, x: Tensor, v: Tensor, sigma: float, sigma_next: float, eta: float, sigma_max: float | None = None
+) -> tuple[Tensor, float]:
+    """The fp32 mean and the (scalar) std of ``x_next`` for one step of ``kind`` (formulas: module docstring).
+
+    Args:
+        kind: ``ode``, ``flow_sde`` or ``cps``.
+        x: the state at ``sigma``.
+        v: the predicted velocity at ``(x, sigma)``.
+        sigma: the current noise level.
+        sigma_next: the next one, ``< sigma``.
+        eta: the noise level of the stochastic steps (Flow-GRPO's ``noise_level``, 0.7 there).
+        sigma_max: ``flow_sde`` at ``sigma == 1``: the noise level whose ``1 - sigma`` replaces the zero one.
+    """
+    x, v = x.float(), v.float()
+    dt = sigma_next - sigma
+    if kind == "ode":
+        return x + v * dt, 0.0
+    if kind == "flow_sde":
+        if sigma >= 1.0:
+            if sigma_max is None or sigma_max >= 1.0:
+                raise ValueError("flow_sde at sigma = 1 needs sigma_max < 1 (the schedule's second noise level)")
+            s = eta * math.sqrt(sigma / (1 - sigma_max))
+        else:
+            s = eta * math.sqrt(sigma / (1 - sigma))
+        mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+        return mean, s * math.sqrt(-dt)
+    if kind == "cps":
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
+        return (1 - sigma_next) * x0_hat + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * eps_hat, std
+    raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
+
+
+def gaussian_log_density(x_next: Tensor, mean: Tensor, std: float) -> Tensor:
+    """Element-wise ``log N(x_next; mean, std^2)`` in fp32 (``x_next`` as stored, upcast exactly)."""
+    if not std > 0:
+        raise ValueError(f"a stochastic step needs std > 0, got {std} (a CPS step onto sigma_next = 0 has none)")
+    return -((x_next.float() - mean) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI
+
+
+def pooled_element_mean(per_element: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> Tensor:
+    """Per sample, the mean over every active element (mask 1) of every component, pooled by element count; fp32,
+    shape (B,).
+
+    Args:
+        per_element: per component name, values shaped like the component.
+        masks: per component name, its {0, 1} mask (absent: every element active).
+    """
+    total = count = None
+    for name, values in per_element.items():
+        mask = masks.get(name)
+        mask = torch.ones_like(values) if mask is None else mask.to(values).expand_as(values)
+        t, c = (values * mask).flatten(1).sum(1), mask.flatten(1).sum(1)
+        total, count = (t, c) if total is None else (total + t, count + c)
+    return total / count.clamp_min(1)
+
+
+# -- one step of a latent state -------------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    """One stochastic step of a latent state.
+
+    Attributes:
+        next: ``x_next`` in the state's storage dtype (pinned elements unchanged).
+        log_prob: per sample, the mean log-density of ``next`` over active elements, fp32, shape (B,).
+        mean: per component, the fp32 Gaussian mean (carries the velocity's graph when it has one).
+        std: per component, the scalar std.
+    """
+
+    next: LatentState
+    log_prob: Tensor
+    mean: dict[str, Tensor]
+    std: dict[str, float]
+
+
+def step_log_prob(
+    state: LatentState,
+    velocity: LatentState,
+    next_state: LatentState,
+    sigmas: Sigmas,
+    kind: StepKind,
+    eta: float,
+    sigma_max: float | Mapping[str, float] | None = None,
+) -> StepResult:
+    """The log-prob of a given ``next_state`` under one step of ``kind`` from ``state`` (replay; with gradient when
+    ``velocity`` has one). Arguments as :func:`sde_step`."""
+    means, stds, dens = {}, {}, {}
+    for name, x in state.components.items():
+        sigma, sigma_next = _component_sigmas(sigmas, name)
+        means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
+                                                _component_value(sigma_max, name))  # fmt: skip
+        dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
+    return StepResult(next_state, pooled_element_mean(dens, state.masks), means, stds)
+
+
+def sde_step(
+    state: LatentState,
+    velocity: LatentState,
+    sigmas: Sigmas,
+    kind: StepKind,
+    eta: float,
+    generator: torch.Generator | None = None,
+    sigma_max: float | Mapping[str, float] | None = None,
+) -> StepResult:
+    """Draw ``x_next`` for one stochastic step and score it.
+
+    The noise is drawn per component, in component order, on the generator's device (CPU by default) in fp32;
+    ``x_next = mean + std * noise`` is rounded to the storage dtype first and its log-prob taken after, so that
+    :func:`step_log_prob` on the stored ``x_next`` gives the same value.
+
+    Args:
+        state: ``x_t``.
+        velocity: the (guided) velocity at ``x_t``.
+        sigmas: ``(sigma, sigma_next)``, or per component name (each component on its own schedule).
+        kind: ``flow_sde`` or ``cps`` (``ode`` has no density).
+        eta: noise level of the step.
+        generator: draws the noise; ``None``: the global generator.
+        sigma_max: see :func:`step_gaussian`; one for all components or per component name.
+    """
+    nxt = {}
+    for name, x in state.components.items():
+        sigma, sigma_next = _component_sigmas(sigmas, name)
+        mean, std = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
+                                  _component_value(sigma_max, name))  # fmt: skip
+        device = generator.device if generator is not None else x.device
+        noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
+        nxt[name] = keep_pinned((mean + std * noise).to(x.dtype), x, state.masks.get(name))
+    next_state = replace(state, components=nxt, masks=dict(state.masks))
+    return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max)
+
+
+# -- which steps are stochastic -------------------------------------------------------------------------------------
+@dataclass
+class StochasticSampling:
+    """The stochastic sampler of GRPO rollouts: which steps are SDE steps (the trained ones), and how.
+
+    Attributes:
+        kind: ``flow_sde`` (Flow-GRPO) or ``cps`` (coefficients-preserving).
+        eta: noise level (Flow-GRPO's ``noise_level``; 0.7 there).
+        window: ``[start, end)`` step indices where SDE steps may fall (``None``: every step; for ``cps`` every step
+            but the last, whose ``sigma_next = 0`` leaves no noise). ODE steps elsewhere.
+        num_sde_steps: how many SDE steps a rollout takes, drawn uniformly from the window per rollout batch from
+            the rollout generator (Flow-GRPO-Fast / MixGRPO style); ``None``: every step of the window.
+    """
+
+    kind: Literal["flow_sde", "cps"] = "flow_sde"
+    eta: float = 0.7
+    window: tuple[int, int] | None = None
+    num_sde_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flow_sde", "cps"):
+            raise ValueError(f"model.objective.sampler.kind must be 'flow_sde' or 'cps', got {self.kind!r}")
+        if not self.eta > 0:
+            raise ValueError(f"model.objective.sampler.eta must be > 0, got {self.eta}")
+        if self.window is not None:
+            self.window = tuple(int(i) for i in self.window)
+            if len(self.window) != 2 or not 0 <= self.window[0] < self.window[1]:
+                raise ValueError(f"model.objective.sampler.window must be [start, end) with 0 <= start < end, got "
+                                 f"{list(self.window)}")  # fmt: skip
+        if self.num_sde_steps is not None and self.num_sde_steps < 1:
+            raise ValueError(f"model.objective.sampler.num_sde_steps must be >= 1, got {self.num_sde_steps}")
+
+    def candidate_steps(self, num_steps: int) -> list[int]:
+        """The window's step indices for a ``num_steps`` schedule, checked against it."""
+        last = num_steps - 1 if self.kind == "cps" else num_steps  # CPS onto sigma 0 has std 0
+        start, end = self.window if self.window is not None else (0, last)
+        if end > last:
+            raise ValueError(f"model.objective.sampler.window [{start}, {end}) reaches past step {last - 1} of a "
+                             f"{num_steps}-step {self.kind} schedule" + (" (a CPS step onto sigma 0 has no noise)"
+                                                                        if self.kind == "cps" else ""))  # fmt: skip
+        steps = list(range(start, end))
+        if self.num_sde_steps is not None and self.num_sde_steps > len(steps):
+            raise ValueError(f"model.objective.sampler.num_sde_steps={self.num_sde_steps} exceeds the {len(steps)} "
+                             f"steps of the window {[start, end]}")  # fmt: skip
+        return steps
+
+    def sde_steps(self, num_steps: int, generator: torch.Generator | None = None) -> list[int]:
+        """The SDE step indices of one rollout, ascending (a random subset when ``num_sde_steps`` is set)."""
+        steps = self.candidate_steps(num_steps)
+        if self.num_sde_steps is None:
+            return steps
+        chosen = torch.randperm(len(steps), generator=generator)[: self.num_sde_steps]
+        return sorted(steps[int(i)] for i in chosen)
+
+
+# -- whole trajectories ---------------------------------------------------------------------------------------------
+@dataclass
+class Transition:
+    """One stored SDE step of a rollout: all replay needs to recompute its log-prob.
+
+    Attributes:
+        step: index in the schedule.
+        state: ``x_t`` (storage dtype).
+        next: ``x_next`` as sampled, rounded to the storage dtype.
+        sigma: noise level of ``state`` the velocity is evaluated at (the first component's).
+        sigma_next: the first component's next noise level.
+        log_prob: rollout log-prob of ``next``, fp32, shape (B,).
+        levels: per component, its ``(sigma, sigma_next)`` (components may run on their own schedules).
+    """
+
+    step: int
+    state: LatentState
+    next: LatentState
+    sigma: float
+    sigma_next: float
+    log_prob: Tensor
+    levels: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """A rollout: the final clean latents and the SDE transitions, in step order.
+
+    Attributes:
+        final: the sampled clean latent state.
+        transitions: the stochastic steps (the trained ones).
+        sigma_max: per component, its schedule's second noise level (``flow_sde`` at ``sigma = 1``).
+    """
+
+    final: LatentState
+    transitions: list[Transition] = field(default_factory=list)
+    sigma_max: dict[str, float] = field(default_factory=dict)
+
+
+def guided_velocity(
+    adapter: Adapter, state: LatentState, sigma: float, condition: Condition, negative: Condition | None, scale: float
+) -> LatentState:
+    """The velocity at ``(state, sigma)``, with classifier-free guidance ``v_neg + scale (v - v_neg)`` when
+    ``negative`` is given."""
+    s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
+    v = adapter.velocity(state, s, condition)
+    if negative is not None:
+        v_neg = adapter.velocity(state, s, negative)
+        v = v_neg.zip_map(v, lambda u, c: u + scale * (c - u))
+    return v
+
+
+def schedules(adapter: Adapter, state: LatentState, num_steps: int, shift: float | None) -> dict[str, list[float]]:
+    """Per component, its ``num_steps + 1`` noise levels (:meth:`Adapter.sampling_schedules`), checked."""
+    out = {k: [float(x) for x in v] for k, v in adapter.sampling_schedules(state, num_steps, shift=shift).items()}
+    if list(out) != list(state.components) or any(len(v) != num_steps + 1 for v in out.values()):
+        raise ValueError(f"{adapter.name}: sampling_schedules must give {num_steps + 1} noise levels for each of "
+                         f"{list(state.components)}, got {({k: len(v) for k, v in out.items()})}")  # fmt: skip
+    return out
+
+
+def sample_ode(
+    adapter: Adapter,
+    condition: Condition,
+    *,
+    num_steps: int,
+    guidance_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    shift: float | None = None,
+) -> LatentState:
+    """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
+    each component steps on its own schedule, the velocity is evaluated at the first component's noise level."""
+    state = adapter.initial_noise(condition, generator)
+    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    levels = schedules(adapter, state, num_steps, shift)
+    primary = levels[next(iter(state.components))]
+    for i in range(num_steps):
+        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
+    return state
+
+
+def sample_sde(
+    adapter: Adapter,
+    condition: Condition,
+    sampler: StochasticSampling,
+    *,
+    num_steps: int,
+    guidance_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    shift: float | None = None,
+) -> Trajectory:
+    """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
+    each component on its own schedule, as :func:`sample_ode`.
+
+    Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
+    SDE step's noise in step order. Call it under ``torch.no_grad()``.
+    """
+    state = adapter.initial_noise(condition, generator)
+    sde = set(sampler.sde_steps(num_steps, generator))
+    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    levels = schedules(adapter, state, num_steps, shift)
+    primary = levels[next(iter(state.components))]
+    trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
+    for i in range(num_steps):
+        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
+        if i in sde:
+            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max)
+            trajectory.transitions.append(Transition(i, state, out.next, primary[i], primary[i + 1], out.log_prob,
+                                                     steps))  # fmt: skip
+            state = out.next
+        else:
+            state = ode_step(state, v, steps)
+    trajectory.final = state
+    return trajectory

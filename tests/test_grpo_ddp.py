@@ -1,0 +1,79 @@
+"""Flow-GRPO under real 2-process DDP (gloo) through `ff fit`: each step's prompt groups split over the ranks, rewards
+gathered into advantages, gradients averaged once per optimiser step (GRPO back-propagates once per replayed
+transition inside DDP's forward, so it does the all-reduce itself; ff_core/objectives/grpo.py).
+
+As in tests/test_ddp_resume.py, DDP never runs inside pytest: the run is a subprocess without the launcher variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from tests.test_ddp_resume import LAUNCHER_VARS, free_port
+from tests.test_grpo_fit import RECIPE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class DumpRankState(L.Callback):
+    """Saves, per rank, the trainable weights after training and the ids and groups of every batch it ran."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath, self.batches = Path(dirpath), []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append({"index": batch["index"].tolist(), "group": batch["group"].tolist(),
+                             "reward_mean": None})  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches[-1]["reward_mean"] = float(trainer.callback_metrics["train/reward_mean"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        weights = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+        torch.save({"weights": weights, "batches": self.batches}, self.dirpath / f"rank{trainer.global_rank}.pt")
+
+
+def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
+    """2 ranks, 2 prompts x 2 samples per step (each rank one prompt's group... dealt contiguously), 3 steps: the ranks
+    ran disjoint halves of each step's pairs, logged the same gathered reward mean, and end with identical weights
+    that differ from the start (the averaged gradients stepped both alike)."""
+    from ff_core.testing.shapes import write_prompt_dataset
+
+    prompts = write_prompt_dataset(tmp_path / "prompts")
+    callbacks = [{"class_path": "tests.test_grpo_ddp.DumpRankState", "init_args": {"dirpath": str(tmp_path / "out")}}]
+    cmd = [
+        sys.executable, "-m", "ff_core.cli", "fit", "--config", str(RECIPE),
+        "--model.pretrained_model_name_or_path", str(tiny_sd3),
+        "--model.objective.init_args.group_size", "2", "--model.objective.init_args.prompts_per_step", "2",
+        "--model.objective.init_args.num_steps", "3",
+        "--model.objective.init_args.sampler", json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2]}),
+        "--model.objective.init_args.micro_batch_size", "2",
+        "--data.datasets", json.dumps([{"name": "prompts", "dataset_dir": str(prompts)}]),
+        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+        "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", "--trainer.enable_progress_bar",
+        "false", "--trainer.callbacks", json.dumps(callbacks),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for step in range(3):
+        a, b = ranks[0]["batches"][step], ranks[1]["batches"][step]
+        assert a["group"] == [2 * step, 2 * step] and b["group"] == [2 * step + 1, 2 * step + 1]
+        assert a["reward_mean"] == b["reward_mean"]  # gathered over both ranks
+    base = torch.load(tmp_path / "out" / "rank0.pt", weights_only=False)["weights"]
+    for name, w in ranks[0]["weights"].items():
+        assert torch.equal(w, ranks[1]["weights"][name]), name
+    lora_b = [n for n in base if "lora_B" in n]
+    assert any(ranks[0]["weights"][n].abs().sum() > 0 for n in lora_b)  # peft starts B at zero: training moved it
