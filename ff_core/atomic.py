@@ -27,6 +27,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; a published file is an ordinary one (shared roots)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -36,3 +37,10 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: restored at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -173,9 +173,15 @@ class FlowModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:
             self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
+        if stage != TrainerFn.FITTING:
+            return
+        if self._trainer is not None:
+            self.objective.check_run(DataParallelCoords.from_trainer(self._trainer).world_size)
         training = self.objective.training_rewards()
-        if training is not None and datamodule is not None and stage == TrainerFn.FITTING:
-            training.check_records(getattr(datamodule, "train_records", ()))
+        if training is not None:
+            training.check_outputs(list(self.output_types), self.adapter_cls.name)
+            if datamodule is not None:
+                training.check_records(getattr(datamodule, "train_records", ()))
 
     def _build_eval_rewards(self) -> Rewards | None:
         key = "model.eval_rewards"
@@ -338,9 +344,11 @@ class FlowModule(L.LightningModule):
             self._rewards_device = self.device
         scores = rewards(self.reward_batch(out))
         size = len(out["prompt"])
+        # Scores come back on the CPU; the reduction across ranks (NCCL) needs them on the module's device.
         for key, values in scores.per_reward.items():
-            self.log(f"{prefix}/reward/{key}", values.mean(), batch_size=size, sync_dist=True)
-        self.log(f"{prefix}/reward", scores.total.mean(), prog_bar=True, batch_size=size, sync_dist=True)
+            self.log(f"{prefix}/reward/{key}", values.mean().to(self.device), batch_size=size, sync_dist=True)
+        self.log(f"{prefix}/reward", scores.total.mean().to(self.device), prog_bar=True, batch_size=size,
+                 sync_dist=True)  # fmt: skip
         out["rewards"] = {key: values.tolist() for key, values in scores.per_reward.items()}
         out["reward"] = scores.total.tolist()
         return out

@@ -24,6 +24,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from ff_core.data.tensor_parquet.format import tensor_dtype
+
 ID_COLUMN, INDEX_COLUMN = "condition_id", "index"
 ID_BYTES = 32  # a SHA-256 digest
 TRIM_BYTES = 8 << 20  # a reader drops its mapped pages after serving this many bytes (the kernel maps ~2-3x that)
@@ -34,8 +36,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = tensor_dtype(name)  # one dtype vocabulary for every tensor-triplet table (tensor-parquet shards too)
+    if dtype is None:
         raise ValueError(f"condition cache: unknown tensor dtype {name!r}")
     return dtype
 

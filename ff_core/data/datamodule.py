@@ -130,7 +130,8 @@ class FlowDataModule(L.LightningDataModule):
         grouping: GRPO's ``(prompts_per_step, group_size)`` (linked from ``model.objective``; not set by hand): every
             step the ranks share P prompts, each sampled K times, each rank taking ``P * K / W`` of the pairs
             (:class:`~ff_core.data.dataflow.GroupedDistributor`); ``per_device_batch_size`` is then unused.
-            ``None`` with ``grpo``: ``per_device_batch_size`` prompts per rank, one sample each.
+            ``None`` with ``grpo`` (a data module built by hand): plain shuffled prompts, which GRPO refuses to train
+            on (batches without group ids).
     """
 
     def __init__(
@@ -167,6 +168,9 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.row_group_window must be an integer >= 1 or null, got {row_group_window!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
+        if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
+            raise ValueError(f"data.num_workers={num_workers}: GRPO steps hold whole prompt groups, served by one "
+                             "stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
         check_dataset_configs(self.datasets, trainer_type)
         self.per_device_batch_size = per_device_batch_size
@@ -205,6 +209,9 @@ class FlowDataModule(L.LightningDataModule):
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if self.trainer_type == "grpo" and self.grouping is not None and self.trainer is not None:
+            # Before any weights load: P * K samples per step must divide over the data-parallel ranks.
+            check_grouping(*self.grouping, DataParallelCoords.from_trainer(self.trainer).world_size)
         if self.train_records or self.eval_records or self.train_rows is not None:
             return
         errors = []
@@ -403,9 +410,6 @@ class FlowDataModule(L.LightningDataModule):
             return SamplerDistributor(table, **common), self.per_device_batch_size
         if self.trainer_type == "grpo" and self.grouping is not None:
             prompts, group_size = self.grouping
-            if self.num_workers > 1:  # worker streams interleave whole batches: a step's block would be split
-                raise ValueError(f"data.num_workers={self.num_workers}: GRPO steps hold whole prompt groups, served by "
-                                 "one stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
             batch_size = check_grouping(prompts, group_size, coords.world_size)
             return GroupedDistributor(table, group_size, prompts, **common), batch_size
         return MapDistributor(table, **common), self.per_device_batch_size

@@ -120,8 +120,12 @@ class TensorColumns:
             row: the decoded row.
             prefix: of the latent columns (``chosen_`` / ``rejected_`` for a preference arm).
         """
-        condition = {key: self._padded(col, row[col]) for col, key in self.condition.items() if col in row}
-        latents = {key: row[prefix + col] for col, key in self.latents.items()}
+        condition = {}
+        for col, key in self.condition.items():
+            tensor = _present(row, col, optional=col in self.optional) if col in row else None
+            if tensor is not None:
+                condition[key] = self._padded(col, tensor)
+        latents = {key: _present(row, prefix + col) for col, key in self.latents.items()}
         return condition, latents
 
     def _padded(self, column: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -426,3 +430,12 @@ def open_shards(
         rows = len(dataset) if limit is None else min(limit, len(dataset))
         sources.append(ShardSource(cfg.name, dataset, rows, {**dataset.identity, "rows": rows}))
     return sources
+
+
+def _present(row: Mapping[str, Any], column: str, optional: bool = False) -> torch.Tensor | None:
+    """``row[column]``; the absent-tensor placeholder (read as ``None``, :func:`~ff_core.data.tensor_parquet.
+    is_empty_triplet`) is an error for a column training needs."""
+    value = row[column]
+    if value is None and not optional:
+        raise ValueError(f"{column}: the row holds the empty placeholder (b'', [], '') where training needs a tensor")
+    return value

@@ -43,6 +43,14 @@ class Objective:
     """``False``: the objective optimises itself (GRPO's rollout + several optimiser steps per batch): FlowModule
     turns Lightning's manual optimisation on and calls :meth:`training_step` instead of :meth:`training_loss`."""
 
+    def check_run(self, dp_world_size: int) -> None:
+        """Check the objective's settings against the run before any weights load (``FlowModule.setup`` calls it when
+        fitting); raise a ``ConfigError`` naming the key.
+
+        Args:
+            dp_world_size: data-parallel ranks of the run.
+        """
+
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
         """Prepare what the objective needs from the loaded adapter (a frozen reference policy, say).
 

@@ -23,12 +23,15 @@ bitwise the rollout's: SD3-family transformers have no dropout, so nothing is lo
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from ff_core.data.dataflow import check_grouping
+from ff_core.errors import ConfigError
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
@@ -152,6 +155,9 @@ class GRPOObjective(Objective):
             raise ValueError(f"model.objective.kl_beta must be >= 0, got {kl_beta}")
         if kl_on not in ("mean", "velocity"):
             raise ValueError(f"model.objective.kl_on must be 'mean' or 'velocity', got {kl_on!r}")
+        if group_size < 2:  # one sample per group: every advantage is 0 and the policy never moves
+            raise ValueError(f"model.objective.group_size must be >= 2 (advantages compare a prompt's samples), "
+                             f"got {group_size}")  # fmt: skip
         if not rewards:
             raise ValueError("model.objective.rewards: GRPO needs at least one reward")
         self.rewards = Rewards(rewards, config_key="model.objective.rewards")
@@ -171,6 +177,20 @@ class GRPOObjective(Objective):
     def grouping(self) -> tuple[int, int]:
         """``(prompts_per_step, group_size)``: what the data module needs to deal prompt groups (linked)."""
         return self.prompts_per_step, self.group_size
+
+    def check_run(self, dp_world_size: int) -> None:
+        """``mini_batches`` must not exceed the rollout micro-batches of a rank (``P * K / W`` samples in runs of
+        ``micro_batch_size``): each optimiser step replays at least one micro-batch, and ``global_step`` counts
+        ``num_inner_epochs * mini_batches`` per iteration."""
+        per_rank = check_grouping(self.prompts_per_step, self.group_size, dp_world_size)
+        micro_batches = math.ceil(per_rank / (self.micro_batch_size or per_rank))
+        if self.mini_batches > micro_batches:
+            raise ConfigError(
+                "model.objective.mini_batches",
+                f"{self.mini_batches} optimiser steps per pass, but each rank replays only {micro_batches} "
+                f"micro-batch(es) ({per_rank} samples per rank in runs of model.objective.micro_batch_size="
+                f"{self.micro_batch_size}); lower it or set a smaller micro_batch_size",
+            )
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
         if self.kl_beta > 0:
@@ -236,8 +256,9 @@ class GRPOObjective(Objective):
         """Decode, score, gather every rank's scores and set each rollout's advantages; returns reward metrics."""
         media = [m for r in rollouts for m in adapter.decode(r.trajectory.final)]
         groups = batch.get("group")
-        if groups is None:  # not dealt by a GroupedDistributor: each sample is its own group
-            groups = batch["index"]
+        if groups is None:  # each sample its own group would make every advantage 0: never train on that silently
+            raise ValueError("GRPO: the batch carries no `group` ids; GRPO batches come from the data module's "
+                             "GroupedDistributor (data.grouping, linked from model.objective)")  # fmt: skip
         types = tuple(str(t.value) for t in adapter.io_contract.output_types)
         rates = tuple(getattr(adapter, "output_rates", None) or (None,) * len(types))  # as FlowModule.generate
         reward_batch = RewardBatch(media, list(batch["prompt"]), list(batch["metadata"]), groups.cpu(), types, rates)
@@ -257,7 +278,7 @@ class GRPOObjective(Objective):
         rank, n = _rank(module), len(batch["prompt"])
         local = advantages[rank * n : (rank + 1) * n]
         for r in rollouts:
-            r.advantages = local[r.rows]
+            r.advantages = local[r.rows].to(next(iter(r.trajectory.final.components.values())).device)
         metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0)}
         for key, scores in all_scores.items():
             metrics[f"reward/{key}_mean"], metrics[f"reward/{key}_std"] = scores.mean(), scores.std(correction=0)
@@ -355,8 +376,8 @@ def _gatherer(module: Any):
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
         return lambda x: x
-    # On the module's device: NCCL gathers device tensors only (rewards may score on the CPU).
-    return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1)
+    # Through the module's device (NCCL gathers device tensors only), back to the CPU, where rewards return scores.
+    return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1).cpu()
 
 
 def _gather_objects(module: Any, obj: Any) -> list[Any]:

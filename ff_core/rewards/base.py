@@ -295,7 +295,9 @@ def _check_scores(scores: Tensor, n: int, key: str) -> Tensor:
     if not isinstance(scores, Tensor) or tuple(scores.shape) != (n,):
         shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
         raise ValueError(f"reward {key!r} returned {shape}; a reward returns one score per sample, shape ({n},)")
-    scores = scores.detach().float()
+    # Back on the CPU (B floats, free): rewards may score on different devices (a CLIP model on the accelerator, JPEG
+    # sizes on the CPU), and their scores are combined, gathered and logged together.
+    scores = scores.detach().float().cpu()
     if not torch.isfinite(scores).all():
         bad = int((~torch.isfinite(scores)).nonzero()[0])
         raise ValueError(f"reward {key!r} returned a non-finite score for sample {bad}: {scores[bad].item()}")

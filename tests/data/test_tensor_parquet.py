@@ -26,6 +26,7 @@ from ff_core.data.tensor_parquet import (
     tensor_schema,
     two_level_order,
 )
+from ff_core.data.tensor_parquet.inspect import inspect_tensor_parquet
 from ff_core.errors import DatasetError
 
 ID = {"id": pa.string()}
@@ -135,7 +136,8 @@ def _one_file(tmp_path, rows: list[dict], schema: pa.Schema | None = None, per_g
     ({"x_dtype": "bf16"}, "x_dtype", "unknown dtype 'bf16'"),
     ({"x_shape": None}, "x_shape", "null value"),
     ({"x_bytes": None}, "x_bytes", "null value"),
-    ({"x_shape": [2, -1]}, "x_shape", "negative dimension"),
+    ({"x_shape": [2, -1]}, "x_shape", "shape [2, -1] is not a list of non-negative integers"),
+    ({"x_dtype": ""}, "x_dtype", "unknown dtype ''"),  # an empty dtype with bytes is no placeholder
 ])
 def test_corrupt_rows_name_file_row_and_column(tmp_path, corrupt, column, reason):
     good = {"id": "a", **encode_tensor(torch.ones(2), "x")}
@@ -146,6 +148,32 @@ def test_corrupt_rows_name_file_row_and_column(tmp_path, corrupt, column, reason
         ds[2]
     assert str(err.value).startswith(f"{path}: {column}: row 2 (row group 2, dataset row 2): ")
     assert reason in str(err.value)
+
+
+@pytest.mark.parametrize("spelling", ["torch.bfloat16", "bfloat16"])
+def test_dtype_spellings_of_other_writers(tmp_path, spelling):
+    """``str(tensor.dtype)`` writes ``torch.bfloat16``; torch's aliases (``half``) name dtypes too: all decode alike."""
+    t = sample(torch.bfloat16, (3, 2), 0)
+    half = sample(torch.float16, (4,), 1)
+    row = {"id": "a", **encode_tensor(t, "x"), "x_dtype": spelling, **encode_tensor(half, "h"), "h_dtype": "half"}
+    _one_file(tmp_path, [row], tensor_schema(ID, ["x", "h"]))
+    got = TensorParquetDataset(tmp_path)[0]
+    assert same(got["x"], t) and same(got["h"], half)
+    report, problems = inspect_tensor_parquet(tmp_path, check_bytes=True)
+    assert problems == []
+
+
+def test_the_absent_tensor_placeholder_reads_as_none(tmp_path):
+    """Some preprocessing scripts write ``(b"", [], "")`` for a tensor they lack: a read gives ``None``, inspect counts
+    it, and neither is an error (training refuses it where it needs the tensor: tests/data/test_tensor_rows.py)."""
+    good = {"id": "a", **encode_tensor(torch.ones(2), "x")}
+    empty = {"id": "b", "x_bytes": b"", "x_shape": [], "x_dtype": ""}
+    _one_file(tmp_path, [good, empty, good], tensor_schema(ID, ["x"]))
+    ds = TensorParquetDataset(tmp_path)
+    assert ds[1]["x"] is None and same(ds[2]["x"], torch.ones(2))
+    report, problems = inspect_tensor_parquet(tmp_path, check_bytes=True)
+    assert problems == [] and report.tensors["x"].empty == 1
+    assert any("tensor x: float32 [2] (empty in 1 rows)" in line for line in report.format())
 
 
 def test_missing_triplet_column_is_a_schema_error(tmp_path):

@@ -40,7 +40,7 @@ def test_inspect_card_layout(tmp_path):
     report = json.loads(out)
     assert report["rows"] == 9 and report["errors"] == []
     assert report["tensors"]["text_embedding"] == {"dtypes": ["bfloat16"], "shape_min": [2, 8],
-                                                   "shape_max": [5, 8], "ranks": [2]}
+                                                   "shape_max": [5, 8], "ranks": [2], "empty_rows": 0}
 
 
 def test_validate_ok_and_against_a_card_schema(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -101,6 +102,26 @@ def test_processor_and_collator_give_the_stored_tensors(shards):
         assert torch.equal(batch["condition"]["pooled"][k], expected["pooled"])
         assert torch.equal(batch["latents"]["latent"][k], expected["latent"])
     assert batch["latents"]["latent"].dtype == torch.float32 and batch["metadata"] == [{}, {}, {}]
+
+
+def test_a_placeholder_where_training_needs_a_tensor_names_file_row_and_column(tmp_path):
+    """The absent-tensor placeholder ``(b"", [], "")`` reads as None; in a column training needs it is an error."""
+    rows = []
+    for i in range(3):
+        row = {"prompt": f"p{i}"}
+        for name, t in row_tensors(i).items():
+            row |= encode_tensor(t, name)
+        rows.append(row)
+    rows[0] |= {"latent_bytes": b"", "latent_shape": [], "latent_dtype": ""}
+    (tmp_path / "b").mkdir()
+    schema = tensor_schema({"prompt": pa.string()}, list(row_tensors(0)))
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "b" / "f.parquet", row_group_size=1)
+    processor = TensorRowProcessor(rows_of([tmp_path / "b"]), COLUMNS)
+    assert torch.equal(processor.process(1)["latents"]["latent"], row_tensors(1)["latent"])
+    with pytest.raises(DatasetError) as err:
+        processor.process(0)
+    assert str(err.value).startswith(f"{tmp_path / 'b' / 'f.parquet'}: row group 0, row 0: latent: the row holds the "
+                                     "empty placeholder")
 
 
 def test_collator_names_the_rows_of_a_batch_with_mixed_shapes(tmp_path):

@@ -173,10 +173,31 @@ def test_kl_to_the_lora_free_reference_is_zero_before_training_and_has_gradient(
 def test_bad_settings_name_the_key():
     with pytest.raises(ValueError, match="model.objective.group_size must be >= 1"):
         objective(group_size=0)
+    with pytest.raises(ValueError, match=r"model.objective.group_size must be >= 2 \(advantages compare"):
+        objective(group_size=1)  # one sample per group: every advantage would be 0
     with pytest.raises(ValueError, match="model.objective.kl_on"):
         objective(kl_on="logits")
     with pytest.raises(ValueError, match=r"sampler.window \[0, 5\) reaches past step 3"):
         objective(sampler=StochasticSampling(window=(0, 5)))
+
+
+def test_settings_the_run_cannot_honour_fail_before_weights_load():
+    """``mini_batches`` above the rank's micro-batches would silently give fewer optimiser steps; a batch without
+    group ids would make every advantage 0."""
+    from ff_core.errors import ConfigError
+
+    objective(mini_batches=2).check_run(dp_world_size=1)  # 4 samples in micro-batches of 2: 2 runs
+    with pytest.raises(ConfigError, match=r"model.objective.mini_batches: 2 optimiser steps per pass, but each rank "
+                                          r"replays only 1 micro-batch\(es\) \(2 samples per rank"):
+        objective(mini_batches=2).check_run(dp_world_size=2)
+    with pytest.raises(ValueError, match="do not divide over 3 data-parallel ranks"):
+        objective().check_run(dp_world_size=3)
+    adapter, obj = ToyAdapter(), objective()
+    b = batch()
+    rollouts = obj.rollout(adapter, b, torch.Generator().manual_seed(1))
+    del b["group"]
+    with pytest.raises(ValueError, match="GRPO: the batch carries no `group` ids"):
+        obj.score(adapter, None, b, rollouts)
 
 
 def test_slice_batch_cuts_nested_collated_conditions():

@@ -2,8 +2,10 @@
 
 Spec: tensor-parquet-dataset-card. A tensor ``name`` is stored as three columns: ``<name>_bytes`` (the raw,
 C-contiguous, little-endian buffer), ``<name>_shape`` (a list of ints, per row: a text embedding's length varies)
-and ``<name>_dtype`` (a torch dtype name without ``torch.``). The card's own loader maps only three float dtypes;
-ff decodes every dtype in :data:`TENSOR_DTYPES`, bfloat16 through torch because numpy has none.
+and ``<name>_dtype`` (a torch dtype name; ``torch.`` prefixes and torch's aliases are accepted, :func:`tensor_dtype`).
+The card's own loader maps only three float dtypes; ff decodes every dtype in :data:`TENSOR_DTYPES`, bfloat16 through
+torch because numpy has none. The placeholder ``(b"", [], "")`` some scripts write for an absent tensor reads as
+``None`` (:func:`is_empty_triplet`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,24 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+
+
+def tensor_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a ``<name>_dtype`` string names, ``None`` if it names none ff stores.
+
+    Writers spell dtypes differently: the card writes ``"bfloat16"``, ``str(tensor.dtype)`` gives ``"torch.bfloat16"``,
+    and torch's aliases (``"half"``, ``"float"``, ``"long"``) name the same dtypes; all of them are accepted.
+    """
+    if not isinstance(name, str):
+        return None
+    found = getattr(torch, name.removeprefix("torch."), None) if name else None
+    return found if isinstance(found, torch.dtype) and found in _DTYPE_NAMES else None
+
+
+def is_empty_triplet(data_len: int | None, shape: Sequence[int] | None, dtype: str | None) -> bool:
+    """Whether a triplet is the placeholder some preprocessing scripts write for an absent tensor: no bytes, an empty
+    shape and an empty dtype (``(b"", [], "")``). Readers return ``None`` for it rather than failing."""
+    return data_len == 0 and shape is not None and len(shape) == 0 and dtype == ""
 
 
 def tensor_fields(name: str) -> list[pa.Field]:
@@ -66,11 +86,12 @@ def tensor_problem(data_len: int | None, shape: Sequence[int] | None, dtype: str
     for part, value in ((BYTES, data_len), (SHAPE, shape), (DTYPE, dtype)):
         if value is None:
             return part, "null value"
-    if dtype not in TENSOR_DTYPES:
+    dt = tensor_dtype(dtype)
+    if dt is None:
         return DTYPE, f"unknown dtype {dtype!r}; expected one of {', '.join(TENSOR_DTYPES)}"
-    if any(d is None or d < 0 for d in shape):
-        return SHAPE, f"shape {list(shape)} has a null or negative dimension"
-    itemsize = TENSOR_DTYPES[dtype].itemsize
+    if not isinstance(shape, (list, tuple)) or any(not isinstance(d, int) or d < 0 for d in shape):
+        return SHAPE, f"shape {shape!r} is not a list of non-negative integers"
+    itemsize = dt.itemsize
     expected = math.prod(shape) * itemsize
     if data_len != expected:
         return BYTES, f"{data_len} bytes, expected prod({list(shape)}) x {itemsize} ({dtype}) = {expected}"
@@ -83,7 +104,7 @@ def decode_buffer(buf: Any, offset: int, shape: Sequence[int], dtype: str) -> to
     The tensor shares memory with ``buf`` (an Arrow buffer: immutable) and keeps it alive; writing into it in place
     would change the decoded data under every other view, so callers clone before in-place edits.
     """
-    dt = TENSOR_DTYPES[dtype]
+    dt = tensor_dtype(dtype)
     count = math.prod(shape)
     if count == 0:
         return torch.empty(tuple(shape), dtype=dt)

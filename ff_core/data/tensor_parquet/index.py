@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +47,18 @@ def discover(root: Path) -> list[tuple[str, int, int]]:
     Hidden files and folders (a writer's ``.data_chunk_0.parquet.tmp``, ``.git``) are skipped.
     """
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for f in filenames:
-            if f.endswith(".parquet") and not f.startswith("."):
-                path = os.path.join(dirpath, f)
-                st = os.stat(path)
-                found.append((os.path.relpath(path, root), st.st_size, st.st_mtime_ns))
+    for path in parquet_files(root):
+        st = os.stat(path)
+        found.append((os.path.relpath(path, root), st.st_size, st.st_mtime_ns))
     found.sort(key=lambda x: _natural(x[0]))
     return found
+
+
+def parquet_files(root: Path) -> Iterator[str]:
+    """The path of every ``*.parquet`` file below ``root``, in walk order, skipping hidden files and folders."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        yield from (os.path.join(dirpath, f) for f in filenames if f.endswith(".parquet") and not f.startswith("."))
 
 
 @dataclass

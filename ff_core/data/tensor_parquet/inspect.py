@@ -23,12 +23,13 @@ from ff_core.data.tensor_parquet.format import (
     BYTES,
     DTYPE,
     SHAPE,
-    TENSOR_DTYPES,
+    is_empty_triplet,
     schema_problems,
     split_schema,
+    tensor_dtype,
     tensor_problem,
 )
-from ff_core.data.tensor_parquet.index import RowIndex, discover, load_index
+from ff_core.data.tensor_parquet.index import RowIndex, discover, load_index, parquet_files
 from ff_core.errors import DatasetError
 
 MAX_ROW_PROBLEMS = 20  # per file and column: a systematically broken column is one line of cause, not a million
@@ -39,13 +40,7 @@ def is_tensor_parquet_root(path: str | os.PathLike) -> bool:
     path = Path(path).expanduser()
     if not path.is_dir() or any((path / f"train.{ext}").exists() for ext in ("jsonl", "txt")):
         return False
-    return any(True for _ in _parquet_below(path))
-
-
-def _parquet_below(path: Path):
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        yield from (f for f in filenames if f.endswith(".parquet") and not f.startswith("."))
+    return any(True for _ in parquet_files(path))
 
 
 @dataclass
@@ -56,6 +51,8 @@ class TensorStats:
     ranks: set = field(default_factory=set)
     low: list[int] = field(default_factory=list)
     high: list[int] = field(default_factory=list)
+    empty: int = 0
+    """rows holding the absent-tensor placeholder ``(b"", [], "")``"""
 
     def add(self, shape: list[int], dtype: str) -> None:
         self.dtypes.add(dtype)
@@ -110,14 +107,14 @@ class TensorParquetReport:
                          + f"; on disk {_size(self.disk_bytes / self.rows)} per row")
         lines.append("  scalars: " + (", ".join(f"{k} {v}" for k, v in self.scalars.items()) or "none"))
         lines += [f"  tensor {name}: {'/'.join(sorted(s.dtypes)) or '-'} {s.shape_text()}"
-                  for name, s in self.tensors.items()]
+                  + (f" (empty in {s.empty} rows)" if s.empty else "") for name, s in self.tensors.items()]
         return lines
 
     def to_json(self) -> dict[str, Any]:
         return {"root": str(self.root), "files": self.files, "rows": self.rows, "row_groups": self.row_groups,
                 "group_rows": list(self.group_rows), "disk_bytes": self.disk_bytes, "scalars": self.scalars,
                 "tensors": {n: {"dtypes": sorted(s.dtypes), "shape_min": s.low, "shape_max": s.high,
-                                "ranks": sorted(s.ranks)} for n, s in self.tensors.items()},
+                                "ranks": sorted(s.ranks), "empty_rows": s.empty} for n, s in self.tensors.items()},
                 "tensor_bytes": list(self.tensor_bytes)}
 
 
@@ -183,9 +180,13 @@ def _file_rows(path: Path, tensors: list[str], report: TensorParquetReport, erro
         payload = 0
         for t in tensors:
             shape, dtype = shapes[t][r], dtypes[t][r]
-            ok_shape = shape is not None and all(d is not None and d >= 0 for d in shape)
-            expected = math.prod(shape) * TENSOR_DTYPES[dtype].itemsize if ok_shape and dtype in TENSOR_DTYPES else 0
+            ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            dt = tensor_dtype(dtype)
+            expected = math.prod(shape) * dt.itemsize if ok_shape and dt is not None else 0
             found = lengths[t][r] if lengths[t] is not None else expected  # unchecked: assume it fits
+            if is_empty_triplet(found if lengths[t] is not None else 0, shape, dtype):  # an absent tensor
+                report.tensors[t].empty += 1
+                continue
             problem = tensor_problem(found, shape, dtype)
             if problem is None:
                 report.tensors[t].add(shape, dtype)

@@ -35,6 +35,7 @@ from ff_core.data.tensor_parquet.format import (
     DTYPE,
     SHAPE,
     decode_buffer,
+    is_empty_triplet,
     schema_problems,
     split_schema,
     tensor_problem,
@@ -175,7 +176,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             raise IndexError(f"row {i} out of range for {n} rows of {self.root}")
         return i + n if i < 0 else i
 
-    def _tensor(self, table: pa.Table, name: str, r: int, i: int) -> torch.Tensor:
+    def _tensor(self, table: pa.Table, name: str, r: int, i: int) -> torch.Tensor | None:
         arr, j = _cell_array(table.column(name + BYTES), r)
         valid = arr.null_count == 0 or arr[j].is_valid
         shape = _cell(table.column(name + SHAPE), r).as_py()
@@ -185,6 +186,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
             offsets = np.frombuffer(arr.buffers()[1], dtype=width)
             start, end = int(offsets[arr.offset + j]), int(offsets[arr.offset + j + 1])
+        if valid and is_empty_triplet(end - start, shape, dtype):  # an absent tensor's placeholder
+            return None
         problem = tensor_problem(end - start if valid else None, shape, dtype)
         if problem is not None:
             raise self._row_error(i, name + problem[0], problem[1])
