@@ -42,9 +42,10 @@ class DumpRankState(L.Callback):
 
 
 def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
-    """2 ranks, 2 prompts x 2 samples per step (each rank one prompt's group... dealt contiguously), 3 steps: the ranks
-    ran disjoint halves of each step's pairs, logged the same gathered reward mean, and end with identical weights
-    that differ from the start (the averaged gradients stepped both alike)."""
+    """2 ranks, 2 prompts x 2 samples per step, 3 steps: each group is split over the ranks (sample-major deal: each
+    rank one sample of both prompts), so the advantages need the gathered rewards; the ranks logged the same gathered
+    reward mean and end with identical weights that differ from the start (the averaged gradients stepped both
+    alike)."""
     from ff_core.testing.shapes import write_prompt_dataset
 
     prompts = write_prompt_dataset(tmp_path / "prompts")
@@ -70,7 +71,8 @@ def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
     ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for step in range(3):
         a, b = ranks[0]["batches"][step], ranks[1]["batches"][step]
-        assert a["group"] == [2 * step, 2 * step] and b["group"] == [2 * step + 1, 2 * step + 1]
+        assert a["group"] == b["group"] == [2 * step, 2 * step + 1]  # the same prompts, their other samples
+        assert a["index"] == b["index"]
         assert a["reward_mean"] == b["reward_mean"]  # gathered over both ranks
     base = torch.load(tmp_path / "out" / "rank0.pt", weights_only=False)["weights"]
     for name, w in ranks[0]["weights"].items():

@@ -33,17 +33,21 @@ def rank_batches(world: int, rank: int, steps: int, prompts=3, group=4, rows=7, 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
 def test_every_step_holds_whole_groups_spread_over_the_ranks(world):
     """Over the W ranks, step s holds exactly the K samples of prompts s*P .. s*P + P - 1 of the prompt order; each
-    (group, k) pair once, one row per group; rank r's slice is the r-th contiguous slice of the prompt-major block."""
+    (group, k) pair once, one row per group; rank r's slice is the r-th contiguous slice of the sample-major block,
+    so a group's samples are spread over the ranks (with W dividing K: K / W of every group on every rank)."""
     ranks = [rank_batches(world, r, steps=5) for r in range(world)]
     for step in range(5):
         pairs = [pair for r in range(world) for pair in ranks[r][step]]
         assert Counter((g, k) for g, k, _ in pairs) == Counter((g, k) for g in range(3 * step, 3 * step + 3)
                                                                for k in range(4))  # fmt: skip
         assert len({(g, row) for g, _, row in pairs}) == 3  # one row per group
-        block = [(g, k) for g in range(3 * step, 3 * step + 3) for k in range(4)]
+        block = [(g, k) for k in range(4) for g in range(3 * step, 3 * step + 3)]
         size = 12 // world
         for r in range(world):
             assert [(g, k) for g, k, _ in ranks[r][step]] == block[r * size : (r + 1) * size]
+            if 4 % world == 0:  # K / W samples of every group of the step on every rank
+                groups = range(3 * step, 3 * step + 3)
+                assert Counter(g for g, _, _ in ranks[r][step]) == {g: 4 // world for g in groups}
 
 
 def test_prompt_order_is_a_permutation_per_epoch_and_reproducible():

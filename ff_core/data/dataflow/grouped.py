@@ -3,12 +3,14 @@
 Group-relative advantages (Flow-GRPO, Liu et al. 2025, sec. 4) compare the K samples of one prompt, so a step must
 hold whole groups. :class:`GroupedDistributor` lays out one global order (the loader shards it; docs/dataflow.md)
 in blocks of ``P * K`` items, one block per step: block ``s`` holds the (prompt, k) pairs of prompts
-``s*P .. s*P + P - 1`` of the shuffled prompt order, prompt-major (``q = p*K + k``). With ``W`` data-parallel ranks
-and a loader batch of ``P*K / W`` (one stream per rank), the loader deals each step's block to the ranks in
-contiguous slices (docs/dataflow.md, mode ``global``): rank ``r`` takes pairs ``q = r*P*K/W .. (r+1)*P*K/W - 1``,
-so a group lies on one rank or spans neighbouring ones, the same way on every run; the order itself does not depend
-on ``W``. Each item carries its group id (the prompt's position in the prompt order, unique over the run), which the
-trainer gathers with the rewards to normalise advantages per group.
+``s*P .. s*P + P - 1`` of the shuffled prompt order, sample-major (``q = k*P + p``: first sample 0 of each prompt,
+then sample 1, ...). With ``W`` data-parallel ranks and a loader batch of ``P*K / W`` (one stream per rank), the
+loader deals each step's block to the ranks in contiguous slices (docs/dataflow.md, mode ``global``), so each group's
+K samples are spread over the ranks (with ``W`` dividing ``K``: ``K / W`` of them on every rank, and every rank sees
+every prompt of the step), the same way on every run; the order itself does not depend on ``W``. Flow-GRPO's
+``DistributedKRepeatSampler`` spreads a group the same way, by a shuffle. Each item carries its group id (the prompt's
+position in the prompt order, unique over the run), which the trainer gathers with the rewards to normalise
+advantages per group.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class GroupedDistributor(MapDistributor):
     def pair_at(self, position: int) -> tuple[int, int]:
         """``(group, k)`` of global position ``position``: the prompt's place in the prompt order and the sample."""
         block, q = divmod(position, self.prompts_per_step * self.group_size)
-        p, k = divmod(q, self.group_size)
+        k, p = divmod(q, self.prompts_per_step)  # sample-major: a group's samples spread over the ranks' slices
         return block * self.prompts_per_step + p, k
 
     def fetch(self, address: Any) -> GroupedItem:
@@ -90,4 +92,4 @@ class GroupedDistributor(MapDistributor):
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "kind": "GroupedDistributor", "group_size": self.group_size,
-                "prompts_per_step": self.prompts_per_step}  # fmt: skip
+                "prompts_per_step": self.prompts_per_step, "order": "sample-major"}  # fmt: skip
