@@ -282,7 +282,8 @@ class GRPOObjective(Objective):
         metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0)}
         for key, scores in all_scores.items():
             metrics[f"reward/{key}_mean"], metrics[f"reward/{key}_std"] = scores.mean(), scores.std(correction=0)
-        metrics["advantage_abs_mean"] = advantages.abs().mean()
+        clipped = advantages.clamp(-self.adv_clip_max, self.adv_clip_max)  # what the loss uses
+        metrics["advantage_abs_mean"] = clipped.abs().mean()
         return metrics
 
     def update(self, module: Any, adapter: Adapter, rollouts: list[Rollout]) -> UpdateStats:
