@@ -190,7 +190,7 @@ class FlowModule(L.LightningModule):
             specs, key = self.objective.default_eval_rewards(), "model.objective (its default eval rewards)"
         if not specs:
             return None
-        rewards = Rewards(specs, config_key=key)
+        rewards = specs if isinstance(specs, Rewards) else Rewards(specs, config_key=key)
         rewards.check_outputs([str(t) for t in self.adapter_cls.io_contract.output_types], self.adapter_cls.name)
         return rewards
 

@@ -73,9 +73,10 @@ class Objective:
         """
         return None
 
-    def default_eval_rewards(self) -> list[RewardSpec] | None:
-        """The rewards validation computes when the recipe sets no ``model.eval_rewards`` (an online objective can
-        return its training rewards); ``None``: none."""
+    def default_eval_rewards(self) -> Rewards | list[RewardSpec] | None:
+        """The rewards validation computes when the recipe sets no ``model.eval_rewards``: specs to build, or a built
+        :class:`~ff_core.rewards.Rewards` to share (an online objective returns its training rewards, so a model-based
+        reward is loaded once); ``None``: none."""
         return None
 
     def training_step(self, module: Any, batch: dict[str, Any], generator: torch.Generator) -> None:

@@ -35,7 +35,7 @@ from ff_core.errors import ConfigError
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
-from ff_core.rewards.base import RewardBatch, Rewards, RewardSpec
+from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
@@ -201,9 +201,10 @@ class GRPOObjective(Objective):
         """The rewards maximised: ``FlowModule.setup`` refuses training rows lacking a metadata field they read."""
         return self.rewards
 
-    def default_eval_rewards(self) -> list[RewardSpec]:
-        """Validation scores the training rewards unless the recipe sets ``model.eval_rewards``."""
-        return list(self.rewards.specs)
+    def default_eval_rewards(self) -> Rewards:
+        """Validation scores the training rewards (the same instances: a reward model loads once) unless the recipe
+        sets ``model.eval_rewards``."""
+        return self.rewards
 
     def training_loss(self, adapter, batch, generator=None) -> LossOutput:
         raise RuntimeError("GRPO optimises manually: FlowModule.training_step calls GRPOObjective.training_step")
