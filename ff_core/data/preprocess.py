@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 EXIT_OK, EXIT_INVALID = 0, 2
 USAGE = "usage: ff data preprocess --config recipe.yaml [--data.cache_dir DIR] [--data.force_reprocess true] ..."
@@ -37,20 +37,12 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=out)
         return EXIT_OK if argv else EXIT_INVALID
-    from ff_core.data.datamodule import FlowDataModule
-    from ff_core.errors import DatasetErrors
-    from ff_core.lightning_cli import FlowCLI
-    from ff_core.module import FlowModule
-
-    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=list(argv))
-    data, model = cli.datamodule, cli.model
+    recipe = read_recipe(argv, out)
+    if isinstance(recipe, int):
+        return recipe
+    cli, data, model = recipe
     if not data.enable_preprocess:
         print("ff data preprocess: data.enable_preprocess is false: this recipe caches no conditions", file=out)
-        return EXIT_INVALID
-    try:
-        data.setup("fit")
-    except DatasetErrors as exc:
-        print(exc.format(), file=out)
         return EXIT_INVALID
     model.configure_model()  # no trainer attached: loads the adapter (and its LoRA) without preparing conditions
     data.prepare_conditions(model.adapter, device=cli.trainer.strategy.root_device, progress=True)
@@ -58,3 +50,25 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         verb = "reused" if r.reused else "built"
         print(f"{r.source.name}/{r.source.split}: {verb} {r.path} ({r.rows} rows, {human_size(r.bytes)})", file=out)
     return EXIT_OK
+
+
+def read_recipe(argv: Sequence[str], out: TextIO) -> tuple[Any, Any, Any] | int:
+    """The recipe as ``ff fit`` reads it, its datasets read and validated: ``(cli, data module, module)``, or the exit
+    status after printing every dataset problem (no weights are loaded).
+
+    Args:
+        argv: LightningCLI's arguments (``--config``, ``--data.*``, ``--model.*``).
+        out: where problems are printed.
+    """
+    from ff_core.data.datamodule import FlowDataModule
+    from ff_core.errors import DatasetErrors
+    from ff_core.lightning_cli import FlowCLI
+    from ff_core.module import FlowModule
+
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=list(argv))
+    try:
+        cli.datamodule.setup("fit")
+    except DatasetErrors as exc:
+        print(exc.format(), file=out)
+        return EXIT_INVALID
+    return cli, cli.datamodule, cli.model

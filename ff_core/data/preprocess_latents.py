@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from ff_core.data.preprocess import EXIT_INVALID, EXIT_OK, human_size
+from ff_core.data.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
@@ -86,21 +86,13 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         print(f"ff data preprocess-latents: --output {output}: exists and is not empty; pass --overwrite to replace "
               "it", file=out)
         return EXIT_INVALID
-    from ff_core.data.datamodule import FlowDataModule
-    from ff_core.errors import DatasetErrors
-    from ff_core.lightning_cli import FlowCLI
-    from ff_core.module import FlowModule
-
-    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=rest)
-    data, model = cli.datamodule, cli.model
+    recipe = read_recipe(rest, out)
+    if isinstance(recipe, int):
+        return recipe
+    cli, data, model = recipe
     if data.trainer_type not in ("sft", "offline-dpo"):
         print(f"ff data preprocess-latents: the recipe trains {data.trainer_type!r}; only the offline trainers' "
               "datasets (demonstrations, preference pairs) are stored as latents", file=out)
-        return EXIT_INVALID
-    try:
-        data.setup("fit")
-    except DatasetErrors as exc:
-        print(exc.format(), file=out)
         return EXIT_INVALID
     if data.train_rows is not None:
         print("ff data preprocess-latents: the recipe already trains from tensor-parquet shards", file=out)
