@@ -108,6 +108,10 @@ class Adapter(nn.Module):
         tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
+        condition_collation: how each condition key collates when its per-sample tensors may differ in shape
+            (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
+            longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
+            to tensor-parquet condition columns alike.
     """
 
     name: ClassVar[str]
@@ -117,6 +121,7 @@ class Adapter(nn.Module):
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ()
     tensor_columns: ClassVar[TensorColumns | None] = None
+    condition_collation: ClassVar[dict[str, str]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
 
