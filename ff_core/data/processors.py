@@ -20,7 +20,7 @@ from torch.utils.data import default_collate
 from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
-from ff_core.data.geometry import MediaGeometry, fit_media
+from ff_core.data.geometry import MediaGeometry, decode_target
 from ff_core.data.media import decode_media
 from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.data.validation import bind_slots
@@ -103,8 +103,9 @@ class RecordProcessor(RawItemProcessor):
     """Decode every candidate a record's supervision carries beside its preprocessed condition: a demonstration's
     ``target``, a preference's ``chosen`` and ``rejected`` (see :func:`candidate_keys`).
 
-    Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (so a batch
-    never mixes sizes, and both arms of a preference pair share one latent shape) and never cached.
+    Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (a video
+    output with a frame count: only its clip's window decoded, on its frame grid; so a batch never mixes sizes, and
+    both arms of a preference pair share one latent shape) and never cached.
 
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
@@ -122,11 +123,12 @@ class RecordProcessor(RawItemProcessor):
                   "metadata": record.metadata}
         candidates = record.candidates or ((),)  # a generation row: an empty target
         for key, candidate in zip(candidate_keys(record.supervision), candidates):
-            sample[key] = [self._fit(decode_media(m, referenced_by=record.where), i) for i, m in enumerate(candidate)]
+            sample[key] = [decode_target(m, self._geometry(i), referenced_by=record.where)
+                           for i, m in enumerate(candidate)]  # fmt: skip
         return sample
 
-    def _fit(self, media: Any, output: int) -> Any:
-        return fit_media(media, self.geometry[output] if output < len(self.geometry) else None)
+    def _geometry(self, output: int) -> MediaGeometry | None:
+        return self.geometry[output] if output < len(self.geometry) else None
 
 
 class SampleCollator(BatchCollator):
