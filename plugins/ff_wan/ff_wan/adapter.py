@@ -18,7 +18,6 @@ The maths follows diffusers' ``WanPipeline`` (pipelines/wan/pipeline_wan.py) and
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -57,7 +56,7 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 def _read_config(pretrained: str | os.PathLike, name: str, revision: str | None = None) -> dict[str, Any] | None:
-    """One JSON config file of a checkpoint (local folder or hub id), without touching any weights; ``None`` if absent."""
+    """One JSON config file of a checkpoint (local folder or hub id), no weights touched; ``None`` if absent."""
     local = Path(pretrained).expanduser()
     if local.is_dir():
         file = local / name
@@ -76,7 +75,7 @@ def wan_variant(pretrained: str | os.PathLike, revision: str | None = None) -> s
 
     ``t2v`` (Wan2.1 T2V), ``ti2v`` (Wan2.2 TI2V: ``expand_timesteps``), ``a14b`` (two experts: ``boundary_ratio`` and
     ``transformer_2``), ``flf2v`` (Wan2.1 FLF2V: a CLIP ``image_dim`` and ``pos_embed_seq_len`` for two images),
-    ``i2v`` (Wan2.1 I2V: ``image_dim``), else ``t2v``. Raises ``FileNotFoundError`` when ``model_index.json`` is missing.
+    ``i2v`` (Wan2.1 I2V: ``image_dim``), else ``t2v``. ``FileNotFoundError`` when ``model_index.json`` is missing.
     """
     index = _read_config(pretrained, "model_index.json", revision)
     if index is None:
@@ -328,11 +327,10 @@ class WanT2VAdapter(Adapter):
 
     # -- target side -----------------------------------------------------------------------------
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
-        """The canvas, and (where ff_core's ``MediaGeometry`` carries a clock) the frame count and rate the loader
-        resamples every target video to."""
-        names = {f.name for f in dataclasses.fields(MediaGeometry)}
-        extra = {k: v for k, v in (("num_frames", self.num_frames), ("fps", self.fps)) if k in names}
-        return (MediaGeometry(self.height, self.width, **extra),)
+        """The decode specification of the target video: ``num_frames`` frames on the ``fps`` grid of the clip's
+        clock, each resized and centre-cropped to the canvas (the loader's workers decode only that window and
+        reject clips too short for it; ff_core.data.geometry)."""
+        return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=self.fps),)
 
     def _videos(self, media: list[list[Any]]) -> Tensor:
         videos = []

@@ -1,16 +1,17 @@
 """Tiny, random-initialised Wan checkpoints in the diffusers layout, built offline in seconds.
 
 :func:`build_tiny_wan` writes every component of diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline``
-(``transformer/`` [``transformer_2/``], ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``, [``image_encoder/``,
-``image_processor/``] and ``model_index.json``) with ``save_pretrained``, so the folder loads both through the ff
-adapters and through diffusers. One factory covers every variant the adapters tell apart by config alone:
+(``transformer/`` [``transformer_2/``], ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``,
+[``image_encoder/``, ``image_processor/``] and ``model_index.json``) with ``save_pretrained``, so the folder loads
+both through the ff adapters and through diffusers. One factory covers every variant the adapters tell apart by config:
 
 ============  =========================================================================================
 ``t2v``       Wan2.1 T2V: ``WanPipeline``, transformer ``in_channels = z_dim``.
 ``i2v``       Wan2.1 I2V: ``WanImageToVideoPipeline``, ``in_channels = 2 z_dim + 4`` (noise, mask, condition
               latents), ``image_dim`` + a CLIP vision encoder (penultimate hidden states).
 ``flf2v``     Wan2.1 FLF2V: as ``i2v`` plus ``pos_embed_seq_len`` (two CLIP images, first and last frame).
-``ti2v``      Wan2.2 TI2V: ``expand_timesteps`` (first latent frame pinned, per-token timesteps), ``in_channels = z_dim``.
+``ti2v``      Wan2.2 TI2V: ``expand_timesteps`` (first latent frame pinned, per-token timesteps),
+              ``in_channels = z_dim``.
 ``a14b``      Wan2.2 I2V-A14B: two experts (``transformer``, ``transformer_2``) switched at ``boundary_ratio``,
               ``in_channels = 2 z_dim + 4``, no image encoder.
 ============  =========================================================================================
@@ -83,8 +84,13 @@ def build_tiny_wan(
             the steps of a 4-step test run).
         image_size: the CLIP image encoder's input side (``i2v`` / ``flf2v``).
     """
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-    from diffusers import WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import UMT5Config, UMT5EncoderModel
 
     if variant not in VARIANTS:
