@@ -20,14 +20,18 @@ Sizes: a 1-layer transformer with 2 heads of 8 channels, a Wan VAE with ``base_d
 (4x temporal, 8x spatial compression as the real one), ``z_dim`` 4 with non-trivial ``latents_mean`` / ``latents_std``
 so normalisation is really exercised. 9 frames at 32x32 are 3 latent frames of 4x4, 2x2 tokens each after patching.
 
-CLI: ``python -m ff_wan.testing --out DIR [--variant t2v]``.
+:func:`write_moving_squares` writes a tiny V2 video dataset (MP4 targets with ``fps``, optional ``first_frame`` images).
+
+CLI: ``python -m ff_wan.testing --out DIR [--variant t2v]``; ``--dataset [--i2v] [--n 16]`` writes the dataset.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VARIANTS: tuple[str, ...] = ("t2v", "i2v", "flf2v", "ti2v", "a14b")
@@ -146,12 +150,79 @@ def build_tiny_wan(
     return path
 
 
+def moving_square(colour: tuple[int, int, int], direction: int, frames: int, size: int = 32) -> np.ndarray:
+    """uint8 (F, H, W, 3): a square of ``colour`` crossing a grey canvas left to right (``direction`` 1) or back."""
+    clip = np.full((frames, size, size, 3), 96, np.uint8)
+    side = size // 4
+    for k in range(frames):
+        x = int(round((size - side) * (k / max(frames - 1, 1))))
+        x = x if direction > 0 else size - side - x
+        clip[k, size // 2 - side // 2 : size // 2 + side // 2, x : x + side] = colour
+    return clip
+
+
+def write_mp4(path: Path, clip: np.ndarray, fps: float) -> Path:
+    """An H.264 MP4 of ``clip`` (near-lossless, qp 10) at ``fps``."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=int(fps))
+        stream.height, stream.width = clip.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.options = {"qp": "10"}
+        for frame in clip:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+
+
+def write_moving_squares(root: Path, n: int = 4, *, i2v: bool = False, frames: int = 12, fps: float = 8.0) -> Path:
+    """A V2 dataset folder of ``n`` moving squares (``train.jsonl``, MP4 targets with ``fps`` under ``videos/``,
+    ``test.txt`` prompts), the clips 12 frames at 8 fps by default (longer than a 9-frame training clip). With ``i2v``
+    each record binds its clip's first frame (a PNG under ``images/``) to the ``first_frame`` slot."""
+    from PIL import Image
+
+    root = Path(root)
+
+    lines = []
+    for i in range(n):
+        name = list(COLOURS)[i % len(COLOURS)]
+        direction = 1 if i % 2 == 0 else -1
+        clip = moving_square(COLOURS[name], direction, frames)
+        write_mp4(root / "videos" / f"{i:03d}.mp4", clip, fps)
+        prompt = f"a {name} square moving {'right' if direction > 0 else 'left'}"
+        media = []
+        if i2v:
+            (root / "images").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(clip[0]).save(root / "images" / f"{i:03d}.png")
+            media = [{"type": "image", "path": f"images/{i:03d}.png", "slot": "first_frame"}]
+        record = {"schema_version": 2, "input": {"prompt": prompt, "media": media},
+                  "supervision": {"type": "demonstration",
+                                  "target": {"media": [{"type": "video", "path": f"videos/{i:03d}.mp4", "fps": fps}]}},
+                  "metadata": {}}  # fmt: skip
+        lines.append(json.dumps(record))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "test.txt").write_text("a red square moving left\na blue square moving right\n")
+    return root
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_wan.testing", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
     p.add_argument("--variant", default="t2v", choices=VARIANTS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", action="store_true", help="write a moving-squares MP4 dataset to --out instead")
+    p.add_argument("--i2v", action="store_true", help="with --dataset: bind each clip's first frame (first_frame)")
+    p.add_argument("--n", type=int, default=16, help="with --dataset: number of clips")
     a = p.parse_args(argv)
+    if a.dataset:
+        out = write_moving_squares(a.out, a.n, i2v=a.i2v)
+        print(f"wrote {a.n} moving-square clips to {out}")
+        return
     out = build_tiny_wan(a.out, variant=a.variant, seed=a.seed)
     print(f"wrote tiny Wan {a.variant} checkpoint to {out}")
 
