@@ -95,7 +95,9 @@ class Adapter(nn.Module):
 
     Class attributes:
         name: registry name used in configs (``model.adapter: sd3-5``).
-        io_contract: what the pipeline accepts and emits (see :mod:`ff_core.contracts`).
+        io_contract: what the pipeline accepts and emits (see :mod:`ff_core.contracts`). A family whose checkpoints
+            differ (Wan I2V variants) sets its default here and resolves each checkpoint's in
+            :meth:`resolve_contract`; a loaded adapter's ``io_contract`` is its checkpoint's.
         preprocess_version: bump when ``preprocess`` output changes, to invalidate condition caches.
         default_lora_targets: module names LoRA wraps when the config names none.
         lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files.
@@ -117,6 +119,35 @@ class Adapter(nn.Module):
     tensor_columns: ClassVar[TensorColumns | None] = None
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
+
+    @classmethod
+    def resolve_contract(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> PipelineIOContract:
+        """The IO contract of one checkpoint, from its config files only (never its weights).
+
+        Datasets are validated against it before anything heavy loads (``FlowDataModule.setup``,
+        ``ff data validate --model M --pretrained P``), and the loaded adapter carries it as its ``io_contract``
+        (:func:`ff_core.pretrained.load_pretrained` sets it). Override it when the accepted inputs depend on the
+        checkpoint (Wan2.1 I2V takes ``first_frame``, FLF2V also requires ``last_frame``): read the JSON with
+        :func:`ff_core.pretrained.read_config` and return one of the family's contracts. Must be cheap and must not
+        import model code or touch weights. Default: the class attribute :attr:`io_contract`.
+
+        Args:
+            pretrained_model_name_or_path: ``model.pretrained_model_name_or_path`` (a folder or hub id); ``None`` when
+                unknown (a dataset checked without a checkpoint): return the family's default contract.
+            adapter_kwargs: ``model.adapter_kwargs`` (the ``from_pretrained`` arguments), which may select a variant.
+        """
+        return cls.io_contract
+
+    @classmethod
+    def resolve_tensor_columns(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> TensorColumns | None:
+        """The tensor-parquet columns one checkpoint trains from, from its config files only (a variant with an
+        image encoder needs its ``clip_feature`` column, say); same rules as :meth:`resolve_contract`. Default: the
+        class attribute :attr:`tensor_columns`."""
+        return cls.tensor_columns
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:

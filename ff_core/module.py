@@ -20,11 +20,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
+from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
-from ff_core.pretrained import load_pretrained
+from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class FlowModule(L.LightningModule):
         self.eval_reward_set: Rewards | None = None  # built in setup, before weights load
         self._rewards_device: torch.device | None = None
         self.adapter: Adapter | None = None
+        self._contract: PipelineIOContract | None = None
         self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
@@ -185,13 +187,24 @@ class FlowModule(L.LightningModule):
         if not specs:
             return None
         rewards = Rewards(specs, config_key=key)
-        rewards.check_outputs([str(t) for t in self.adapter_cls.io_contract.output_types], self.adapter_cls.name)
+        rewards.check_outputs([str(t) for t in self.io_contract.output_types], self.adapter_cls.name)
         return rewards
+
+    @property
+    def io_contract(self) -> PipelineIOContract:
+        """The checkpoint's IO contract: the loaded adapter's, else resolved from the checkpoint's config files
+        (:meth:`~ff_core.adapter.Adapter.resolve_contract`, no weights)."""
+        if self.adapter is not None:
+            return self.adapter.io_contract
+        if self._contract is None:
+            self._contract = resolve_contract(self.adapter_cls, self.pretrained_model_name_or_path,
+                                              self.adapter_kwargs)  # fmt: skip
+        return self._contract
 
     @property
     def output_types(self) -> tuple[str, ...]:
         """The adapter contract's output kinds (``image``, ``video``, ``audio``), in ``decode``'s order."""
-        return tuple(str(t) for t in self.adapter_cls.io_contract.output_types)
+        return tuple(str(t) for t in self.io_contract.output_types)
 
     # -- model -------------------------------------------------------------------------------------------
     def configure_model(self) -> None:

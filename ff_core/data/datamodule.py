@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
+from ff_core.contracts import PipelineIOContract
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
 from ff_core.data.dataflow import (
@@ -74,6 +75,7 @@ from ff_core.data.tensor_rows import (
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.plugins import get_adapter_class
+from ff_core.pretrained import resolve_contract, resolve_tensor_columns
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class FlowDataModule(L.LightningDataModule):
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
+        pretrained_model_name_or_path: the checkpoint (linked from ``model.pretrained_model_name_or_path``): records
+            are validated against its contract, read from its config files before any weight loads
+            (``Adapter.resolve_contract``); ``None``: the adapter's default contract.
+        adapter_kwargs: linked from ``model.adapter_kwargs`` (they may select the checkpoint's variant).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
         grouping: GRPO's ``(prompts_per_step, group_size)`` (linked from ``model.objective``; not set by hand): every
             step the ranks share P prompts, each sampled K times, each rank taking ``P * K / W`` of the pairs
@@ -149,6 +155,8 @@ class FlowDataModule(L.LightningDataModule):
         shuffle: bool = True,
         row_group_window: int | None = None,
         adapter: str | None = None,
+        pretrained_model_name_or_path: str | None = None,
+        adapter_kwargs: dict[str, Any] | None = None,
         trainer_type: TrainerType = "sft",
         grouping: tuple[int, int] | None = None,
     ) -> None:
@@ -181,6 +189,8 @@ class FlowDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.row_group_window = row_group_window
         self.adapter_name = adapter
+        self.pretrained_model_name_or_path = pretrained_model_name_or_path
+        self.adapter_kwargs = dict(adapter_kwargs or {})
         self.trainer_type = trainer_type
         self.grouping = tuple(grouping) if grouping is not None else None
         self.train_records: list[Record] = []
@@ -236,15 +246,16 @@ class FlowDataModule(L.LightningDataModule):
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
             cls = get_adapter_class(self.adapter_name)
+            contract = self._contract(cls)
             # preprocessing_batch_size is not checked: it is capped at the adapter's capability instead.
-            check_batch_size(cls.io_contract, cls.name, self.per_device_batch_size,
+            check_batch_size(contract, cls.name, self.per_device_batch_size,
                              eval_batch_size=self.eval_batch_size)  # fmt: skip
-            check_records(self.train_records + self.eval_records, cls.io_contract)
+            check_records(self.train_records + self.eval_records, contract)
             for warning in (w for r in self.train_records + self.eval_records
-                            for w in record_warnings(r, cls.io_contract, cls.name)):
+                            for w in record_warnings(r, contract, cls.name)):
                 log.warning("%s", warning.format())
-            self.train_records = [conform(r, cls.io_contract) for r in self.train_records]
-            self.eval_records = [conform(r, cls.io_contract) for r in self.eval_records]
+            self.train_records = [conform(r, contract) for r in self.train_records]
+            self.eval_records = [conform(r, contract) for r in self.eval_records]
             for split, records in (("train", self.train_records), ("test", self.eval_records)):
                 start = 0  # the sources hold what the adapter sees too
                 for source in self._sources[split]:
@@ -255,6 +266,10 @@ class FlowDataModule(L.LightningDataModule):
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
+        """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""
+        return resolve_contract(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
 
     @property
     def _supervision(self) -> str:
@@ -271,14 +286,15 @@ class FlowDataModule(L.LightningDataModule):
         if self.adapter_name is None:
             raise ConfigError(key, "the adapter's columns are unknown (set model.adapter, which links data.adapter)")
         cls = get_adapter_class(self.adapter_name)
-        if cls.tensor_columns is None:
+        columns = resolve_tensor_columns(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        if columns is None:
             raise ConfigError(key, f"adapter {cls.name!r} declares no tensor_columns, so it cannot train from "
                                    "tensor-parquet shards")
         window = self.row_group_window
-        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0),
+        self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
-        self.tensor_columns = cls.tensor_columns
+        self.tensor_columns = columns
         largest = self.train_rows.max_group_rows()
         if window is None and largest > 1 and self.shuffle:
             log.warning("data.datasets: tensor-parquet row groups hold up to %d rows and Parquet decodes whole groups: "
