@@ -18,7 +18,7 @@ The maths follows diffusers' ``WanPipeline`` (pipelines/wan/pipeline_wan.py) and
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, ClassVar
@@ -55,32 +55,31 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
-def _read_config(pretrained: str | os.PathLike, name: str, revision: str | None = None) -> dict[str, Any] | None:
-    """One JSON config file of a checkpoint (local folder or hub id), no weights touched; ``None`` if absent."""
-    local = Path(pretrained).expanduser()
-    if local.is_dir():
-        file = local / name
-        return json.loads(file.read_text()) if file.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import EntryNotFoundError
+def _config(pretrained: str | os.PathLike, filename: str, subfolder: str | None = None) -> dict[str, Any] | None:
+    """One JSON config file of a checkpoint (:func:`ff_core.pretrained.read_config`: no weights); ``None`` if absent."""
+    from ff_core.pretrained import read_config
 
     try:
-        return json.loads(Path(hf_hub_download(str(pretrained), name, revision=revision)).read_text())
-    except EntryNotFoundError:
+        return read_config(pretrained, filename, subfolder)
+    except FileNotFoundError:
         return None
+    except OSError as exc:  # huggingface_hub's EntryNotFoundError for a hub file that does not exist
+        if type(exc).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+            return None
+        raise
 
 
-def wan_variant(pretrained: str | os.PathLike, revision: str | None = None) -> str:
+def wan_variant(pretrained: str | os.PathLike) -> str:
     """Which Wan checkpoint a folder holds, from ``model_index.json`` and ``transformer/config.json`` alone.
 
     ``t2v`` (Wan2.1 T2V), ``ti2v`` (Wan2.2 TI2V: ``expand_timesteps``), ``a14b`` (two experts: ``boundary_ratio`` and
     ``transformer_2``), ``flf2v`` (Wan2.1 FLF2V: a CLIP ``image_dim`` and ``pos_embed_seq_len`` for two images),
     ``i2v`` (Wan2.1 I2V: ``image_dim``), else ``t2v``. ``FileNotFoundError`` when ``model_index.json`` is missing.
     """
-    index = _read_config(pretrained, "model_index.json", revision)
+    index = _config(pretrained, "model_index.json")
     if index is None:
         raise FileNotFoundError(f"{pretrained}: no model_index.json (not a diffusers Wan checkpoint)")
-    transformer = _read_config(pretrained, "transformer/config.json", revision) or {}
+    transformer = _config(pretrained, "config.json", "transformer") or {}
     if index.get("expand_timesteps"):
         return "ti2v"
     if index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None])[0] is not None:
@@ -184,7 +183,7 @@ class WanT2VAdapter(Adapter):
         from diffusers.schedulers import SchedulerMixin
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        index = _read_config(path, "model_index.json", revision) or {}
+        index = _config(path, "model_index.json") or {}
         out: dict[str, Any] = {
             "transformer": WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dt,
                                                                  revision=revision),
@@ -473,7 +472,7 @@ class WanI2VAdapter(WanT2VAdapter):
         condition={"text_embedding": "prompt_embeds", "negative_text_embedding": "negative_prompt_embeds",
                    "first_frame_latent": "first_frame_latent", "clip_feature": "clip_feature"},
         latents={"vae_latent": "latent"},
-        optional=("negative_text_embedding", "clip_feature"),
+        optional=("negative_text_embedding",),
     )  # fmt: skip
 
     def __init__(
@@ -502,23 +501,38 @@ class WanI2VAdapter(WanT2VAdapter):
             image_encoder.requires_grad_(False).eval()
 
     @classmethod
+    def _variant(cls, pretrained: str | os.PathLike | None) -> str:
+        if pretrained is None:
+            return "i2v"  # no checkpoint known: the class default (Wan2.1 I2V)
+        variant = wan_variant(pretrained)
+        if variant not in I2V_CONTRACTS:
+            raise ValueError(f"{pretrained}: a Wan text-to-video checkpoint; wan2_i2v needs an image-to-video one "
+                             "(Wan2.1 I2V / FLF2V, Wan2.2 TI2V / I2V-A14B)")  # fmt: skip
+        return variant
+
+    @classmethod
     def resolve_contract(
-        cls, pretrained_model_name_or_path: str | os.PathLike, adapter_kwargs: dict[str, Any] | None = None
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
     ) -> PipelineIOContract:
         """The checkpoint's input contract from its config files alone (no weights): spec dataset-guide,
-        "Offline model support", ``wan2_i2v``."""
-        revision = (adapter_kwargs or {}).get("revision")
-        variant = wan_variant(pretrained_model_name_or_path, revision)
-        if variant not in I2V_CONTRACTS:
-            raise ValueError(f"{pretrained_model_name_or_path}: a Wan text-to-video checkpoint; wan2_i2v needs an "
-                             "image-to-video one (Wan2.1 I2V / FLF2V, Wan2.2 TI2V / I2V-A14B)")  # fmt: skip
-        return I2V_CONTRACTS[variant]
+        "Offline model support", ``wan2_i2v`` (:func:`wan_variant`)."""
+        return I2V_CONTRACTS[cls._variant(pretrained_model_name_or_path)]
+
+    @classmethod
+    def resolve_tensor_columns(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> TensorColumns:
+        """Wan2.1 I2V / FLF2V rows need their ``clip_feature``; Wan2.2 checkpoints have no image encoder, so none."""
+        if cls._variant(pretrained_model_name_or_path) in ("i2v", "flf2v"):
+            return cls.tensor_columns
+        condition = {k: v for k, v in cls.tensor_columns.condition.items() if k != "clip_feature"}
+        return dataclasses.replace(cls.tensor_columns, condition=condition)
 
     @classmethod
     def _build(cls, path: str, dt: torch.dtype, revision: str | None, **kwargs: Any) -> WanI2VAdapter:
         from transformers import AutoImageProcessor, CLIPVisionModel
 
-        variant = wan_variant(path, revision)
+        variant = wan_variant(path)
         components = cls._components(path, dt, revision)
         if variant in ("i2v", "flf2v"):
             components["image_encoder"] = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", dtype=dt,

@@ -63,6 +63,13 @@ def test_contract_resolved_from_config_files_alone(tiny_wan, tmp_path, variant):
     assert not list(configs.rglob("*.safetensors"))
     assert wan_variant(configs) == variant
     assert WanI2VAdapter.resolve_contract(configs) == SUPPORT_TABLE[SPEC_ROW[variant]]
+    columns = WanI2VAdapter.resolve_tensor_columns(configs)
+    assert ("clip_feature" in columns.required) == (variant in ("i2v", "flf2v"))  # Wan2.2 has no image encoder
+    assert {"text_embedding", "first_frame_latent", "vae_latent"} <= set(columns.required)
+
+
+def test_without_a_checkpoint_the_contract_is_the_class_default():
+    assert WanI2VAdapter.resolve_contract(None) == WanI2VAdapter.io_contract == SUPPORT_TABLE["wan2_i2v-2.1"]
 
 
 def test_t2v_checkpoints_are_not_image_to_video(tiny_wan):
