@@ -176,6 +176,11 @@ class WanT2VAdapter(Adapter):
         for frozen in (vae, text_encoder):
             frozen.requires_grad_(False).eval()
 
+    @property
+    def output_rates(self) -> tuple[float]:
+        """The frame rate of the generated video (samples are logged and written at it)."""
+        return (self.fps,)
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def _components(cls, path: str, dt: torch.dtype, revision: str | None) -> dict[str, Any]:

@@ -183,7 +183,8 @@ COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 def write_moving_squares(root: Path, n: int = 4, *, i2v: bool = False, frames: int = 12, fps: float = 8.0) -> Path:
     """A V2 dataset folder of ``n`` moving squares (``train.jsonl``, MP4 targets with ``fps`` under ``videos/``,
     ``test.txt`` prompts), the clips 12 frames at 8 fps by default (longer than a 9-frame training clip). With ``i2v``
-    each record binds its clip's first frame (a PNG under ``images/``) to the ``first_frame`` slot."""
+    each record binds its clip's first frame (a PNG under ``images/``) to the ``first_frame`` slot, and the evaluation
+    prompts are ``test.jsonl`` rows with an ``image``."""
     from PIL import Image
 
     root = Path(root)
@@ -206,7 +207,12 @@ def write_moving_squares(root: Path, n: int = 4, *, i2v: bool = False, frames: i
                   "metadata": {}}  # fmt: skip
         lines.append(json.dumps(record))
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (root / "test.txt").write_text("a red square moving left\na blue square moving right\n")
+    prompts = ["a red square moving left", "a blue square moving right"]
+    if i2v:  # evaluation binds a first frame too: legacy prompt + image rows
+        rows = [{"prompt": p, "image": f"{k:03d}.png"} for k, p in enumerate(prompts)]
+        (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        (root / "test.txt").write_text("\n".join(prompts) + "\n")
     return root
 
 
