@@ -108,6 +108,10 @@ class Adapter(nn.Module):
         tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
+        condition_collation: how each condition key collates when its per-sample tensors may differ in shape
+            (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
+            longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
+            to tensor-parquet condition columns alike.
     """
 
     name: ClassVar[str]
@@ -117,6 +121,7 @@ class Adapter(nn.Module):
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ()
     tensor_columns: ClassVar[TensorColumns | None] = None
+    condition_collation: ClassVar[dict[str, str]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
 
@@ -204,8 +209,20 @@ class Adapter(nn.Module):
     # -- what training touches -------------------------------------------------------------------
     @property
     def denoiser(self) -> nn.Module:
-        """The network objectives train (the transformer); everything else stays frozen."""
+        """The network objectives train (the transformer); everything else stays frozen. With several trained
+        networks (:meth:`denoisers`), the first one."""
         raise NotImplementedError
+
+    def denoisers(self) -> dict[str, nn.Module]:
+        """Every network training adapts, keyed by its diffusers pipeline component name, in pipeline order.
+
+        ``FlowModule`` unfreezes (or wraps with LoRA) each of them, checkpoints hold each one's trained tensors, the
+        optimiser covers all, and the LoRA export writes one diffusers-loadable file per network (:meth:`lora_file`).
+        Default: ``{lora_prefix: denoiser}``. A family with two experts switched at a boundary noise level (Wan2.2
+        A14B: ``transformer`` for high noise, ``transformer_2`` for low) returns both; :meth:`velocity` picks the
+        expert per noise level.
+        """
+        return {self.lora_prefix: self.denoiser}
 
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         """Encode conditions (text, condition media) under no_grad; one dict of CPU tensors per sample."""
@@ -353,6 +370,60 @@ class Adapter(nn.Module):
                           shift=shift)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
+    def lora_file(self, network: str) -> tuple[str, str]:
+        """``(file name, key prefix)`` of one network's LoRA in the export folder (:meth:`save_loras`).
+
+        Default: the network named :attr:`lora_prefix` is ``pytorch_lora_weights.safetensors`` (what
+        ``pipe.load_lora_weights(folder)`` reads); another network ``N`` is ``pytorch_lora_weights_N.safetensors``,
+        its keys prefixed by :attr:`lora_prefix` too: diffusers loads such a file into the component with a flag
+        (Wan2.2: ``pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights_transformer_2.safetensors",
+        load_into_transformer_2=True)``; ``WanLoraLoaderMixin`` filters keys by the ``transformer.`` prefix either
+        way). Override it for a loader with other conventions.
+
+        Args:
+            network: a key of :meth:`denoisers`.
+        """
+        if network == self.lora_prefix:
+            return LORA_WEIGHT_NAME, self.lora_prefix
+        return f"{Path(LORA_WEIGHT_NAME).stem}_{network}.safetensors", self.lora_prefix
+
+    def save_loras(
+        self, directory: str | os.PathLike, state_dicts: dict[str, dict[str, Tensor]], configs: dict[str, LoraConfig]
+    ) -> dict[str, Path]:
+        """Write every trained network's diffusers-loadable LoRA into one folder, published atomically (replaced
+        whole if it exists); returns each network's file. See :meth:`save_lora` for one file's format and
+        :meth:`lora_file` for the names.
+
+        Args:
+            directory: the folder to publish.
+            state_dicts: per network (a key of :meth:`denoisers`), peft's state dict of its LoRA layers.
+            configs: per network, the peft ``LoraConfig`` it was trained with.
+        """
+        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
+        files = {}
+        for network, state_dict in state_dicts.items():
+            weight_name, prefix = self.lora_file(network)
+            tensors = {f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
+            metadata = {f"{prefix}.{k}": v for k, v in configs[network].to_dict().items()}
+            LoraBaseMixin.write_lora_layers(
+                state_dict=tensors,
+                save_directory=str(tmp),
+                is_main_process=True,
+                weight_name=weight_name,
+                save_function=None,
+                safe_serialization=True,
+                lora_adapter_metadata=metadata,
+            )
+            files[network] = directory / weight_name
+        replace_dir(tmp, directory)
+        return files
+
     def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:
         """Write a diffusers-loadable LoRA (``pytorch_lora_weights.safetensors``) atomically.
 
@@ -365,23 +436,4 @@ class Adapter(nn.Module):
                 transformer_lora_adapter_metadata=...)`` format), from which diffusers rebuilds the adapter: without
                 it a loader assumes ``lora_alpha == r`` and applies the update at scale 1 instead of ``alpha / r``.
         """
-        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
-        from diffusers.loaders.lora_base import LoraBaseMixin
-
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
-        tensors = {f"{self.lora_prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        metadata = {f"{self.lora_prefix}.{k}": v for k, v in config.to_dict().items()}
-        LoraBaseMixin.write_lora_layers(
-            state_dict=tensors,
-            save_directory=str(tmp),
-            is_main_process=True,
-            weight_name=LORA_WEIGHT_NAME,
-            save_function=None,
-            safe_serialization=True,
-            lora_adapter_metadata=metadata,
-        )
-        replace_dir(tmp, directory)
-        return directory / LORA_WEIGHT_NAME
+        return self.save_loras(directory, {self.lora_prefix: state_dict}, {self.lora_prefix: config})[self.lora_prefix]

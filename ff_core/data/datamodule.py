@@ -24,6 +24,7 @@ training loop takes it (``on_before_batch_transfer``), so batches fetched ahead 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -386,9 +387,11 @@ class FlowDataModule(L.LightningDataModule):
             source, batch_size = self._train_distributor(coords)
             if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
                 processor = TensorRowProcessor(self.train_rows, self.tensor_columns, supervision=self._supervision)
-                collator = TensorRowCollator()
+                collator = TensorRowCollator(condition_collation=self._adapter().condition_collation)
             else:
-                processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
+                adapter = self._adapter()
+                processor = RecordProcessor(adapter.output_geometry())
+                collator = SampleCollator(adapter.condition_collation)
             self._train_loader = EpochAlignedLoader(
                 source,
                 processor,
@@ -473,5 +476,6 @@ class FlowDataModule(L.LightningDataModule):
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=0,
-            collate_fn=process_and_collate,
+            collate_fn=functools.partial(process_and_collate,
+                                         condition_collation=self._adapter().condition_collation),
         )

@@ -10,15 +10,15 @@ cache and target lifecycle"). A resumed run never calls the processor for the re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
 from ff_core.data.geometry import MediaGeometry, decode_target
 from ff_core.data.media import decode_media
@@ -134,12 +134,21 @@ class RecordProcessor(RawItemProcessor):
 class SampleCollator(BatchCollator):
     """The batch format objectives and adapters consume.
 
-    ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: default-collated (one shape per
-    adapter); ``target`` (demonstrations), or ``chosen`` and ``rejected`` (preferences): per-sample lists of decoded
-    media, in the contract's output order (sizes may differ between samples); ``metadata``: each record's reward
-    metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands every sample's
-    non-model columns to its rewards; ``group`` (GRPO batches only): each sample's prompt-group id, a tensor.
+    ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: collated key by key by the adapter's
+    ``condition_collation`` (:func:`~ff_core.data.condition_collation.collate_conditions`: stacked by default, or
+    padded with a ``<key>_mask``, or kept as a list); ``target`` (demonstrations), or ``chosen`` and ``rejected``
+    (preferences): per-sample lists of decoded media, in the contract's output order (sizes may differ between
+    samples); ``metadata``: each record's reward metadata (a legacy row's extra columns, a V2 record's
+    ``metadata``), as Flow-Factory hands every sample's non-model columns to its rewards; ``group`` (GRPO batches
+    only): each sample's prompt-group id, a tensor.
+
+    Args:
+        condition_collation: the adapter's ``condition_collation`` (condition key -> ``stack`` | ``pad`` | ``list``).
     """
+
+    def __init__(self, condition_collation: Mapping[str, str] | None = None) -> None:
+        self.condition_collation = dict(condition_collation or {})
+        check_rules(self.condition_collation, "SampleCollator")
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         keys = [k for k in CANDIDATE_KEYS if k in samples[0]]
@@ -151,7 +160,8 @@ class SampleCollator(BatchCollator):
         batch = {
             "index": torch.tensor([s["index"] for s in samples]),
             "prompt": [s["prompt"] for s in samples],
-            "condition": default_collate([s["condition"] for s in samples]),
+            "condition": collate_conditions([s["condition"] for s in samples], self.condition_collation,
+                                            [s["index"] for s in samples]),
             "metadata": [s["metadata"] for s in samples],
         }
         if "group" in samples[0]:
@@ -159,11 +169,15 @@ class SampleCollator(BatchCollator):
         return batch | {k: [s[k] for s in samples] for k in keys}
 
 
-def process_and_collate(items: list[ConditionedRecord]) -> dict[str, Any]:
-    """``collate_fn`` of a plain ``DataLoader`` over :class:`ConditionedRecords` (the validation loader).
+def process_and_collate(
+    items: list[ConditionedRecord], condition_collation: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``collate_fn`` of a plain ``DataLoader`` over :class:`ConditionedRecords` (the validation loader; bind
+    ``condition_collation`` with ``functools.partial``).
 
     Args:
         items: the raw items of one batch.
+        condition_collation: the adapter's ``condition_collation``.
     """
     processor = RecordProcessor()
-    return SampleCollator().collate([processor.process(item) for item in items])
+    return SampleCollator(condition_collation).collate([processor.process(item) for item in items])
