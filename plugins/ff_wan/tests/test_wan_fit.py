@@ -59,14 +59,26 @@ def test_i2v_recipe_trains_from_mp4_clips_with_first_frames(tiny_wan, squares_i2
     assert (version / "samples" / "step_000002.png").stat().st_size > 0
 
 
-def test_i2v_records_violating_the_checkpoint_contract_fail_before_weights_load(tiny_wan, squares_i2v, tmp_path):
-    """The FLF2V checkpoint requires last_frame: the first-frame-only dataset is rejected by validation, naming the
-    record, before any weights load (validation runs on the config files alone)."""
-    status = main(["data", "validate", "--model", "wan2_i2v", "--pretrained", str(tiny_wan("flf2v")),
-                   str(squares_i2v)])  # fmt: skip
-    assert status != 0
+def test_i2v_records_violating_the_checkpoint_contract_fail_before_weights_load(tiny_wan, squares_i2v, tmp_path,
+                                                                              capsys, monkeypatch):
+    """The FLF2V checkpoint requires last_frame: the first-frame-only dataset is rejected, naming each record, from the
+    config files alone, by ``ff data validate`` and by ``ff fit`` before any weights load."""
+    from ff_wan import WanI2VAdapter
+
+    flf2v = str(tiny_wan("flf2v"))
     assert main(["data", "validate", "--model", "wan2_i2v", "--pretrained", str(tiny_wan("i2v")),
                  str(squares_i2v)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["data", "validate", "--model", "wan2_i2v", "--pretrained", flf2v, str(squares_i2v)]) != 0
+    err = capsys.readouterr()
+    assert "train.jsonl:1: input.media: required slot 'last_frame' (image) is not bound" in err.out + err.err
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the dataset was validated")
+
+    monkeypatch.setattr(WanI2VAdapter, "_components", classmethod(no_weights))
+    with pytest.raises(Exception, match="required slot 'last_frame'"):
+        fit("i2v_sft_tiny.yaml", flf2v, [{"name": "squares", "dataset_dir": str(squares_i2v)}], tmp_path)
 
 
 def test_preprocess_latents_then_sft_from_shards(tiny_wan, squares, tmp_path):
