@@ -121,6 +121,9 @@ class WanT2VAdapter(Adapter):
         latents={"vae_latent": "latent"},
         optional=("negative_text_embedding",),
     )
+    # The card stores text embeddings with their padding stripped ([L, D]); padded per batch (mask dropped: zero rows
+    # are exactly the pipeline's padding), then to max_sequence_length in prepare_condition.
+    condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "negative_prompt_embeds": "pad"}
 
     def __init__(
         self,
@@ -300,7 +303,8 @@ class WanT2VAdapter(Adapter):
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
         device, dtype = self.transformer.device, self.transformer.dtype
-        out = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+        out = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()
+               if not k.endswith("_embeds_mask")}  # fmt: skip
         for key in ("prompt_embeds", "negative_prompt_embeds"):  # zero padding is the pipeline's: pad or trim to L
             if key in out and out[key].shape[1] != self.max_sequence_length:
                 t = out[key][:, : self.max_sequence_length]

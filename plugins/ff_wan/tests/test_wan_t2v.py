@@ -128,6 +128,23 @@ def test_prepare_condition_pads_or_trims_text_to_the_sequence_length(adapter):
     torch.testing.assert_close(short["prompt_embeds"], full["prompt_embeds"], rtol=0, atol=0)
 
 
+def test_stripped_text_embeddings_collate_padded_to_the_pipelines_zeros(adapter):
+    """Shards store text embeddings without padding ([L_i, D]): the pad rule batches them, and the condition equals
+    the one of fully padded rows."""
+    from ff_core.data.condition_collation import collate_conditions
+
+    rows = adapter.preprocess([ConditionInput(p) for p in PROMPTS])
+    lengths = [int((r["prompt_embeds"].abs().sum(-1) > 0).sum()) for r in rows]
+    assert len(set(lengths)) == 2  # different prompt lengths
+    stripped = [{k: v[:n] for k, v in r.items()} for r, n in zip(rows, lengths)]
+    batch = collate_conditions(stripped, adapter.condition_collation)
+    assert batch["prompt_embeds_mask"].sum(1).tolist() == lengths
+    ours = adapter.prepare_condition(batch)
+    assert "prompt_embeds_mask" not in ours
+    torch.testing.assert_close(ours["prompt_embeds"], adapter.prepare_condition(default_collate(rows))["prompt_embeds"],
+                               rtol=0, atol=0)
+
+
 # -- latent normalisation ----------------------------------------------------------------------------
 def test_encode_output_normalises_the_posterior_sample_with_the_vae_config(adapter, condition):
     """``(z - latents_mean) / latents_std`` per channel, from the config's lists (by hand), of the posterior sample
