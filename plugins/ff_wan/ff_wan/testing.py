@@ -22,7 +22,8 @@ so normalisation is really exercised. 9 frames at 32x32 are 3 latent frames of 4
 
 :func:`write_moving_squares` writes a tiny V2 video dataset (MP4 targets with ``fps``, optional ``first_frame`` images).
 
-CLI: ``python -m ff_wan.testing --out DIR [--variant t2v]``; ``--dataset [--i2v] [--n 16]`` writes the dataset.
+CLI: ``python -m ff_wan.testing --out DIR [--variant t2v]``; ``--dataset [--i2v] [--preference] [--n 16]`` writes
+the dataset instead.
 """
 
 from __future__ import annotations
@@ -180,39 +181,56 @@ def write_mp4(path: Path, clip: np.ndarray, fps: float) -> Path:
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 
 
-def write_moving_squares(root: Path, n: int = 4, *, i2v: bool = False, frames: int = 12, fps: float = 8.0) -> Path:
-    """A V2 dataset folder of ``n`` moving squares (``train.jsonl``, MP4 targets with ``fps`` under ``videos/``,
-    ``test.txt`` prompts), the clips 12 frames at 8 fps by default (longer than a 9-frame training clip). With ``i2v``
-    each record binds its clip's first frame (a PNG under ``images/``) to the ``first_frame`` slot, and the evaluation
-    prompts are ``test.jsonl`` rows with an ``image``."""
+def write_moving_squares(
+    root: str | Path, n: int = 4, *, i2v: bool = False, preference: bool = False, frames: int = 12, fps: float = 8.0
+) -> Path:
+    """A V2 dataset folder of ``n`` (>= 2) moving squares: ``train.jsonl``, MP4 targets with ``fps`` under ``videos/``,
+    ``test.txt`` prompts; the clips are 12 frames at 8 fps by default (longer than a 9-frame training clip), clip ``i``
+    a red / blue / green square moving right (even ``i``) or left, as its caption says.
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        i2v: each record binds its clip's first frame (a PNG under ``images/``) to the ``first_frame`` slot, and the
+            evaluation prompts are ``test.jsonl`` rows with an ``image``.
+        preference: records are preference pairs (offline DPO): chosen moves as the caption says, rejected the other
+            way (same colour and first frame).
+        frames: frames per clip.
+        fps: the clips' frame rate (written in the file and in each record's ``fps``).
+    """
     from PIL import Image
 
+    if n < 2:
+        raise ValueError(f"write_moving_squares needs n >= 2, got {n}")
     root = Path(root)
-
-    lines = []
+    lines, prompts = [], []
     for i in range(n):
         name = list(COLOURS)[i % len(COLOURS)]
         direction = 1 if i % 2 == 0 else -1
         clip = moving_square(COLOURS[name], direction, frames)
-        write_mp4(root / "videos" / f"{i:03d}.mp4", clip, fps)
-        prompt = f"a {name} square moving {'right' if direction > 0 else 'left'}"
+        video = {"type": "video", "path": f"videos/{i:03d}.mp4", "fps": fps}
+        write_mp4(root / video["path"], clip, fps)
+        prompts.append(f"a {name} square moving {'right' if direction > 0 else 'left'}")
         media = []
         if i2v:
             (root / "images").mkdir(parents=True, exist_ok=True)
             Image.fromarray(clip[0]).save(root / "images" / f"{i:03d}.png")
             media = [{"type": "image", "path": f"images/{i:03d}.png", "slot": "first_frame"}]
-        record = {"schema_version": 2, "input": {"prompt": prompt, "media": media},
-                  "supervision": {"type": "demonstration",
-                                  "target": {"media": [{"type": "video", "path": f"videos/{i:03d}.mp4", "fps": fps}]}},
-                  "metadata": {}}  # fmt: skip
+        if preference:
+            reverse = {"type": "video", "path": f"videos/{i:03d}_reverse.mp4", "fps": fps}
+            write_mp4(root / reverse["path"], moving_square(COLOURS[name], -direction, frames), fps)
+            supervision = {"type": "preference", "chosen": {"media": [video]}, "rejected": {"media": [reverse]}}
+        else:
+            supervision = {"type": "demonstration", "target": {"media": [video]}}
+        record = {"schema_version": 2, "input": {"prompt": prompts[-1], "media": media}, "supervision": supervision,
+                  "metadata": {"direction": "right" if direction > 0 else "left", "colour": name}}  # fmt: skip
         lines.append(json.dumps(record))
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
-    prompts = ["a red square moving left", "a blue square moving right"]
-    if i2v:  # evaluation binds a first frame too: legacy prompt + image rows
-        rows = [{"prompt": p, "image": f"{k:03d}.png"} for k, p in enumerate(prompts)]
+    if i2v:  # evaluation binds a first frame too: legacy prompt + image rows (the first two clips')
+        rows = [{"prompt": p, "image": f"{k:03d}.png"} for k, p in enumerate(prompts[:2])]
         (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
-        (root / "test.txt").write_text("\n".join(prompts) + "\n")
+        (root / "test.txt").write_text("\n".join(prompts[:2]) + "\n")
     return root
 
 
@@ -223,10 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", action="store_true", help="write a moving-squares MP4 dataset to --out instead")
     p.add_argument("--i2v", action="store_true", help="with --dataset: bind each clip's first frame (first_frame)")
+    p.add_argument("--preference", action="store_true", help="with --dataset: preference pairs (reverse motion)")
     p.add_argument("--n", type=int, default=16, help="with --dataset: number of clips")
     a = p.parse_args(argv)
     if a.dataset:
-        out = write_moving_squares(a.out, a.n, i2v=a.i2v)
+        out = write_moving_squares(a.out, a.n, i2v=a.i2v, preference=a.preference)
         print(f"wrote {a.n} moving-square clips to {out}")
         return
     out = build_tiny_wan(a.out, variant=a.variant, seed=a.seed)

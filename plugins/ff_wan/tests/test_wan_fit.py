@@ -95,3 +95,12 @@ def test_preprocess_latents_then_sft_from_shards(tiny_wan, squares, tmp_path):
               {"name": "prompts", "dataset_dir": str(squares), "train": None, "eval": {}}], tmp_path / "run",
               "--data.per_device_batch_size", "2")  # fmt: skip
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+def test_offline_dpo_recipe_trains_on_video_pairs(tiny_wan, tmp_path):
+    pairs = write_moving_squares(tmp_path / "pairs", 2, preference=True)
+    record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
+    assert record["supervision"]["type"] == "preference"
+    cli = fit("offline_dpo_tiny.yaml", tiny_wan("t2v"), [{"name": "pairs", "dataset_dir": str(pairs), "eval": {}}],
+              tmp_path / "run", "--data.per_device_batch_size", "2")
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
