@@ -104,3 +104,18 @@ def test_offline_dpo_recipe_trains_on_video_pairs(tiny_wan, tmp_path):
     cli = fit("offline_dpo_tiny.yaml", tiny_wan("t2v"), [{"name": "pairs", "dataset_dir": str(pairs), "eval": {}}],
               tmp_path / "run", "--data.per_device_batch_size", "2")
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("recipe", ["wan2_1_t2v_1_3b.yaml", "wan2_1_i2v_14b.yaml", "wan2_2_ti2v_5b.yaml",
+                                    "wan2_2_i2v_a14b.yaml"])  # fmt: skip
+def test_full_size_recipes_parse_and_their_geometry_is_valid(recipe, tmp_path):
+    """The full-size recipes are not run here; they parse, name a registered adapter and a valid Wan clip geometry."""
+    from ff_wan import WanT2VAdapter
+
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
+        "--config", str(CONFIGS / recipe), "--trainer.accelerator", "cpu", "--trainer.precision", "32",
+        "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    assert issubclass(cli.model.adapter_cls, WanT2VAdapter)
+    kwargs = cli.model.adapter_kwargs
+    assert (kwargs["num_frames"] - 1) % 4 == 0 and kwargs["height"] % 16 == 0 and kwargs["width"] % 16 == 0
+    assert cli.datamodule.per_device_batch_size == 1
