@@ -119,3 +119,19 @@ def test_full_size_recipes_parse_and_their_geometry_is_valid(recipe, tmp_path):
     kwargs = cli.model.adapter_kwargs
     assert (kwargs["num_frames"] - 1) % 4 == 0 and kwargs["height"] % 16 == 0 and kwargs["width"] % 16 == 0
     assert cli.datamodule.per_device_batch_size == 1
+
+
+def test_i2v_preprocess_latents_then_sft_from_shards(tiny_wan, squares_i2v, tmp_path):
+    """wan2_i2v shards hold the card's columns, the condition latents and CLIP features included; training from them
+    runs neither the text encoder, the image encoder nor a VAE encode."""
+    out = tmp_path / "shards"
+    datasets = json.dumps([{"name": "squares", "dataset_dir": str(squares_i2v)}])
+    assert main(["data", "preprocess-latents", "--output", str(out), "--no-progress",
+                 "--config", str(CONFIGS / "i2v_sft_tiny.yaml"), "--model.pretrained_model_name_or_path",
+                 str(tiny_wan("i2v")), "--data.datasets", datasets]) == 0  # fmt: skip
+    shards = TensorParquetDataset(out)
+    assert {"text_embedding", "first_frame_latent", "clip_feature", "vae_latent"} <= set(shards.tensor_names)
+    assert shards[0]["first_frame_latent"].shape == (8, 3, 4, 4) and shards[0]["clip_feature"].shape == (1, 5, 8)
+    cli = fit("i2v_sft_tiny.yaml", tiny_wan("i2v"), [{"name": "latents", "tensor_parquet_dir": str(out)},
+              {"name": "prompts", "dataset_dir": str(squares_i2v), "train": None, "eval": {}}], tmp_path / "run")
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
