@@ -275,6 +275,12 @@ class Adapter(nn.Module):
         """
         return (None,) * len(self.io_contract.outputs)
 
+    def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
+        """How many tokens the denoiser sees for one target of ``geometry`` (a Wan clip: ``(1 + (F - 1) / 4) ·
+        (H / 16) · (W / 16)``), or ``None`` when the family does not say. ``data.max_tokens`` sizes each bucket's
+        batch with it (``max_tokens // tokens``), so every bucketed batch fills the same token budget."""
+        return None
+
     def encode_output(
         self, media: list[list[Tensor]], condition: Condition, generator: torch.Generator | None = None
     ) -> LatentState:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -36,9 +37,11 @@ from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.buckets import Bucket, assign_buckets
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
 from ff_core.data.dataflow import (
+    BucketBatcher,
     DataflowLoader,
     DataParallelCoords,
     GroupedDistributor,
@@ -128,6 +131,13 @@ class FlowDataModule(L.LightningDataModule):
             rows within each window of this many groups, keeping this many decoded groups per reader
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
+        buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries
+            ``[{height, width, num_frames?, fps?, start?, batch_size?}]``. Each training record goes to one bucket from
+            its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
+            target is decoded and fitted to that bucket, and batches never mix buckets (``BucketBatcher``), so nothing
+            is padded. ``None``: every target fitted to the adapter's ``output_geometry()``, fixed batches.
+        max_tokens: with ``buckets``: the token budget of a batch; a bucket without ``batch_size`` takes
+            ``max_tokens // adapter.denoiser_tokens(geometry)`` samples (``None``: ``per_device_batch_size``).
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
         pretrained_model_name_or_path: the checkpoint (linked from ``model.pretrained_model_name_or_path``): records
             are validated against its contract, read from its config files before any weight loads
@@ -155,6 +165,8 @@ class FlowDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         row_group_window: int | None = None,
+        buckets: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
         adapter: str | None = None,
         pretrained_model_name_or_path: str | None = None,
         adapter_kwargs: dict[str, Any] | None = None,
@@ -189,6 +201,16 @@ class FlowDataModule(L.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.row_group_window = row_group_window
+        self.buckets = [Bucket.from_config(b, f"data.buckets[{i}]") for i, b in enumerate(buckets or [])] or None
+        if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
+            raise ValueError(f"data.max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
+        if max_tokens is not None and self.buckets is None:
+            raise ValueError("data.max_tokens sizes bucketed batches: set data.buckets too")
+        if self.buckets is not None and trainer_type == "grpo":
+            raise ValueError("data.buckets: GRPO rows are prompts (no target to bucket); leave it unset")
+        self.max_tokens = max_tokens
+        self.bucket_assignment: list[int] | None = None
+        """Each training record's bucket (``data.buckets``), assigned in :meth:`setup` from the targets' headers."""
         self.adapter_name = adapter
         self.pretrained_model_name_or_path = pretrained_model_name_or_path
         self.adapter_kwargs = dict(adapter_kwargs or {})
@@ -263,6 +285,11 @@ class FlowDataModule(L.LightningDataModule):
                     source.records = records[start : start + len(source.records)]
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
+        if self.buckets is not None:
+            if self.train_rows is not None:
+                raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
+                                  "a packing batcher (docs/dataflow.md), not geometry buckets")
+            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets])
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
@@ -392,18 +419,55 @@ class FlowDataModule(L.LightningDataModule):
                 adapter = self._adapter()
                 processor = RecordProcessor(adapter.output_geometry())
                 collator = SampleCollator(adapter.condition_collation)
+            batching: dict[str, Any] = {"batch_size": batch_size}
+            if self.buckets is not None:  # mixed geometry: one bucket per batch, stream order (resume mode "stream")
+                sizes = self.bucket_batch_sizes(adapter)
+                processor = RecordProcessor(adapter.output_geometry(), [b.geometry for b in self.buckets],
+                                            self.bucket_assignment)  # fmt: skip
+                source = MapDistributor(self._conditioned("train", self.train_records), shuffle=self.shuffle,
+                                        seed=self.seed, name="train", identity=self.train_identity())  # fmt: skip
+                batching = {"batcher": BucketBatcher(sizes),
+                            "steps_per_epoch": self.bucketed_steps(sizes, coords.world_size)}
             self._train_loader = EpochAlignedLoader(
                 source,
                 processor,
                 collator=collator,
-                batch_size=batch_size,
                 num_workers=self.num_workers,
                 coords=coords,
                 stamp_key=STAMP_KEY,
+                **batching,
             )
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def bucket_batch_sizes(self, adapter: Adapter) -> list[int]:
+        """Samples per batch of each bucket: its ``batch_size``, else ``max_tokens // adapter.denoiser_tokens``, else
+        ``per_device_batch_size``."""
+        sizes = []
+        for i, bucket in enumerate(self.buckets or []):
+            if bucket.batch_size is not None:
+                sizes.append(bucket.batch_size)
+            elif self.max_tokens is not None:
+                tokens = adapter.denoiser_tokens(bucket.geometry)
+                if not tokens:
+                    raise ConfigError("data.max_tokens", f"adapter {adapter.name!r} does not count its tokens "
+                                      f"(denoiser_tokens); give data.buckets[{i}].batch_size instead")
+                if tokens > self.max_tokens:
+                    raise ConfigError(f"data.buckets[{i}]", f"one sample costs {tokens} tokens, more than "
+                                      f"data.max_tokens={self.max_tokens}")
+                sizes.append(self.max_tokens // tokens)
+            else:
+                sizes.append(self.per_device_batch_size)
+        return sizes
+
+    def bucketed_steps(self, sizes: Sequence[int], world_size: int) -> int:
+        """Batches per rank in a bucketed epoch: ``ceil(sum_b n_b / size_b / world_size)`` (every rank the same
+        count, as DDP needs). Epoch boundaries are soft: the stream runs on across them, each bucket's queue kept."""
+        counts = [0] * len(sizes)
+        for bucket in self.bucket_assignment or []:
+            counts[bucket] += 1
+        return max(1, math.ceil(sum(n / s for n, s in zip(counts, sizes)) / world_size))
 
     def _train_distributor(self, coords: DataParallelCoords) -> tuple[Any, int]:
         """The training distributor and the per-rank batch size: shard rows (optionally in two-level order), the

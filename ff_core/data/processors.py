@@ -110,10 +110,22 @@ class RecordProcessor(RawItemProcessor):
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
             (``adapter.output_geometry()``); ``None`` or a missing entry keeps the target as decoded.
+        buckets: mixed-geometry training (:mod:`ff_core.data.buckets`): the bucket geometries; a record's first
+            output is fitted to its bucket's instead, and the sample carries ``"bucket"`` (for ``BucketBatcher``).
+        assignment: with ``buckets``: each record's bucket, by record index (``ConditionedRecord.index``).
     """
 
-    def __init__(self, geometry: Sequence[MediaGeometry | None] = ()) -> None:
+    def __init__(
+        self,
+        geometry: Sequence[MediaGeometry | None] = (),
+        buckets: Sequence[MediaGeometry] | None = None,
+        assignment: Sequence[int] | None = None,
+    ) -> None:
+        if (buckets is None) != (assignment is None):
+            raise ValueError("RecordProcessor: buckets and assignment go together")
         self.geometry = tuple(geometry)
+        self.buckets = tuple(buckets) if buckets is not None else None
+        self.assignment = tuple(assignment) if assignment is not None else None
 
     def process(self, item: ConditionedRecord | GroupedItem) -> dict[str, Any]:
         if isinstance(item, GroupedItem):  # a GRPO (prompt, sample) pair: the row, tagged with its group id
@@ -121,13 +133,18 @@ class RecordProcessor(RawItemProcessor):
         record = item.record
         sample = {"index": item.index, "prompt": record.prompt, "condition": item.condition,
                   "metadata": record.metadata}
+        bucket = self.assignment[item.index] if self.assignment is not None else None
+        if bucket is not None:
+            sample["bucket"] = bucket
         candidates = record.candidates or ((),)  # a generation row: an empty target
         for key, candidate in zip(candidate_keys(record.supervision), candidates):
-            sample[key] = [decode_target(m, self._geometry(i), referenced_by=record.where)
+            sample[key] = [decode_target(m, self._geometry(i, bucket), referenced_by=record.where)
                            for i, m in enumerate(candidate)]  # fmt: skip
         return sample
 
-    def _geometry(self, output: int) -> MediaGeometry | None:
+    def _geometry(self, output: int, bucket: int | None = None) -> MediaGeometry | None:
+        if bucket is not None and output == 0:
+            return self.buckets[bucket]
         return self.geometry[output] if output < len(self.geometry) else None
 
 
