@@ -340,19 +340,35 @@ class WanT2VAdapter(Adapter):
         reject clips too short for it; ff_core.data.geometry)."""
         return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=self.fps),)
 
+    def check_clip(self, frames: int, height: int, width: int, what: str) -> None:
+        """Raise a ValueError naming ``what`` unless a clip of this size fits the Wan VAE and patch grid."""
+        _, p_h, p_w = self.transformer.config.patch_size
+        multiple = (self.spatial_stride * p_h, self.spatial_stride * p_w)
+        if (frames - 1) % self.temporal_stride or height % multiple[0] or width % multiple[1]:
+            raise ValueError(
+                f"{what}: a clip of {frames} frames at {height}x{width}; Wan needs (frames - 1) % "
+                f"{self.temporal_stride} == 0 and a size in multiples of {multiple[0]}x{multiple[1]} (the training "
+                "loader resamples targets to output_geometry() or their data.buckets geometry; fit others the same way)"
+            )
+
+    def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
+        """Transformer tokens of one clip: ``(1 + (F - 1) / 4) * (H / 16) * (W / 16)`` (VAE strides x patch)."""
+        _, p_h, p_w = self.transformer.config.patch_size
+        frames = self.num_frames if geometry.num_frames is None else geometry.num_frames
+        return ((frames - 1) // self.temporal_stride + 1) * (geometry.height // (self.spatial_stride * p_h)) * (
+            geometry.width // (self.spatial_stride * p_w))
+
     def _videos(self, media: list[list[Any]]) -> Tensor:
         videos = []
         for i, outputs in enumerate(media):
             if len(outputs) != 1:
                 raise ValueError(f"media[{i}]: expected one video, got {len(outputs)} item(s)")
             video = _to_video(outputs[0], i)
-            if video.shape[0] != self.num_frames or tuple(video.shape[2:]) != (self.height, self.width):
-                raise ValueError(
-                    f"media[{i}]: video of {video.shape[0]} frames at {tuple(video.shape[2:])}; {self.name} encodes "
-                    f"num_frames={self.num_frames} at (height, width)=({self.height}, {self.width}) (the training "
-                    "loader resamples targets to output_geometry(); fit others the same way)"
-                )
+            self.check_clip(video.shape[0], video.shape[2], video.shape[3], f"media[{i}]")
             videos.append(video)
+        if len({tuple(v.shape) for v in videos}) > 1:
+            raise ValueError(f"videos of one batch must share a shape, got {sorted({tuple(v.shape) for v in videos})} "
+                             "(data.buckets batches one geometry at a time)")  # fmt: skip
         x = torch.stack(videos).to(self.vae.device)  # (B, F, 3, H, W)
         x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 -> [-1, 1], once
         return x.permute(0, 2, 1, 3, 4).contiguous()  # (B, 3, F, H, W)
@@ -629,16 +645,28 @@ class WanI2VAdapter(WanT2VAdapter):
         # (B, n, tokens, D) -> (B * n, tokens, D): FLF2V's image embedder folds the two images back per sample.
         return None if clip is None else clip.flatten(0, 1)
 
+    def _condition_latent(self, x: Tensor, condition: Condition) -> Tensor:
+        """The batch's ``first_frame_latent``, checked against the latents it conditions (it was encoded at the
+        adapter's canvas and frame count, so targets must be too: no data.buckets with other geometries)."""
+        cond = condition["first_frame_latent"].to(x.device, x.dtype)
+        frames = 1 if self.expand_timesteps else x.shape[2]
+        if cond.shape[0] != x.shape[0] or tuple(cond.shape[2:]) != (frames, *x.shape[3:]):
+            raise ValueError(
+                f"first_frame_latent {tuple(cond.shape)} does not fit latents {tuple(x.shape)}: {self.name} "
+                f"encodes its condition images at {self.num_frames} frames of {self.height}x{self.width} "
+                "(adapter_kwargs); train and sample at that geometry"
+            )
+        return cond
+
     def _model_input(self, x: Tensor, condition: Condition) -> Tensor:
         if self.expand_timesteps:  # the first latent frame is pinned in the state itself
             return x
-        return torch.cat([x, condition["first_frame_latent"].to(x.dtype)], dim=1)
+        return torch.cat([x, self._condition_latent(x, condition)], dim=1)
 
     # -- pinned first frame (Wan2.2 TI2V) --------------------------------------------------------
     def _pinned(self, latent: Tensor, condition: Condition) -> LatentState:
         """The state with its first latent frame replaced by the condition's and masked out (mask 0)."""
-        first = condition["first_frame_latent"].to(latent.device, latent.dtype)
-        latent = torch.cat([first, latent[:, :, 1:]], dim=2)
+        latent = torch.cat([self._condition_latent(latent, condition), latent[:, :, 1:]], dim=2)
         mask = torch.ones(1, 1, latent.shape[2], 1, 1, device=latent.device)
         mask[:, :, 0] = 0
         return LatentState({"latent": latent}, {"latent": mask})

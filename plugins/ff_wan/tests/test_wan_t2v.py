@@ -162,11 +162,26 @@ def test_encode_output_normalises_the_posterior_sample_with_the_vae_config(adapt
     torch.testing.assert_close(adapter.denormalize(z), raw)
 
 
-def test_encode_output_rejects_the_wrong_clip(adapter, condition):
-    with pytest.raises(ValueError, match=r"media\[0\]: video of 5 frames .* num_frames=9"):
-        adapter.encode_output([[torch.zeros(5, 3, SIZE, SIZE, dtype=torch.uint8)]], condition)
+def test_encode_output_checks_the_clip(adapter, condition):
+    with pytest.raises(ValueError, match=r"media\[0\]: a clip of 6 frames at 32x32; Wan needs \(frames - 1\) % 4"):
+        adapter.encode_output([[torch.zeros(6, 3, SIZE, SIZE, dtype=torch.uint8)]], condition)
+    with pytest.raises(ValueError, match=r"media\[1\]: a clip of 9 frames at 32x24; .* multiples of 16x16"):
+        adapter.encode_output([[torch.zeros(9, 3, SIZE, SIZE, dtype=torch.uint8)]] * 1
+                              + [[torch.zeros(9, 3, SIZE, 24, dtype=torch.uint8)]], condition)  # fmt: skip
     with pytest.raises(ValueError, match=r"media\[0\]: expected one video"):
         adapter.encode_output([[torch.zeros(3, SIZE, SIZE, dtype=torch.uint8)]], condition)
+    with pytest.raises(ValueError, match="videos of one batch must share a shape"):
+        adapter.encode_output([[torch.zeros(9, 3, SIZE, SIZE, dtype=torch.uint8)],
+                               [torch.zeros(5, 3, SIZE, SIZE, dtype=torch.uint8)]], condition)  # fmt: skip
+
+
+def test_bucketed_clips_of_another_geometry_encode_and_count_their_tokens(adapter, condition):
+    """data.buckets fits targets to other geometries than the adapter's: any valid Wan clip encodes, and
+    ``denoiser_tokens`` sizes its batches ((1 + (F - 1) / 4) * (H / 16) * (W / 16))."""
+    z = adapter.encode_output([[torch.zeros(5, 3, 16, 48, dtype=torch.uint8)]], condition).components["latent"]
+    assert z.shape == (1, 4, 2, 2, 6)
+    assert adapter.denoiser_tokens(MediaGeometry(16, 48, num_frames=5, fps=8.0)) == 2 * 1 * 3
+    assert adapter.denoiser_tokens(MediaGeometry(480, 832, num_frames=81, fps=16.0)) == 21 * 30 * 52
 
 
 def test_encode_output_takes_decoded_videos(adapter, condition):
