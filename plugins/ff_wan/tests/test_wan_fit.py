@@ -46,6 +46,12 @@ def test_t2v_recipe_trains_from_mp4_clips(tiny_wan, squares, tmp_path):
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
     version = next((tmp_path / "lightning_logs").iterdir())
     assert (version / "samples" / "step_000002.png").stat().st_size > 0
+    import av
+
+    with av.open(str(version / "samples" / "step_000002" / "00000.mp4")) as container:  # at the adapter's 8 fps
+        assert float(container.streams.video[0].average_rate) == 8.0
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
     lora = version / "checkpoints" / "last.lora" / "pytorch_lora_weights.safetensors"
     assert lora.stat().st_size > 0
 
