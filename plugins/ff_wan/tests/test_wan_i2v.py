@@ -294,3 +294,29 @@ def test_a14b_loras_of_both_experts_load_into_the_pipeline(tiny_wan, tmp_path):
         num_frames=FRAMES, output_type="pt", generator=torch.Generator().manual_seed(5), max_sequence_length=16,
     ).frames[0]  # fmt: skip
     assert (plain - theirs).abs().max() > 1 / 255
+
+
+def test_condition_latents_must_fit_the_target_geometry(adapters):
+    """Condition latents are encoded at the adapter's clip geometry; a target of another one is a clear error."""
+    # Wan2.1's condition spans every frame; TI2V's is the first latent frame only, so only its canvas must match.
+    for variant, other in (("i2v", (5, 3, SIZE, SIZE)), ("ti2v", (FRAMES, 3, SIZE, 2 * SIZE))):
+        adapter = adapters[variant]
+        condition = _condition(adapter, False)
+        other = [[torch.zeros(other, dtype=torch.uint8)]]
+        with pytest.raises(ValueError, match=r"first_frame_latent .* does not fit latents"):
+            state = adapter.encode_output(other, condition)
+            adapter.velocity(state, torch.tensor([0.5]), condition)
+
+
+@pytest.mark.parametrize("variant", ["i2v", "ti2v"])
+def test_bfloat16_transformers_with_an_fp32_vae(tiny_wan, variant):
+    adapter = WanI2VAdapter.from_pretrained(tiny_wan(variant), **ADAPTER_KWARGS, dtype="bfloat16")
+    assert adapter.transformer.dtype == torch.bfloat16 and adapter.vae.dtype == torch.float32
+    condition = _condition(adapter, False)
+    assert condition["prompt_embeds"].dtype == torch.bfloat16
+    video = [[torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8)]]
+    clean = adapter.encode_output(video, condition, generator=torch.Generator().manual_seed(0))
+    v = adapter.velocity(clean, torch.tensor([0.5]), condition).components["latent"]
+    assert v.dtype == torch.bfloat16 and torch.isfinite(v.float()).all()
+    out = adapter.decode(adapter.sample(condition, num_steps=2, generator=torch.Generator().manual_seed(0)))[0][0]
+    assert out.dtype == torch.uint8 and out.shape == (FRAMES, 3, SIZE, SIZE)
