@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 from ff_core.adapter import Adapter, ConditionInput, LatentState
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
-from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
 
@@ -177,21 +177,26 @@ class AdapterConformance:
         assert not torch.equal(adapter.sampling_sigmas(4, shift=1.0), adapter.sampling_sigmas(4, shift=3.0))
 
     def test_sft_step_trains_the_denoiser_only(self, pretrained, batch):
+        """Every trained network (``denoisers()``: the denoiser, or each expert) and nothing else gets gradients."""
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
         adapter.requires_grad_(False)
-        adapter.denoiser.requires_grad_(True)
+        networks = list(adapter.denoisers().values())
+        assert networks[0] is adapter.denoiser, "denoisers() lists the denoiser first"
+        for network in networks:
+            network.requires_grad_(True)
         adapter.train()  # frozen components must stay in eval mode (no dropout in the conditions)
-        assert adapter.trained_networks() == [adapter.denoiser]
-        assert all(m.training for m in adapter.denoiser.modules())
-        in_denoiser = {id(m) for m in adapter.denoiser.modules()}
+        assert {id(m) for m in adapter.trained_networks()} == {id(m) for m in networks}
+        assert all(m.training for network in networks for m in network.modules())
+        in_denoiser = {id(m) for network in networks for m in network.modules()}
         frozen = [n for n, m in adapter.named_modules() if id(m) not in in_denoiser and n  # n: not the adapter itself
                   and not any(p.requires_grad for p in m.parameters())]  # fmt: skip
         assert frozen and not any(adapter.get_submodule(n).training for n in frozen), frozen  # nested ones included
         loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()
-        denoiser = {id(p) for p in adapter.denoiser.parameters()}
-        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.denoiser.parameters())
+        trained = [p for network in networks for p in network.parameters()]
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trained)
+        denoiser = {id(p) for p in trained}
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
     def test_tensor_rows_round_trip(self, adapter, batch):
@@ -230,13 +235,15 @@ class AdapterConformance:
         for name in adapter.preprocessing_components:
             assert isinstance(getattr(adapter, name, None), torch.nn.Module), f"{name} is not a module of the adapter"
         adapter.requires_grad_(False)
-        adapter.denoiser.requires_grad_(True)
+        for network in adapter.denoisers().values():
+            network.requires_grad_(True)
         assert adapter.release_preprocessing() == list(adapter.preprocessing_components)
         assert adapter.preprocessing_released
         assert all(getattr(adapter, name) is None for name in adapter.preprocessing_components)
         loss = SFTObjective().training_loss(adapter, batch, torch.Generator().manual_seed(0)).loss
         loss.backward()
-        assert torch.isfinite(loss) and any(p.grad is not None for p in adapter.denoiser.parameters())
+        trained = [p for network in adapter.denoisers().values() for p in network.parameters()]
+        assert torch.isfinite(loss) and any(p.grad is not None for p in trained)
         condition = adapter.prepare_condition(batch["condition"])
         media = adapter.decode(adapter.sample(condition, num_steps=2, generator=torch.Generator().manual_seed(0)))
         assert len(media) == len(self.prompts)
@@ -257,3 +264,10 @@ class AdapterConformance:
         config = LoraConfig(**{k.removeprefix(prefix): v for k, v in header.items()})
         assert (config.r, config.lora_alpha) == (2, 6)
         assert set(config.target_modules) == set(adapter.default_lora_targets)
+        # Every trained network gets its own file, named by lora_file (one network: the same single file).
+        files = adapter.save_loras(tmp_path / "loras", lora_state_dicts(adapter), lora_configs(adapter))
+        assert list(files) == list(adapter.denoisers())
+        for network, file in files.items():
+            weight_name, key_prefix = adapter.lora_file(network)
+            assert file.name == weight_name and file.is_file()
+            assert load_file(file) and all(k.startswith(f"{key_prefix}.") for k in load_file(file))
