@@ -72,9 +72,10 @@ def _config(pretrained: str | os.PathLike, filename: str, subfolder: str | None 
 def wan_variant(pretrained: str | os.PathLike) -> str:
     """Which Wan checkpoint a folder holds, from ``model_index.json`` and ``transformer/config.json`` alone.
 
-    ``t2v`` (Wan2.1 T2V), ``ti2v`` (Wan2.2 TI2V: ``expand_timesteps``), ``a14b`` (two experts: ``boundary_ratio`` and
-    ``transformer_2``), ``flf2v`` (Wan2.1 FLF2V: a CLIP ``image_dim`` and ``pos_embed_seq_len`` for two images),
-    ``i2v`` (Wan2.1 I2V: ``image_dim``), else ``t2v``. ``FileNotFoundError`` when ``model_index.json`` is missing.
+    ``ti2v`` (Wan2.2 TI2V: ``expand_timesteps``), ``flf2v`` (Wan2.1 FLF2V: a CLIP ``image_dim`` and
+    ``pos_embed_seq_len`` for two images), ``i2v`` (Wan2.1 I2V: ``image_dim``), ``a14b`` (Wan2.2 I2V-A14B: an
+    image-to-video pipeline with ``boundary_ratio``), else ``t2v`` (Wan2.1 T2V, Wan2.2 T2V-A14B).
+    ``FileNotFoundError`` when ``model_index.json`` is missing.
     """
     index = _config(pretrained, "model_index.json")
     if index is None:
@@ -82,8 +83,6 @@ def wan_variant(pretrained: str | os.PathLike) -> str:
     transformer = _config(pretrained, "config.json", "transformer") or {}
     if index.get("expand_timesteps"):
         return "ti2v"
-    if index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None])[0] is not None:
-        return "a14b"
     if transformer.get("image_dim") is not None:
         return "flf2v" if transformer.get("pos_embed_seq_len") is not None else "i2v"
     if index.get("_class_name") == "WanImageToVideoPipeline":

@@ -14,6 +14,7 @@ both through the ff adapters and through diffusers. One factory covers every var
               ``in_channels = z_dim``.
 ``a14b``      Wan2.2 I2V-A14B: two experts (``transformer``, ``transformer_2``) switched at ``boundary_ratio``,
               ``in_channels = 2 z_dim + 4``, no image encoder.
+``t2v_a14b``  Wan2.2 T2V-A14B: ``WanPipeline`` with two experts switched at ``boundary_ratio``.
 ============  =========================================================================================
 
 Sizes: a 1-layer transformer with 2 heads of 8 channels, a Wan VAE with ``base_dim`` 4 and ``dim_mult`` (1, 1, 1, 1)
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-VARIANTS: tuple[str, ...] = ("t2v", "i2v", "flf2v", "ti2v", "a14b")
+VARIANTS: tuple[str, ...] = ("t2v", "i2v", "flf2v", "ti2v", "a14b", "t2v_a14b")
 
 WORDS: tuple[str, ...] = (
     "red", "green", "blue", "yellow", "magenta", "cyan", "white", "black", "gray",
@@ -143,6 +144,8 @@ def build_tiny_wan(
         pipe = WanPipeline(**common)
     elif variant == "ti2v":
         pipe = WanPipeline(**common, expand_timesteps=True)
+    elif variant == "t2v_a14b":
+        pipe = WanPipeline(**common, transformer_2=transformer(1), boundary_ratio=boundary_ratio)
     elif variant == "a14b":
         pipe = WanImageToVideoPipeline(**common, transformer_2=transformer(1), boundary_ratio=boundary_ratio)
     else:

@@ -295,3 +295,22 @@ def test_exported_lora_loads_into_wan_pipeline_and_changes_the_output_alike(t2v,
     assert fused.keys() == plain.keys()
     for key, value in fused.items():
         torch.testing.assert_close(value, expected.get(key, plain[key]), msg=lambda m: f"{key}: {m}")
+
+
+def test_two_expert_t2v_sampling_matches_wan_pipeline(tiny_wan):
+    """Wan2.2 T2V-A14B layout: both experts load, the boundary switches them as ``WanPipeline`` does (CFG on both)."""
+    from diffusers import WanPipeline
+    from ff_wan.adapter import wan_variant
+
+    path = tiny_wan("t2v_a14b")
+    assert wan_variant(path) == "t2v"  # a text-to-video checkpoint, whatever its experts
+    adapter = WanT2VAdapter.from_pretrained(path, **ADAPTER_KWARGS)
+    assert set(adapter.denoisers()) == {"transformer", "transformer_2"} and adapter.boundary_ratio == 0.875
+    condition = adapter.prepare_condition(default_collate(adapter.preprocess([ConditionInput(p) for p in PROMPTS])))
+    ours = torch.stack([m[0] for m in adapter.decode(adapter.sample(
+        condition, num_steps=4, guidance_scale=3.0, generator=torch.Generator().manual_seed(2)))])
+    theirs = WanPipeline.from_pretrained(path)(
+        PROMPTS, num_inference_steps=4, guidance_scale=3.0, height=SIZE, width=SIZE, num_frames=FRAMES,
+        output_type="pt", generator=torch.Generator().manual_seed(2), max_sequence_length=16,
+    ).frames  # fmt: skip
+    assert (ours.float() - theirs * 255).abs().max() <= 0.5 + 1e-4
