@@ -123,7 +123,8 @@ def resolve_tensor_columns(
 
 def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | None,
              kwargs: dict[str, Any] | None, key: str) -> Any:
-    if path is None:
+    if path is None or not _overridden(adapter_cls, method.__name__):
+        # The class-level default needs no checkpoint: a bad path is reported where the weights load, as before.
         return method(None, dict(kwargs or {}))
     problem = checkpoint_problem(path)
     if problem:
@@ -136,6 +137,15 @@ def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | 
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(key, f"cannot resolve {adapter_cls.name}'s contract from {os.fspath(path)!r}: {detail}"
                           ) from exc
+
+
+def _overridden(adapter_cls: type[Adapter], name: str) -> bool:
+    """Whether ``adapter_cls`` overrides the classmethod ``name`` of :class:`~ff_core.adapter.Adapter`."""
+    from ff_core.adapter import Adapter
+
+    base = getattr(Adapter, name, None)
+    own = getattr(adapter_cls, name, None)
+    return base is None or getattr(own, "__func__", own) is not getattr(base, "__func__", base)
 
 
 def _load_failure(adapter_cls: type[Adapter], path: str | os.PathLike, local: Path, exc: OSError) -> str:

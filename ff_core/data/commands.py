@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help=DATA_COMMANDS["inspect"], description=DATA_COMMANDS["inspect"])
     _dataset_arguments(i)
     i.add_argument("--json", action="store_true", help="print one JSON object (for scripts) instead of text")
+    i.add_argument("--model", help="also print this adapter's IO contract (name or dotted path pkg.module:Class)")
+    i.add_argument("--pretrained", metavar="PATH", help="with --model: the checkpoint whose contract is printed, "
+                   "read from its config files only")
     sub.add_parser("preprocess", help=DATA_COMMANDS["preprocess"])
     sub.add_parser("preprocess-latents", help=DATA_COMMANDS["preprocess-latents"])
     return parser
@@ -165,7 +168,7 @@ def _contract(
 ) -> tuple[str, PipelineIOContract] | None | int:
     if model is None:
         if pretrained is not None:
-            print("ff data validate: --pretrained needs --model", file=out)
+            print("ff data: --pretrained needs --model", file=out)
             return EXIT_INVALID
         return None
     from ff_core.errors import ConfigError
@@ -274,6 +277,9 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data inspect``: per split, what the rows and their media files hold (text, or ``--json``)."""
     if is_tensor_parquet_root(args.dataset_dir):
         return _tensor_parquet(args, out, "inspect")
+    contract = _contract(args.model, out, args.pretrained)
+    if isinstance(contract, int):
+        return contract
     splits, errors = read_splits(_dataset(args), args.split)
     found: list[SplitInspection] = []
     for split, path, records in splits:
@@ -283,9 +289,15 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         report = {"dataset_dir": args.dataset_dir, "splits": [s.to_json() for s in found],
                   "errors": [_error_json(e) for e in errors]}
+        if contract is not None:
+            report["contract"] = {"adapter": contract[0], "pretrained": args.pretrained,
+                                  "describe": contract[1].describe()}
         print(json.dumps(report, indent=2), file=out)
         return EXIT_INVALID if errors else EXIT_OK
     print(args.dataset_dir, file=out)
+    if contract is not None:
+        at = f" at {args.pretrained}" if args.pretrained else ""
+        print(f"  contract of {contract[0]!r}{at}: {contract[1].describe()}", file=out)
     for summary in found:
         print("\n".join(f"  {line}" for line in summary.format()), file=out)
     if errors:

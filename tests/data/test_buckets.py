@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ff_core.adapter import Adapter
 from ff_core.contracts import MediaType
 from ff_core.data.buckets import assign_buckets, choose_bucket
 from ff_core.data.dataflow import BucketBatcher, DataflowLoader, MapDistributor
@@ -18,6 +19,7 @@ from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleC
 from ff_core.data.sources import DatasetConfig, load_split
 from ff_core.errors import DatasetErrors
 from ff_core.testing.clips import write_clip_dataset
+from ff_core.testing.contracts import SUPPORT_TABLE
 
 LAND = MediaGeometry(16, 32, num_frames=5, fps=8.0)  # 1 + 4/8 s
 LAND_SHORT = MediaGeometry(16, 32, num_frames=3, fps=8.0)
@@ -97,3 +99,39 @@ def test_data_module_assigns_before_weights_and_sizes_batches(clips):
     assert dm.bucket_batch_sizes(tokens) == [100 // 40, 4, 100 // 40]
     # counts (2, 2, 1) over sizes (2, 4, 2): 1 + 0.5 + 0.5 batches per epoch, shared by the ranks
     assert dm.bucketed_steps([2, 4, 2], world_size=1) == 2 and dm.bucketed_steps([2, 4, 2], world_size=2) == 1
+
+
+class ClipAdapter(Adapter):
+    """No weights: a text condition of one value per prompt word (ragged, padded by its collation rule)."""
+
+    name = "clip-toy"
+    io_contract = SUPPORT_TABLE["wan2_t2v"]
+    condition_collation = {"words": "pad"}
+
+    def preprocess(self, inputs):
+        return [{"words": torch.ones(len(i.prompt.split()) + int(i.prompt[-1]) % 3, 2)} for i in inputs]
+
+    def output_geometry(self):
+        return (MediaGeometry(16, 16, num_frames=3, fps=8.0),)
+
+    def denoiser_tokens(self, geometry):
+        return geometry.num_frames * geometry.height * geometry.width // 64
+
+
+def test_the_training_loader_batches_by_bucket(clips):
+    dm = FlowDataModule([{"name": "mixed", "dataset_dir": str(clips)}], enable_preprocess=False, shuffle=False,
+                        max_tokens=100, buckets=[{"height": 16, "width": 32, "num_frames": 5, "fps": 8.0},
+                                                 {"height": 16, "width": 32, "num_frames": 3, "fps": 8.0},
+                                                 {"height": 32, "width": 16, "num_frames": 5, "fps": 8.0}])
+    dm.setup("fit")
+    dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(adapter=ClipAdapter()), accumulate_grad_batches=1)
+    loader = dm.train_dataloader()
+    assert isinstance(loader.batcher, BucketBatcher) and loader.batcher.batch_sizes == (2, 4, 2)
+    assert len(loader) == 2  # (2/2 + 2/4 + 1/2) batches per epoch
+    seen = []
+    for batch in loader:
+        shapes = {tuple(t[0].frames.shape) for t in batch["target"]}
+        assert len(shapes) == 1  # one bucket per batch
+        assert batch["condition"]["words"].shape[:2] == batch["condition"]["words_mask"].shape
+        seen.append((batch["index"].tolist(), shapes.pop()))
+    assert seen[0] == ([0, 4], (5, 16, 32, 3))  # stream order: bucket 0 fills first (records 0 and 4)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import av
-import numpy as np
 import pytest
 import torch
 
@@ -16,22 +14,9 @@ from ff_core.data.geometry import MediaGeometry, decode_target
 from ff_core.data.media import clip_source_frames, decode_clip
 from ff_core.data.records import MediaItem
 from ff_core.errors import DatasetError
+from ff_core.testing.clips import write_grey_mp4
 
 STEP = 8  # grey level of frame k: STEP * k
-
-
-def write_grey_mp4(path: Path, frames: int, fps: int, size: tuple[int, int] = (16, 16), gop: int = 4) -> Path:
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.height, stream.width = size
-        stream.pix_fmt = "yuv420p"
-        stream.codec_context.gop_size = gop
-        stream.codec_context.options = {"keyint_min": str(gop), "sc_threshold": "0"}
-        for k in range(frames):
-            image = np.full((*size, 3), STEP * k, np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
-        container.mux(stream.encode())
-    return path
 
 
 def source_of(frames: torch.Tensor) -> list[int]:

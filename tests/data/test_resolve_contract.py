@@ -107,6 +107,8 @@ def test_validate_cli_takes_the_checkpoint(examples, checkpoints, tmp_path):
     assert code == 2 and "--pretrained: cannot resolve variant-i2v's contract" in out
     code, out = run("validate", d, "--pretrained", checkpoints["i2v"])
     assert code == 2 and "--pretrained needs --model" in out
+    code, out = run("inspect", d, "--model", ADAPTER, "--pretrained", checkpoints["flf2v"])
+    assert code == 0 and "contract of 'variant-i2v' at " in out and "last_frame" in out, out
 
 
 def test_the_cli_links_the_checkpoint_to_the_data_module(examples, checkpoints):
