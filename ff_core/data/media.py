@@ -39,7 +39,10 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 _PCM_SCALE = {"u8": 128.0, "s16": 32768.0, "s32": 2147483648.0, "s64": 9223372036854775808.0, "flt": 1.0, "dbl": 1.0}
 
 
-@dataclass(frozen=True)
+# Not frozen: Lightning moves a batch to the device with apply_to_collection, which rebuilds dataclasses field by field
+# and refuses frozen ones ("A frozen dataclass was passed to `apply_to_collection`"), so a video or audio training
+# target could not reach training_step.
+@dataclass
 class DecodedAudio:
     """A decoded waveform.
 
@@ -65,7 +68,7 @@ class DecodedAudio:
         return self.waveform.shape[-1] / self.clock_rate
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: see DecodedAudio
 class DecodedVideo:
     """Decoded video frames.
 
