@@ -159,3 +159,9 @@ def test_grpo_recipe_trains_on_its_own_videos(tiny_wan, tmp_path):
     assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
     assert float(metrics["train/ratio_first_max_dev"]) == 0.0
     assert 0.0 <= float(metrics["val/reward"]) <= 1.0
+
+
+@pytest.mark.parametrize("recipe", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_wan_recipe_starts_with_its_command(recipe):
+    """STYLE 4 (the SD3 recipes are checked in tests/test_fit.py): a recipe's first line is the command that runs it."""
+    assert recipe.read_text().startswith(f"# ff fit --config configs/wan/{recipe.name}")
