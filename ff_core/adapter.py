@@ -95,7 +95,9 @@ class Adapter(nn.Module):
 
     Class attributes:
         name: registry name used in configs (``model.adapter: sd3-5``).
-        io_contract: what the pipeline accepts and emits (see :mod:`ff_core.contracts`).
+        io_contract: what the pipeline accepts and emits (see :mod:`ff_core.contracts`). A family whose checkpoints
+            differ (Wan I2V variants) sets its default here and resolves each checkpoint's in
+            :meth:`resolve_contract`; a loaded adapter's ``io_contract`` is its checkpoint's.
         preprocess_version: bump when ``preprocess`` output changes, to invalidate condition caches.
         default_lora_targets: module names LoRA wraps when the config names none.
         lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files.
@@ -106,6 +108,10 @@ class Adapter(nn.Module):
         tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
+        condition_collation: how each condition key collates when its per-sample tensors may differ in shape
+            (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
+            longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
+            to tensor-parquet condition columns alike.
     """
 
     name: ClassVar[str]
@@ -115,8 +121,38 @@ class Adapter(nn.Module):
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ()
     tensor_columns: ClassVar[TensorColumns | None] = None
+    condition_collation: ClassVar[dict[str, str]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
+
+    @classmethod
+    def resolve_contract(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> PipelineIOContract:
+        """The IO contract of one checkpoint, from its config files only (never its weights).
+
+        Datasets are validated against it before anything heavy loads (``FlowDataModule.setup``,
+        ``ff data validate --model M --pretrained P``), and the loaded adapter carries it as its ``io_contract``
+        (:func:`ff_core.pretrained.load_pretrained` sets it). Override it when the accepted inputs depend on the
+        checkpoint (Wan2.1 I2V takes ``first_frame``, FLF2V also requires ``last_frame``): read the JSON with
+        :func:`ff_core.pretrained.read_config` and return one of the family's contracts. Must be cheap and must not
+        import model code or touch weights. Default: the class attribute :attr:`io_contract`.
+
+        Args:
+            pretrained_model_name_or_path: ``model.pretrained_model_name_or_path`` (a folder or hub id); ``None`` when
+                unknown (a dataset checked without a checkpoint): return the family's default contract.
+            adapter_kwargs: ``model.adapter_kwargs`` (the ``from_pretrained`` arguments), which may select a variant.
+        """
+        return cls.io_contract
+
+    @classmethod
+    def resolve_tensor_columns(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> TensorColumns | None:
+        """The tensor-parquet columns one checkpoint trains from, from its config files only (a variant with an
+        image encoder needs its ``clip_feature`` column, say); same rules as :meth:`resolve_contract`. Default: the
+        class attribute :attr:`tensor_columns`."""
+        return cls.tensor_columns
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:
@@ -173,8 +209,20 @@ class Adapter(nn.Module):
     # -- what training touches -------------------------------------------------------------------
     @property
     def denoiser(self) -> nn.Module:
-        """The network objectives train (the transformer); everything else stays frozen."""
+        """The network objectives train (the transformer); everything else stays frozen. With several trained
+        networks (:meth:`denoisers`), the first one."""
         raise NotImplementedError
+
+    def denoisers(self) -> dict[str, nn.Module]:
+        """Every network training adapts, keyed by its diffusers pipeline component name, in pipeline order.
+
+        ``FlowModule`` unfreezes (or wraps with LoRA) each of them, checkpoints hold each one's trained tensors, the
+        optimiser covers all, and the LoRA export writes one diffusers-loadable file per network (:meth:`lora_file`).
+        Default: ``{lora_prefix: denoiser}``. A family with two experts switched at a boundary noise level (Wan2.2
+        A14B: ``transformer`` for high noise, ``transformer_2`` for low) returns both; :meth:`velocity` picks the
+        expert per noise level.
+        """
+        return {self.lora_prefix: self.denoiser}
 
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         """Encode conditions (text, condition media) under no_grad; one dict of CPU tensors per sample."""
@@ -226,6 +274,12 @@ class Adapter(nn.Module):
         pickled to the workers, so return plain data.
         """
         return (None,) * len(self.io_contract.outputs)
+
+    def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
+        """How many tokens the denoiser sees for one target of ``geometry`` (a Wan clip: ``(1 + (F - 1) / 4) ·
+        (H / 16) · (W / 16)``), or ``None`` when the family does not say. ``data.max_tokens`` sizes each bucket's
+        batch with it (``max_tokens // tokens``), so every bucketed batch fills the same token budget."""
+        return None
 
     def encode_output(
         self, media: list[list[Tensor]], condition: Condition, generator: torch.Generator | None = None
@@ -322,6 +376,60 @@ class Adapter(nn.Module):
                           shift=shift)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
+    def lora_file(self, network: str) -> tuple[str, str]:
+        """``(file name, key prefix)`` of one network's LoRA in the export folder (:meth:`save_loras`).
+
+        Default: the network named :attr:`lora_prefix` is ``pytorch_lora_weights.safetensors`` (what
+        ``pipe.load_lora_weights(folder)`` reads); another network ``N`` is ``pytorch_lora_weights_N.safetensors``,
+        its keys prefixed by :attr:`lora_prefix` too: diffusers loads such a file into the component with a flag
+        (Wan2.2: ``pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights_transformer_2.safetensors",
+        load_into_transformer_2=True)``; ``WanLoraLoaderMixin`` filters keys by the ``transformer.`` prefix either
+        way). Override it for a loader with other conventions.
+
+        Args:
+            network: a key of :meth:`denoisers`.
+        """
+        if network == self.lora_prefix:
+            return LORA_WEIGHT_NAME, self.lora_prefix
+        return f"{Path(LORA_WEIGHT_NAME).stem}_{network}.safetensors", self.lora_prefix
+
+    def save_loras(
+        self, directory: str | os.PathLike, state_dicts: dict[str, dict[str, Tensor]], configs: dict[str, LoraConfig]
+    ) -> dict[str, Path]:
+        """Write every trained network's diffusers-loadable LoRA into one folder, published atomically (replaced
+        whole if it exists); returns each network's file. See :meth:`save_lora` for one file's format and
+        :meth:`lora_file` for the names.
+
+        Args:
+            directory: the folder to publish.
+            state_dicts: per network (a key of :meth:`denoisers`), peft's state dict of its LoRA layers.
+            configs: per network, the peft ``LoraConfig`` it was trained with.
+        """
+        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
+        files = {}
+        for network, state_dict in state_dicts.items():
+            weight_name, prefix = self.lora_file(network)
+            tensors = {f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
+            metadata = {f"{prefix}.{k}": v for k, v in configs[network].to_dict().items()}
+            LoraBaseMixin.write_lora_layers(
+                state_dict=tensors,
+                save_directory=str(tmp),
+                is_main_process=True,
+                weight_name=weight_name,
+                save_function=None,
+                safe_serialization=True,
+                lora_adapter_metadata=metadata,
+            )
+            files[network] = directory / weight_name
+        replace_dir(tmp, directory)
+        return files
+
     def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:
         """Write a diffusers-loadable LoRA (``pytorch_lora_weights.safetensors``) atomically.
 
@@ -334,23 +442,4 @@ class Adapter(nn.Module):
                 transformer_lora_adapter_metadata=...)`` format), from which diffusers rebuilds the adapter: without
                 it a loader assumes ``lora_alpha == r`` and applies the update at scale 1 instead of ``alpha / r``.
         """
-        # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
-        from diffusers.loaders.lora_base import LoraBaseMixin
-
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
-        tensors = {f"{self.lora_prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        metadata = {f"{self.lora_prefix}.{k}": v for k, v in config.to_dict().items()}
-        LoraBaseMixin.write_lora_layers(
-            state_dict=tensors,
-            save_directory=str(tmp),
-            is_main_process=True,
-            weight_name=LORA_WEIGHT_NAME,
-            save_function=None,
-            safe_serialization=True,
-            lora_adapter_metadata=metadata,
-        )
-        replace_dir(tmp, directory)
-        return directory / LORA_WEIGHT_NAME
+        return self.save_loras(directory, {self.lora_prefix: state_dict}, {self.lora_prefix: config})[self.lora_prefix]

@@ -20,6 +20,9 @@ class FlowCLI(LightningCLI):
         # The datamodule validates records against the adapter's contract before weights load, and picks
         # the supervision it requires from the objective.
         parser.link_arguments("model.adapter", "data.adapter")
+        # The checkpoint decides the contract of families whose variants differ (Adapter.resolve_contract).
+        parser.link_arguments("model.pretrained_model_name_or_path", "data.pretrained_model_name_or_path")
+        parser.link_arguments("model.adapter_kwargs", "data.adapter_kwargs")
         parser.link_arguments(
             "model", "data.trainer_type", compute_fn=lambda m: m.objective.trainer_type, apply_on="instantiate"
         )

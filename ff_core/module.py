@@ -20,11 +20,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
+from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
-from ff_core.pretrained import load_pretrained
+from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class FlowModule(L.LightningModule):
         self.eval_reward_set: Rewards | None = None  # built in setup, before weights load
         self._rewards_device: torch.device | None = None
         self.adapter: Adapter | None = None
+        self._contract: PipelineIOContract | None = None
         self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
@@ -185,13 +187,24 @@ class FlowModule(L.LightningModule):
         if not specs:
             return None
         rewards = Rewards(specs, config_key=key)
-        rewards.check_outputs([str(t) for t in self.adapter_cls.io_contract.output_types], self.adapter_cls.name)
+        rewards.check_outputs([str(t) for t in self.io_contract.output_types], self.adapter_cls.name)
         return rewards
+
+    @property
+    def io_contract(self) -> PipelineIOContract:
+        """The checkpoint's IO contract: the loaded adapter's, else resolved from the checkpoint's config files
+        (:meth:`~ff_core.adapter.Adapter.resolve_contract`, no weights)."""
+        if self.adapter is not None:
+            return self.adapter.io_contract
+        if self._contract is None:
+            self._contract = resolve_contract(self.adapter_cls, self.pretrained_model_name_or_path,
+                                              self.adapter_kwargs)  # fmt: skip
+        return self._contract
 
     @property
     def output_types(self) -> tuple[str, ...]:
         """The adapter contract's output kinds (``image``, ``video``, ``audio``), in ``decode``'s order."""
-        return tuple(str(t) for t in self.adapter_cls.io_contract.output_types)
+        return tuple(str(t) for t in self.io_contract.output_types)
 
     # -- model -------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -200,14 +213,17 @@ class FlowModule(L.LightningModule):
         # A folder or hub id that cannot be loaded is a ConfigError naming model.pretrained_model_name_or_path.
         adapter = load_pretrained(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         adapter.requires_grad_(False)
+        networks = adapter.denoisers()
         if self.lora is not None:
             apply_lora(adapter, self.lora)
         else:
-            adapter.denoiser.requires_grad_(True)
+            for network in networks.values():
+                network.requires_grad_(True)
         if self.gradient_checkpointing:
-            if not hasattr(adapter.denoiser, "enable_gradient_checkpointing"):
-                raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} denoiser does not support it")
-            adapter.denoiser.enable_gradient_checkpointing()
+            for name, network in networks.items():
+                if not hasattr(network, "enable_gradient_checkpointing"):
+                    raise ValueError(f"model.gradient_checkpointing: the {adapter.name!r} {name} does not support it")
+                network.enable_gradient_checkpointing()
         # Before any step changes a weight: offline DPO copies the denoiser here as its reference (full fine-tuning).
         self.objective_modules = self.objective.configure_model(adapter, lora=self.lora is not None)
         # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
@@ -248,12 +264,14 @@ class FlowModule(L.LightningModule):
             checkpoint[NOISE_SEED_KEY] = self._run_noise_seed
 
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
-        """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) the whole denoiser, buffers included."""
+        """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
+        whole, buffers included."""
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         if self.lora is not None:
             return trainable
-        prefix = next(f"{n}." for n, m in self.named_modules() if m is self.adapter.denoiser)
-        return trainable | {k for k in state_dict if k.startswith(prefix)}
+        networks = {id(m) for m in self.adapter.denoisers().values()}
+        prefixes = tuple(f"{n}." for n, m in self.named_modules() if id(m) in networks)
+        return trainable | {k for k in state_dict if k.startswith(prefixes)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
@@ -410,23 +428,23 @@ def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> in
 
 
 def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:
-    """Wrap the denoiser's target modules with peft LoRA layers; only those layers train."""
+    """Wrap the target modules of every trained network (``adapter.denoisers()``) with peft LoRA layers, one adapter
+    per network with the same settings; only those layers train."""
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = cfg.target_modules or list(adapter.default_lora_targets)
     if not targets:
         raise ValueError(f"model.lora.target_modules: adapter {adapter.name!r} has no defaults; name the modules")
-    config = LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, init_lora_weights="gaussian"
-    )
-    denoiser = adapter.denoiser
-    if hasattr(denoiser, "add_adapter"):  # diffusers ModelMixin: keeps peft bookkeeping for load/save
-        denoiser.add_adapter(config)
-    else:
-        inject_adapter_in_model(config, denoiser)
-        denoiser.peft_config = {"default": config}
-    for name, p in denoiser.named_parameters():
-        p.requires_grad_("lora_" in name)
+    for network in adapter.denoisers().values():
+        config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                            init_lora_weights="gaussian")  # fmt: skip
+        if hasattr(network, "add_adapter"):  # diffusers ModelMixin: keeps peft bookkeeping for load/save
+            network.add_adapter(config)
+        else:
+            inject_adapter_in_model(config, network)
+            network.peft_config = {"default": config}
+        for name, p in network.named_parameters():
+            p.requires_grad_("lora_" in name)
 
 
 def lora_config(adapter: Adapter) -> LoraConfig:
@@ -439,3 +457,16 @@ def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
     return get_peft_model_state_dict(adapter.denoiser)
+
+
+def lora_configs(adapter: Adapter) -> dict[str, LoraConfig]:
+    """:func:`lora_config` of every trained network, keyed as ``adapter.denoisers()``."""
+    return {name: network.peft_config["default"] for name, network in adapter.denoisers().items()}
+
+
+def lora_state_dicts(adapter: Adapter) -> dict[str, dict[str, torch.Tensor]]:
+    """:func:`lora_state_dict` of every trained network, keyed as ``adapter.denoisers()`` (what
+    :meth:`~ff_core.adapter.Adapter.save_loras` writes)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {name: get_peft_model_state_dict(network) for name, network in adapter.denoisers().items()}

@@ -9,6 +9,7 @@ is translated afterwards. A cached hub id therefore loads exactly as before, onl
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from ff_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
+    from ff_core.contracts import PipelineIOContract
+    from ff_core.data.tensor_rows import TensorColumns
 
 KEY = "model.pretrained_model_name_or_path"
 
@@ -57,10 +60,82 @@ def load_pretrained(
         raise ConfigError(key, problem)
     local = Path(path).expanduser()
     source = str(local) if local.is_dir() else os.fspath(path)
+    # The checkpoint's contract, what the data were validated against (a bare loader class without one: skipped).
+    resolves = hasattr(adapter_cls, "resolve_contract")
+    contract = resolve_contract(adapter_cls, source, kwargs, key) if resolves else None
     try:
-        return adapter_cls.from_pretrained(source, **kwargs)
+        adapter = adapter_cls.from_pretrained(source, **kwargs)
     except OSError as exc:  # diffusers / transformers / huggingface_hub: missing files, unknown or unreachable repo
         raise ConfigError(key, _load_failure(adapter_cls, path, local, exc)) from exc
+    if contract is not None:
+        adapter.io_contract = contract
+    return adapter
+
+
+def read_config(path: str | os.PathLike, filename: str = "config.json", subfolder: str | None = None) -> dict[str, Any]:
+    """One JSON config file of a checkpoint (``model_index.json``, ``transformer/config.json``), nothing else.
+
+    For :meth:`~ff_core.adapter.Adapter.resolve_contract`: a local folder is read on disk; a hub id fetches (or
+    finds in the hub cache) that one file with ``huggingface_hub.hf_hub_download``, never the weights.
+
+    Args:
+        path: the checkpoint folder or hub id.
+        filename: the file, relative to ``subfolder``.
+        subfolder: the component folder (``transformer``), or ``None`` for the top level.
+
+    Raises:
+        FileNotFoundError: the file does not exist (an OSError: :func:`resolve_contract` names the config key).
+        ValueError: it is not a JSON object.
+    """
+    local = Path(path).expanduser()
+    relative = f"{subfolder}/{filename}" if subfolder else filename
+    if local.is_dir():
+        file = local / relative
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        file = Path(hf_hub_download(os.fspath(path), filename, subfolder=subfolder))
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return data
+
+
+def resolve_contract(
+    adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None = None, key: str = KEY
+) -> PipelineIOContract:
+    """``adapter_cls.resolve_contract(path, kwargs)`` (config files only), with an unreadable config as a ConfigError
+    naming ``key``; ``path=None`` gives the class's default contract."""
+    return _resolve(adapter_cls.resolve_contract, adapter_cls, path, kwargs, key)
+
+
+def resolve_tensor_columns(
+    adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None = None, key: str = KEY
+) -> TensorColumns | None:
+    """``adapter_cls.resolve_tensor_columns(path, kwargs)``, errors as in :func:`resolve_contract`."""
+    return _resolve(adapter_cls.resolve_tensor_columns, adapter_cls, path, kwargs, key)
+
+
+def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | None,
+             kwargs: dict[str, Any] | None, key: str) -> Any:
+    if path is None:
+        return method(None, dict(kwargs or {}))
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ConfigError(key, problem)
+    local = Path(path).expanduser()
+    source = str(local) if local.is_dir() else os.fspath(path)
+    try:
+        return method(source, dict(kwargs or {}))
+    except (OSError, ValueError) as exc:  # a missing / unreadable config file, or a variant the family lacks
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(key, f"cannot resolve {adapter_cls.name}'s contract from {os.fspath(path)!r}: {detail}"
+                          ) from exc
 
 
 def _load_failure(adapter_cls: type[Adapter], path: str | os.PathLike, local: Path, exc: OSError) -> str:

@@ -3,7 +3,9 @@
 # demo inputs: the synthetic shapes dataset (build/shapes), its preference pairs for offline DPO (build/shapes_dpo),
 # colourless shape prompts for GRPO (build/prompts) and a tiny SD3-architecture base (build/tiny-sd3) whose VAE is
 # trained to reconstruct those images; then the shapes training split as tensor-parquet shards of that base
-# (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml).
+# (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml). For the Wan recipes (configs/wan/): tiny Wan2.1
+# T2V and I2V checkpoints (build/tiny-wan-t2v, build/tiny-wan-i2v) and moving-square MP4 datasets (build/wan-squares,
+# build/wan-squares-i2v with first frames, build/wan-squares-dpo preference pairs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,4 +21,9 @@ pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]
 [ -f build/prompts/train.txt ] || python -m ff_core.testing.shapes build/prompts --prompts
 [ -f build/tiny-sd3/model_index.json ] || python -m ff_sd3.testing --out build/tiny-sd3 --vae-train-dir build/shapes/images
 [ -d build/shapes_latents ] || ff data preprocess-latents --config configs/sd3/sft_tiny.yaml --output build/shapes_latents
+[ -f build/tiny-wan-t2v/model_index.json ] || python -m ff_wan.testing --out build/tiny-wan-t2v --variant t2v
+[ -f build/tiny-wan-i2v/model_index.json ] || python -m ff_wan.testing --out build/tiny-wan-i2v --variant i2v
+[ -f build/wan-squares/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares --dataset --n 16
+[ -f build/wan-squares-i2v/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-i2v --dataset --i2v --n 8
+[ -f build/wan-squares-dpo/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-dpo --dataset --preference --n 16
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"

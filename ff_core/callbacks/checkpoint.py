@@ -2,7 +2,9 @@
 
 ``epoch=0-step=20.ckpt`` gets ``epoch=0-step=20.lora/pytorch_lora_weights.safetensors``, loadable with the
 family's diffusers pipeline (``pipe.load_lora_weights(folder)``) at the trained scale ``alpha / rank``: the file's
-``lora_adapter_metadata`` holds the peft config the run applied. Both are published atomically.
+``lora_adapter_metadata`` holds the peft config the run applied. An adapter with several trained networks
+(``Adapter.denoisers()``) gets one file per network in the same folder (``Adapter.lora_file``: Wan2.2's second expert
+is ``pytorch_lora_weights_transformer_2.safetensors``). Both are published atomically.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ff_core.module import lora_config, lora_state_dict
+from ff_core.module import lora_configs, lora_state_dicts
 
 
 def lora_dir_for(checkpoint_path: str | Path) -> Path:
@@ -32,9 +34,9 @@ class FlowCheckpoint(ModelCheckpoint):
         module = trainer.lightning_module
         if getattr(module, "lora", None) is None or module.adapter is None:
             return
-        state = lora_state_dict(module.adapter)  # every rank takes part (sharded strategies gather here)
-        if trainer.is_global_zero:
-            module.adapter.save_lora(lora_dir_for(filepath), state, lora_config(module.adapter))
+        states = lora_state_dicts(module.adapter)  # every rank takes part (sharded strategies gather here)
+        if trainer.is_global_zero:  # one file per trained network (Adapter.lora_file)
+            module.adapter.save_loras(lora_dir_for(filepath), states, lora_configs(module.adapter))
         trainer.strategy.barrier("ff_lora_export")
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:

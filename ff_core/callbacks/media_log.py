@@ -2,8 +2,9 @@
 
 One :class:`EvalSample` per evaluation prompt (its index, prompt, decoded outputs and reward scores) goes to:
 
-* disk, always: ``<dir>/<index>[_<position>].png|gif|wav`` per output (video as an animated GIF, audio as 16-bit
-  PCM WAV) - :func:`write_sample_files`;
+* disk, always: ``<dir>/<index>[_<position>].png|gif|mp4|wav`` per output (video as an animated GIF, or an H.264 MP4
+  written with PyAV when the callback's ``video_format`` is ``mp4``; audio as 16-bit PCM WAV) -
+  :func:`write_sample_files`;
 * TensorBoard (``TensorBoardLogger``): the grid image, each video as an animated GIF (the image summary TensorBoard
   plays; torch's ``add_video`` would need moviepy) and each audio clip (multi-channel WAV) - :func:`log_tensorboard`;
 * Weights & Biases (``WandbLogger``, wandb imported only then): the grid, ``wandb.Video`` / ``wandb.Audio`` per
@@ -32,6 +33,7 @@ from ff_core.atomic import write_bytes_atomic
 DEFAULT_FPS = 8.0
 DEFAULT_SAMPLE_RATE = 16000
 EXTENSIONS = {"image": "png", "video": "gif", "audio": "wav"}
+VIDEO_FORMATS = ("gif", "mp4")
 
 
 @dataclass
@@ -47,6 +49,8 @@ class EvalSample:
         rates: fps / sample rate of each output (``None``: unknown, the defaults are used).
         rewards: score per reward label (empty without evaluation rewards).
         reward: weighted total (``None`` without evaluation rewards).
+        video_format: how videos are written to disk and to W&B: ``gif`` or ``mp4`` (TensorBoard always gets a
+            GIF, the only animation its image summary plays).
     """
 
     index: int
@@ -56,6 +60,7 @@ class EvalSample:
     rates: tuple[float | None, ...] = ()
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float | None = None
+    video_format: str = "gif"
 
     def rate(self, position: int, default: float) -> float:
         rate = self.rates[position] if position < len(self.rates) else None
@@ -63,7 +68,8 @@ class EvalSample:
 
     def file_name(self, position: int) -> str:
         suffix = f"_{position}" if position else ""
-        return f"{self.index:05d}{suffix}.{EXTENSIONS[self.output_types[position]]}"
+        kind = self.output_types[position]
+        return f"{self.index:05d}{suffix}.{self.video_format if kind == 'video' else EXTENSIONS[kind]}"
 
 
 def samples_from_outputs(outputs: dict[str, Any]) -> list[EvalSample]:
@@ -81,6 +87,37 @@ def samples_from_outputs(outputs: dict[str, Any]) -> list[EvalSample]:
 
 
 # -- encoders -----------------------------------------------------------------------------------------------
+def check_video_format(value: str, owner: str) -> str:
+    if value not in VIDEO_FORMATS:
+        raise ValueError(f"{owner}.video_format must be one of {VIDEO_FORMATS}, got {value!r}")
+    return value
+
+
+def video_to_mp4(video: Tensor, fps: float = DEFAULT_FPS) -> bytes:
+    """An H.264 MP4 (yuv420p, PyAV) of a uint8 (T, 3, H, W) video at ``fps`` (a rational rate, so 23.976 stays
+    exact to the millisecond). yuv420p needs even sides: an odd last row / column is repeated."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    if video.dtype != torch.uint8 or video.ndim != 4 or video.shape[1] != 3:
+        raise ValueError(f"a video is uint8 (T, 3, H, W), got {video.dtype} {tuple(video.shape)}")
+    frames = video.permute(0, 2, 3, 1).contiguous().numpy()
+    pad = ((0, 0), (0, frames.shape[1] % 2), (0, frames.shape[2] % 2), (0, 0))
+    frames = np.pad(frames, pad, mode="edge")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.options = {"crf": "18"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
 def video_to_gif(video: Tensor, fps: float = DEFAULT_FPS) -> bytes:
     """An animated GIF of a uint8 (T, 3, H, W) video at ``fps`` (GIF stores frame durations in 10 ms units, and
     at most 256 colours per frame: Pillow quantises richer frames)."""
@@ -116,12 +153,13 @@ def png_bytes(image: Tensor | Image.Image) -> bytes:
 
 
 def encode_output(sample: EvalSample, position: int) -> bytes:
-    """The file content of one output: PNG, GIF or WAV by its kind."""
+    """The file content of one output: PNG, GIF / MP4 (``sample.video_format``) or WAV by its kind."""
     kind, item = sample.output_types[position], sample.media[position]
     if kind == "image":
         return png_bytes(item)
     if kind == "video":
-        return video_to_gif(item, sample.rate(position, DEFAULT_FPS))
+        encode = video_to_mp4 if sample.video_format == "mp4" else video_to_gif
+        return encode(item, sample.rate(position, DEFAULT_FPS))
     if kind == "audio":
         return audio_to_wav(item, int(sample.rate(position, DEFAULT_SAMPLE_RATE)))
     raise ValueError(f"unknown output kind {kind!r}")
@@ -181,7 +219,8 @@ def log_wandb(logger: Any, samples: list[EvalSample], grid: Image.Image | None, 
             key = f"{prefix}/sample_{sample.index:05d}" + (f"_{position}" if position else "")
             item = sample.media[position]
             if kind == "video":
-                payload[key] = wandb.Video(item.numpy(), fps=sample.rate(position, DEFAULT_FPS), format="gif")
+                payload[key] = wandb.Video(item.numpy(), fps=sample.rate(position, DEFAULT_FPS),
+                                           format=sample.video_format)
             elif kind == "audio":
                 payload[key] = wandb.Audio(item.T.numpy(), sample_rate=int(sample.rate(position, DEFAULT_SAMPLE_RATE)))
     labels = sorted({k for s in samples for k in s.rewards})

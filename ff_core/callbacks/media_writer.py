@@ -16,20 +16,22 @@ import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from ff_core.atomic import write_bytes_atomic
-from ff_core.callbacks.media_log import encode_output, samples_from_outputs
+from ff_core.callbacks.media_log import check_video_format, encode_output, samples_from_outputs
 from ff_core.callbacks.samples import log_dir
 
 
 class MediaWriter(BasePredictionWriter):
-    """Write the media ``FlowModule.predict_step`` generates (images as PNG, videos as GIF, audio as WAV).
+    """Write the media ``FlowModule.predict_step`` generates (images as PNG, videos as GIF or MP4, audio as WAV).
 
     Args:
         dirpath: output folder; ``None``: ``<log_dir>/predictions``.
+        video_format: ``gif`` (default) or ``mp4`` (H.264 through PyAV, at the adapter's frame rate).
     """
 
-    def __init__(self, dirpath: str | None = None) -> None:
+    def __init__(self, dirpath: str | None = None, video_format: str = "gif") -> None:
         super().__init__(write_interval="batch")
         self.dirpath = dirpath
+        self.video_format = check_video_format(video_format, "MediaWriter")
         self.out_dir: Path | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -39,6 +41,7 @@ class MediaWriter(BasePredictionWriter):
                            dataloader_idx) -> None:
         lines = []
         for sample in samples_from_outputs(prediction):
+            sample.video_format = self.video_format
             files = []
             for position in range(len(sample.media)):
                 name = sample.file_name(position)

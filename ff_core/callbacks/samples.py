@@ -18,7 +18,13 @@ import torch
 from PIL import Image, ImageDraw
 
 from ff_core.atomic import write_bytes_atomic
-from ff_core.callbacks.media_log import EvalSample, samples_from_outputs, send_to_loggers, write_sample_files
+from ff_core.callbacks.media_log import (
+    EvalSample,
+    check_video_format,
+    samples_from_outputs,
+    send_to_loggers,
+    write_sample_files,
+)
 
 
 def log_dir(trainer: L.Trainer) -> Path:
@@ -62,10 +68,14 @@ class SampleGrid(L.Callback):
         columns: images per grid row.
         cell: pixel size each image is upscaled to.
         send_to_loggers: also send the samples to the trainer's loggers (the files are always written).
+        video_format: videos on disk and to W&B as ``gif`` (default) or ``mp4`` (H.264 through PyAV, at the
+            adapter's frame rate); TensorBoard always gets a GIF.
     """
 
-    def __init__(self, columns: int = 6, cell: int = 96, send_to_loggers: bool = True) -> None:
+    def __init__(self, columns: int = 6, cell: int = 96, send_to_loggers: bool = True,
+                 video_format: str = "gif") -> None:
         self.columns, self.cell = columns, cell
+        self.video_format = check_video_format(video_format, "SampleGrid")
         self.send_to_loggers = send_to_loggers
         self._samples: list[EvalSample] = []
         self.last_path: Path | None = None
@@ -82,10 +92,15 @@ class SampleGrid(L.Callback):
         self._samples = []
 
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch, batch_idx, dataloader_idx=0) -> None:
-        self._samples.extend(samples_from_outputs(outputs))
+        self._samples.extend(self._with_format(samples_from_outputs(outputs)))
+
+    def _with_format(self, samples: list[EvalSample]) -> list[EvalSample]:
+        for sample in samples:
+            sample.video_format = self.video_format
+        return samples
 
     def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch, batch_idx, dataloader_idx=0) -> None:
-        self._samples.extend(samples_from_outputs(outputs))
+        self._samples.extend(self._with_format(samples_from_outputs(outputs)))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

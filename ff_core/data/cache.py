@@ -145,7 +145,7 @@ def cache_identity(source: ConditionSource, adapter: Adapter, digests: MediaDige
         "rows": {"count": len(source.records), "sha256": hashlib.sha256(ids).hexdigest()},
         "adapter": {"name": cls.name, "class": f"{cls.__module__}.{cls.__qualname__}",
                     "preprocess_version": cls.preprocess_version, **adapter.preprocess_identity()},
-        "contract": contract_identity(cls.io_contract),
+        "contract": contract_identity(adapter.io_contract),
     }  # fmt: skip
     return identity, ids
 

@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help=DATA_COMMANDS["validate"], description=DATA_COMMANDS["validate"])
     _dataset_arguments(v)
     v.add_argument("--model", help="adapter name (see `ff plugins`) or dotted path pkg.module:Class")
+    v.add_argument("--pretrained", metavar="PATH",
+                   help="with --model: the checkpoint (folder or hub id) whose contract applies, read from its config "
+                   "files only (families whose checkpoints differ, e.g. Wan I2V variants); default: the adapter's")
     v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo"],
                    help="trainer type (default: detected; V2 records -> their supervision, else generation rows)")
     v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file "
@@ -157,17 +160,28 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     return EXIT_INVALID  # pragma: no cover - argparse rejects unknown commands
 
 
-def _contract(model: str | None, out: TextIO) -> tuple[str, PipelineIOContract] | None | int:
+def _contract(
+    model: str | None, out: TextIO, pretrained: str | None = None
+) -> tuple[str, PipelineIOContract] | None | int:
     if model is None:
+        if pretrained is not None:
+            print("ff data validate: --pretrained needs --model", file=out)
+            return EXIT_INVALID
         return None
+    from ff_core.errors import ConfigError
     from ff_core.plugins import get_adapter_class
+    from ff_core.pretrained import resolve_contract
 
     try:
         cls = get_adapter_class(model)
     except KeyError as exc:
         print(f"ff data validate: --model: {exc.args[0]}", file=out)
         return EXIT_INVALID
-    return cls.name, cls.io_contract
+    try:
+        return cls.name, resolve_contract(cls, pretrained, None, key="--pretrained")
+    except ConfigError as exc:
+        print(f"ff data validate: {exc}", file=out)
+        return EXIT_INVALID
 
 
 def _dataset(args: argparse.Namespace) -> DatasetConfig:
@@ -210,7 +224,7 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data validate``: read, check and (optionally) decode; print a summary or every diagnostic."""
     if is_tensor_parquet_root(args.dataset_dir):
         return _tensor_parquet(args, out, "validate")
-    contract = _contract(args.model, out)
+    contract = _contract(args.model, out, args.pretrained)
     if isinstance(contract, int):
         return contract
     splits, errors = read_splits(_dataset(args), args.split, args.trainer)
@@ -285,7 +299,7 @@ def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
     schema = CARD_SCHEMAS[args.schema] if getattr(args, "schema", None) else None
     report, errors = inspect_tensor_parquet(args.dataset_dir, schema, getattr(args, "check_media", False))
     if getattr(args, "model", None) and not errors:  # the columns the adapter trains from (docs/plugins.md)
-        found = _model_columns(args.model, args.dataset_dir, out)
+        found = _model_columns(args.model, args.dataset_dir, out, getattr(args, "pretrained", None))
         if isinstance(found, int):
             return found
         errors += found
@@ -300,7 +314,7 @@ def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
     return EXIT_INVALID if errors else EXIT_OK
 
 
-def _model_columns(model: str, root: str, out: TextIO) -> list[DatasetError] | int:
+def _model_columns(model: str, root: str, out: TextIO, pretrained: str | None = None) -> list[DatasetError] | int:
     """``validate --model`` on a tensor-parquet root: the tensor columns the adapter trains from that it lacks."""
     from ff_core.data.tensor_parquet import TensorParquetDataset
     from ff_core.data.tensor_rows import column_problems
@@ -311,10 +325,18 @@ def _model_columns(model: str, root: str, out: TextIO) -> list[DatasetError] | i
     except KeyError as exc:
         print(f"ff data validate: --model: {exc.args[0]}", file=out)
         return EXIT_INVALID
-    if cls.tensor_columns is None:
+    from ff_core.errors import ConfigError
+    from ff_core.pretrained import resolve_tensor_columns
+
+    try:
+        columns = resolve_tensor_columns(cls, pretrained, None, key="--pretrained")
+    except ConfigError as exc:
+        print(f"ff data validate: {exc}", file=out)
+        return EXIT_INVALID
+    if columns is None:
         return [DatasetError(root, None, None, f"adapter {cls.name!r} declares no tensor_columns: it cannot train "
                              "from tensor-parquet shards")]
-    return column_problems(TensorParquetDataset(root), cls.tensor_columns, cls.name)
+    return column_problems(TensorParquetDataset(root), columns, cls.name)
 
 
 def _print_problems(command: str, problems: list[DatasetError], dataset_dir: str, out: TextIO,

@@ -24,7 +24,9 @@ training loop takes it (``on_before_batch_transfer``), so batches fetched ahead 
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -34,9 +36,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
+from ff_core.contracts import PipelineIOContract
+from ff_core.data.buckets import Bucket, assign_buckets
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
 from ff_core.data.dataflow import (
+    BucketBatcher,
     DataflowLoader,
     DataParallelCoords,
     GroupedDistributor,
@@ -74,6 +79,7 @@ from ff_core.data.tensor_rows import (
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.plugins import get_adapter_class
+from ff_core.pretrained import resolve_contract, resolve_tensor_columns
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +131,18 @@ class FlowDataModule(L.LightningDataModule):
             rows within each window of this many groups, keeping this many decoded groups per reader
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
+        buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries
+            ``[{height, width, num_frames?, fps?, start?, batch_size?}]``. Each training record goes to one bucket from
+            its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
+            target is decoded and fitted to that bucket, and batches never mix buckets (``BucketBatcher``), so nothing
+            is padded. ``None``: every target fitted to the adapter's ``output_geometry()``, fixed batches.
+        max_tokens: with ``buckets``: the token budget of a batch; a bucket without ``batch_size`` takes
+            ``max_tokens // adapter.denoiser_tokens(geometry)`` samples (``None``: ``per_device_batch_size``).
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
+        pretrained_model_name_or_path: the checkpoint (linked from ``model.pretrained_model_name_or_path``): records
+            are validated against its contract, read from its config files before any weight loads
+            (``Adapter.resolve_contract``); ``None``: the adapter's default contract.
+        adapter_kwargs: linked from ``model.adapter_kwargs`` (they may select the checkpoint's variant).
         trainer_type: ``sft``, ``offline-dpo`` or ``grpo`` (linked from ``model.objective``).
         grouping: GRPO's ``(prompts_per_step, group_size)`` (linked from ``model.objective``; not set by hand): every
             step the ranks share P prompts, each sampled K times, each rank taking ``P * K / W`` of the pairs
@@ -148,7 +165,11 @@ class FlowDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         row_group_window: int | None = None,
+        buckets: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
         adapter: str | None = None,
+        pretrained_model_name_or_path: str | None = None,
+        adapter_kwargs: dict[str, Any] | None = None,
         trainer_type: TrainerType = "sft",
         grouping: tuple[int, int] | None = None,
     ) -> None:
@@ -180,7 +201,19 @@ class FlowDataModule(L.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.row_group_window = row_group_window
+        self.buckets = [Bucket.from_config(b, f"data.buckets[{i}]") for i, b in enumerate(buckets or [])] or None
+        if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
+            raise ValueError(f"data.max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
+        if max_tokens is not None and self.buckets is None:
+            raise ValueError("data.max_tokens sizes bucketed batches: set data.buckets too")
+        if self.buckets is not None and trainer_type == "grpo":
+            raise ValueError("data.buckets: GRPO rows are prompts (no target to bucket); leave it unset")
+        self.max_tokens = max_tokens
+        self.bucket_assignment: list[int] | None = None
+        """Each training record's bucket (``data.buckets``), assigned in :meth:`setup` from the targets' headers."""
         self.adapter_name = adapter
+        self.pretrained_model_name_or_path = pretrained_model_name_or_path
+        self.adapter_kwargs = dict(adapter_kwargs or {})
         self.trainer_type = trainer_type
         self.grouping = tuple(grouping) if grouping is not None else None
         self.train_records: list[Record] = []
@@ -236,25 +269,35 @@ class FlowDataModule(L.LightningDataModule):
             raise DatasetErrors(errors)
         if self.adapter_name is not None:
             cls = get_adapter_class(self.adapter_name)
+            contract = self._contract(cls)
             # preprocessing_batch_size is not checked: it is capped at the adapter's capability instead.
-            check_batch_size(cls.io_contract, cls.name, self.per_device_batch_size,
+            check_batch_size(contract, cls.name, self.per_device_batch_size,
                              eval_batch_size=self.eval_batch_size)  # fmt: skip
-            check_records(self.train_records + self.eval_records, cls.io_contract)
+            check_records(self.train_records + self.eval_records, contract)
             for warning in (w for r in self.train_records + self.eval_records
-                            for w in record_warnings(r, cls.io_contract, cls.name)):
+                            for w in record_warnings(r, contract, cls.name)):
                 log.warning("%s", warning.format())
-            self.train_records = [conform(r, cls.io_contract) for r in self.train_records]
-            self.eval_records = [conform(r, cls.io_contract) for r in self.eval_records]
+            self.train_records = [conform(r, contract) for r in self.train_records]
+            self.eval_records = [conform(r, contract) for r in self.eval_records]
             for split, records in (("train", self.train_records), ("test", self.eval_records)):
                 start = 0  # the sources hold what the adapter sees too
                 for source in self._sources[split]:
                     source.records = records[start : start + len(source.records)]
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
+        if self.buckets is not None:
+            if self.train_rows is not None:
+                raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
+                                  "a packing batcher (docs/dataflow.md), not geometry buckets")
+            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets])
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
+        """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""
+        return resolve_contract(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
 
     @property
     def _supervision(self) -> str:
@@ -271,14 +314,15 @@ class FlowDataModule(L.LightningDataModule):
         if self.adapter_name is None:
             raise ConfigError(key, "the adapter's columns are unknown (set model.adapter, which links data.adapter)")
         cls = get_adapter_class(self.adapter_name)
-        if cls.tensor_columns is None:
+        columns = resolve_tensor_columns(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        if columns is None:
             raise ConfigError(key, f"adapter {cls.name!r} declares no tensor_columns, so it cannot train from "
                                    "tensor-parquet shards")
         window = self.row_group_window
-        self.shard_sources = open_shards(configs, cls.tensor_columns, cls.name, cached_groups=max(4, window or 0),
+        self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
-        self.tensor_columns = cls.tensor_columns
+        self.tensor_columns = columns
         largest = self.train_rows.max_group_rows()
         if window is None and largest > 1 and self.shuffle:
             log.warning("data.datasets: tensor-parquet row groups hold up to %d rows and Parquet decodes whole groups: "
@@ -370,21 +414,60 @@ class FlowDataModule(L.LightningDataModule):
             source, batch_size = self._train_distributor(coords)
             if self.train_rows is not None:  # shards: the rows hold conditions and clean latents
                 processor = TensorRowProcessor(self.train_rows, self.tensor_columns, supervision=self._supervision)
-                collator = TensorRowCollator()
+                collator = TensorRowCollator(condition_collation=self._adapter().condition_collation)
             else:
-                processor, collator = RecordProcessor(self._adapter().output_geometry()), SampleCollator()
+                adapter = self._adapter()
+                processor = RecordProcessor(adapter.output_geometry())
+                collator = SampleCollator(adapter.condition_collation)
+            batching: dict[str, Any] = {"batch_size": batch_size}
+            if self.buckets is not None:  # mixed geometry: one bucket per batch, stream order (resume mode "stream")
+                sizes = self.bucket_batch_sizes(adapter)
+                processor = RecordProcessor(adapter.output_geometry(), [b.geometry for b in self.buckets],
+                                            self.bucket_assignment)  # fmt: skip
+                source = MapDistributor(self._conditioned("train", self.train_records), shuffle=self.shuffle,
+                                        seed=self.seed, name="train", identity=self.train_identity())  # fmt: skip
+                batching = {"batcher": BucketBatcher(sizes),
+                            "steps_per_epoch": self.bucketed_steps(sizes, coords.world_size)}
             self._train_loader = EpochAlignedLoader(
                 source,
                 processor,
                 collator=collator,
-                batch_size=batch_size,
                 num_workers=self.num_workers,
                 coords=coords,
                 stamp_key=STAMP_KEY,
+                **batching,
             )
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def bucket_batch_sizes(self, adapter: Adapter) -> list[int]:
+        """Samples per batch of each bucket: its ``batch_size``, else ``max_tokens // adapter.denoiser_tokens``, else
+        ``per_device_batch_size``."""
+        sizes = []
+        for i, bucket in enumerate(self.buckets or []):
+            if bucket.batch_size is not None:
+                sizes.append(bucket.batch_size)
+            elif self.max_tokens is not None:
+                tokens = adapter.denoiser_tokens(bucket.geometry)
+                if not tokens:
+                    raise ConfigError("data.max_tokens", f"adapter {adapter.name!r} does not count its tokens "
+                                      f"(denoiser_tokens); give data.buckets[{i}].batch_size instead")
+                if tokens > self.max_tokens:
+                    raise ConfigError(f"data.buckets[{i}]", f"one sample costs {tokens} tokens, more than "
+                                      f"data.max_tokens={self.max_tokens}")
+                sizes.append(self.max_tokens // tokens)
+            else:
+                sizes.append(self.per_device_batch_size)
+        return sizes
+
+    def bucketed_steps(self, sizes: Sequence[int], world_size: int) -> int:
+        """Batches per rank in a bucketed epoch: ``ceil(sum_b n_b / size_b / world_size)`` (every rank the same
+        count, as DDP needs). Epoch boundaries are soft: the stream runs on across them, each bucket's queue kept."""
+        counts = [0] * len(sizes)
+        for bucket in self.bucket_assignment or []:
+            counts[bucket] += 1
+        return max(1, math.ceil(sum(n / s for n, s in zip(counts, sizes)) / world_size))
 
     def _train_distributor(self, coords: DataParallelCoords) -> tuple[Any, int]:
         """The training distributor and the per-rank batch size: shard rows (optionally in two-level order), the
@@ -457,5 +540,6 @@ class FlowDataModule(L.LightningDataModule):
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=0,
-            collate_fn=process_and_collate,
+            collate_fn=functools.partial(process_and_collate,
+                                         condition_collation=self._adapter().condition_collation),
         )

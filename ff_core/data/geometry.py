@@ -21,28 +21,53 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ff_core.data.media import DecodedAudio, DecodedVideo
+from ff_core.contracts import MediaType
+from ff_core.data.media import DecodedAudio, DecodedVideo, Where, decode_audio, decode_clip, decode_media
+from ff_core.data.records_base import MediaItem
 
 
 @dataclass(frozen=True)
 class MediaGeometry:
-    """The frame one output is encoded at (picklable: it travels to the loader workers).
+    """The frame (and, for a video, the clip) one output is encoded at (picklable: it travels to the loader workers).
 
-    Spatial only so far; video families will add their frame count and clock here (resampled in the workers too).
+    A video output with ``num_frames`` is a *decode specification*: the workers decode only the clip's time window
+    (PyAV seeking, :func:`~ff_core.data.media.decode_clip`) and put its frames on the grid ``t_k = start + k / fps``
+    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the nearest source frame at or before it. A clip
+    too short for the grid is rejected, never stretched. Images ignore the temporal fields.
 
     Attributes:
         height: pixel rows of an image, or of each video frame.
         width: pixel columns.
+        num_frames: frames of a video clip (``None``: every frame the file has, as decoded).
+        fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
+        start: seconds into the clip (on its clock) where the grid starts.
     """
 
     height: int
     width: int
+    num_frames: int | None = None
+    fps: float | None = None
+    start: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("height", "width"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MediaGeometry.{key} must be an integer >= 1, got {value!r}")
+        n = self.num_frames
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"MediaGeometry.num_frames must be an integer >= 1 or None, got {n!r}")
+        if self.fps is not None and (isinstance(self.fps, bool) or not self.fps > 0):
+            raise ValueError(f"MediaGeometry.fps must be > 0 or None, got {self.fps!r}")
+        if self.fps is not None and n is None:
+            raise ValueError("MediaGeometry.fps needs num_frames (the grid's length)")
+        if isinstance(self.start, bool) or not self.start >= 0:
+            raise ValueError(f"MediaGeometry.start must be >= 0 seconds, got {self.start!r}")
+
+    @property
+    def is_clip(self) -> bool:
+        """Whether a video output is decoded as a fixed clip (``num_frames`` set) rather than whole."""
+        return self.num_frames is not None
 
 
 def resized_size(height: int, width: int, geometry: MediaGeometry) -> tuple[int, int]:
@@ -102,3 +127,30 @@ def fit_media(media: Any, geometry: MediaGeometry | None) -> Any:
     if isinstance(media, DecodedAudio):
         raise ValueError(f"{geometry} describes a picture; an audio output takes no MediaGeometry")
     return fit_image(media, geometry)
+
+
+def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced_by: Where = None) -> Any:
+    """Decode one target item as its output's ``geometry`` asks, then fit it (:func:`fit_media`).
+
+    A video item under a clip geometry (``num_frames`` set) is decoded by :func:`~ff_core.data.media.decode_clip`:
+    only its window, on the geometry's frame grid (too short: an error, never stretched). Its soundtrack (a separate
+    ``audio_path``, else the embedded stream, if any) is cut to the same window of the file. Anything else is decoded
+    whole (:func:`~ff_core.data.media.decode_media`).
+
+    Args:
+        item: the target media item.
+        geometry: its output's geometry (``None``: as decoded).
+        referenced_by: ``(source, line)`` of the record, for error messages.
+    """
+    if geometry is None or not geometry.is_clip or item.type is not MediaType.VIDEO:
+        return fit_media(decode_media(item, referenced_by=referenced_by), geometry)
+    field = item.field_of("path")
+    clip = decode_clip(item.path, num_frames=geometry.num_frames, fps=geometry.fps, start=geometry.start,
+                       declared_fps=item.fps, referenced_by=referenced_by, field=field)
+    begin, end = clip.window
+    if item.audio_path is not None:
+        audio = decode_audio(item.audio_path, start=begin, end=end, declared_sample_rate=item.sample_rate,
+                             referenced_by=referenced_by, field=item.field_of("audio_path") or field)
+    else:
+        audio = decode_audio(item.path, start=begin, end=end, referenced_by=referenced_by, field=field, required=False)
+    return fit_media(dataclasses.replace(clip, audio=audio), geometry)

@@ -3,6 +3,8 @@
 * image -> RGB ``uint8`` tensor (3, H, W), Pillow.
 * video -> ``uint8`` frames (F, H, W, 3) with the file's fps and per-frame timestamps, PyAV with threaded
   decoding; ``start`` / ``end`` decode only a time window (seek to the keyframe before ``start``).
+  :func:`decode_clip` decodes a fixed clip (frame count, rate, start) for a video target: only its window, its
+  frames put on the target's frame grid; a clip too short for it is rejected, never stretched.
 * audio -> ``float32`` waveform (channels, samples) at the file's own rate, never resampled here: a manifest
   ``sample_rate`` is a logical source-clock override carried alongside (``declared_sample_rate``); the one
   conversion to the model rate is adapter-owned. A video's soundtrack is its embedded audio stream or a
@@ -37,7 +39,10 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 _PCM_SCALE = {"u8": 128.0, "s16": 32768.0, "s32": 2147483648.0, "s64": 9223372036854775808.0, "flt": 1.0, "dbl": 1.0}
 
 
-@dataclass(frozen=True)
+# Not frozen: Lightning moves a batch to the device with apply_to_collection, which rebuilds dataclasses field by field
+# and refuses frozen ones ("A frozen dataclass was passed to `apply_to_collection`"), so a video or audio training
+# target could not reach training_step.
+@dataclass
 class DecodedAudio:
     """A decoded waveform.
 
@@ -63,16 +68,22 @@ class DecodedAudio:
         return self.waveform.shape[-1] / self.clock_rate
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: see DecodedAudio
 class DecodedVideo:
     """Decoded video frames.
 
     Attributes:
         frames: ``uint8`` (F, H, W, 3) RGB frames.
-        fps: the file's average frame rate.
-        timestamps: ``float64`` (F,) presentation time of each frame, seconds from the start of the stream.
+        fps: the file's average frame rate; for a clip (:func:`decode_clip`), the rate of its frame grid.
+        timestamps: ``float64`` (F,) presentation time of each frame, seconds from the start of the stream; for a
+            clip, the grid times ``start + k / fps`` on the clip's clock.
         declared_fps: the manifest's ``fps`` (logical clock override), or ``None``.
         audio: the soundtrack (embedded stream or separate ``audio_path``), or ``None``.
+        source_frames: for a clip, the ``int64`` (F,) index of the source frame each frame was taken from.
+        frames_decoded: for a clip, how many frames the decoder produced to build it (the window, from the
+            keyframe before it): what seeking saved.
+        window: for a clip, the file's seconds ``[start, end)`` it covers (one grid step past its last frame), on the
+            file's own time base: where its soundtrack is cut.
     """
 
     frames: torch.Tensor
@@ -80,6 +91,9 @@ class DecodedVideo:
     timestamps: torch.Tensor
     declared_fps: float | None = None
     audio: DecodedAudio | None = None
+    source_frames: torch.Tensor | None = None
+    frames_decoded: int | None = None
+    window: tuple[float, float] | None = None
 
     @property
     def clock_fps(self) -> float:
@@ -197,6 +211,111 @@ def decode_video(
 
     frames = torch.from_numpy(np.stack(arrays))
     return DecodedVideo(frames, fps, torch.tensor(times, dtype=torch.float64), declared_fps)
+
+
+def clip_source_frames(num_frames: int, fps: float | None, start: float, clock_fps: float) -> list[int]:
+    """The source frame index at each grid time ``t_k = start + k / fps`` (``k < num_frames``) of a clip whose frame
+    ``i`` is shown at ``i / clock_fps``: the nearest frame at or before ``t_k`` (``floor(t_k * clock_fps)``, with a
+    1e-6 tolerance so a grid time that lands on a frame takes it). ``fps=None``: consecutive frames from ``start``.
+
+    A grid faster than the clip repeats frames, a slower one skips them; the mapping depends on these four numbers
+    only, so every epoch and every worker takes the same frames.
+    """
+    first = int(np.floor(start * clock_fps + 1e-6))
+    if fps is None:
+        return list(range(first, first + num_frames))
+    return [int(np.floor((start + k / fps) * clock_fps + 1e-6)) for k in range(num_frames)]
+
+
+def _clip_frames(
+    path: Path, num_frames: int, fps: float | None, start: float, declared_fps: float | None
+) -> tuple[dict[int, np.ndarray], list[int], float, float, int, int]:
+    """Decode the source frames a clip needs, seeking to the window; returns (frames by source index, the grid's
+    source indices, file fps, clock fps, frames decoded, source frames seen (the clip's length when it ended early)).
+    """
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        if not rate:
+            raise ValueError("the stream states no frame rate: a clip cannot be put on a frame grid")
+        file_fps = float(rate)
+        clock = declared_fps or file_fps
+        indices = clip_source_frames(num_frames, fps, start, clock)
+        wanted, first, last = set(indices), indices[0], indices[-1]
+        if stream.frames and stream.frames <= last:  # the header's frame count already says it is too short
+            return {}, indices, file_fps, clock, 0, stream.frames
+        offset = _stream_offset(stream)
+        # Source frame i sits at i / file_fps in the file whatever the declared clock (frames are counted, not timed).
+        _seek(container, stream, first / file_fps)
+        frames: dict[int, np.ndarray] = {}
+        decoded, seen = 0, 0
+        for frame in container.decode(stream):
+            decoded += 1
+            index = round((frame.time - offset) * file_fps) if frame.time is not None else decoded - 1
+            seen = max(seen, index + 1)
+            if index in wanted:
+                frames[index] = frame.to_ndarray(format="rgb24")
+            if index >= last:
+                break
+    return frames, indices, file_fps, clock, decoded, seen
+
+
+def decode_clip(
+    path: str | Path,
+    *,
+    num_frames: int,
+    fps: float | None = None,
+    start: float = 0.0,
+    declared_fps: float | None = None,
+    referenced_by: Where = None,
+    field: str | None = None,
+) -> DecodedVideo:
+    """Decode the clip a video target is trained on: ``num_frames`` frames on the grid ``t_k = start + k / fps`` of
+    the clip's clock (the manifest's ``fps`` when declared, else the file's; frame ``i`` at ``i / clock``), each the
+    nearest source frame at or before ``t_k`` (:func:`clip_source_frames`). Only the window is decoded: PyAV seeks to
+    the keyframe before its first frame and stops after its last. A clip too short for the grid is an error naming
+    the file, its duration and what the grid needs; it is never stretched. No soundtrack (:func:`decode_media`).
+
+    Args:
+        path: the video file.
+        num_frames: frames of the clip.
+        fps: the grid's rate (``None``: consecutive source frames, the clip's own rate).
+        start: seconds on the clip's clock where the grid starts.
+        declared_fps: the manifest's ``fps``: the clip's clock when it differs from the file's rate.
+        referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
+        field: the record field that held the path.
+    """
+    path = Path(path)
+    _check_file(path, referenced_by, field)
+    try:
+        frames, indices, file_fps, clock, decoded, seen = _clip_frames(path, num_frames, fps, start, declared_fps)
+    except _DECODE_ERRORS as exc:
+        raise media_error(path, referenced_by, field, f"cannot decode video: {exc}") from None
+    if indices[-1] not in frames:
+        rate = f"{fps:g} fps" if fps is not None else "the clip's rate"
+        need = indices[-1] / clock
+        raise media_error(
+            path, referenced_by, field,
+            f"video too short: {num_frames} frames at {rate} from {start:g} s need the source frame at {need:.3f} s "
+            f"(frame {indices[-1]} at {clock:g} fps), but it has {seen} frames ({seen / clock:.3f} s); "
+            "clips are never stretched: drop the record, or lower num_frames / fps",
+        )
+    import torch
+
+    grid_fps = fps if fps is not None else clock
+    # Clock seconds -> file seconds: source frame i is at i / clock on the clock and i / file_fps in the file.
+    to_file = clock / file_fps
+    return DecodedVideo(
+        frames=torch.from_numpy(np.stack([frames[i] for i in indices])),
+        fps=grid_fps,
+        timestamps=start + torch.arange(num_frames, dtype=torch.float64) / grid_fps,
+        source_frames=torch.tensor(indices, dtype=torch.int64),
+        frames_decoded=decoded,
+        window=(start * to_file, (start + num_frames / grid_fps) * to_file),
+    )
 
 
 def _pcm(frame: av.AudioFrame) -> np.ndarray:

@@ -10,17 +10,17 @@ cache and target lifecycle"). A resumed run never calls the processor for the re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
-from ff_core.data.geometry import MediaGeometry, fit_media
+from ff_core.data.geometry import MediaGeometry, decode_target
 from ff_core.data.media import decode_media
 from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.data.validation import bind_slots
@@ -103,16 +103,29 @@ class RecordProcessor(RawItemProcessor):
     """Decode every candidate a record's supervision carries beside its preprocessed condition: a demonstration's
     ``target``, a preference's ``chosen`` and ``rejected`` (see :func:`candidate_keys`).
 
-    Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (so a batch
-    never mixes sizes, and both arms of a preference pair share one latent shape) and never cached.
+    Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (a video
+    output with a frame count: only its clip's window decoded, on its frame grid; so a batch never mixes sizes, and
+    both arms of a preference pair share one latent shape) and never cached.
 
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
             (``adapter.output_geometry()``); ``None`` or a missing entry keeps the target as decoded.
+        buckets: mixed-geometry training (:mod:`ff_core.data.buckets`): the bucket geometries; a record's first
+            output is fitted to its bucket's instead, and the sample carries ``"bucket"`` (for ``BucketBatcher``).
+        assignment: with ``buckets``: each record's bucket, by record index (``ConditionedRecord.index``).
     """
 
-    def __init__(self, geometry: Sequence[MediaGeometry | None] = ()) -> None:
+    def __init__(
+        self,
+        geometry: Sequence[MediaGeometry | None] = (),
+        buckets: Sequence[MediaGeometry] | None = None,
+        assignment: Sequence[int] | None = None,
+    ) -> None:
+        if (buckets is None) != (assignment is None):
+            raise ValueError("RecordProcessor: buckets and assignment go together")
         self.geometry = tuple(geometry)
+        self.buckets = tuple(buckets) if buckets is not None else None
+        self.assignment = tuple(assignment) if assignment is not None else None
 
     def process(self, item: ConditionedRecord | GroupedItem) -> dict[str, Any]:
         if isinstance(item, GroupedItem):  # a GRPO (prompt, sample) pair: the row, tagged with its group id
@@ -120,24 +133,39 @@ class RecordProcessor(RawItemProcessor):
         record = item.record
         sample = {"index": item.index, "prompt": record.prompt, "condition": item.condition,
                   "metadata": record.metadata}
+        bucket = self.assignment[item.index] if self.assignment is not None else None
+        if bucket is not None:
+            sample["bucket"] = bucket
         candidates = record.candidates or ((),)  # a generation row: an empty target
         for key, candidate in zip(candidate_keys(record.supervision), candidates):
-            sample[key] = [self._fit(decode_media(m, referenced_by=record.where), i) for i, m in enumerate(candidate)]
+            sample[key] = [decode_target(m, self._geometry(i, bucket), referenced_by=record.where)
+                           for i, m in enumerate(candidate)]  # fmt: skip
         return sample
 
-    def _fit(self, media: Any, output: int) -> Any:
-        return fit_media(media, self.geometry[output] if output < len(self.geometry) else None)
+    def _geometry(self, output: int, bucket: int | None = None) -> MediaGeometry | None:
+        if bucket is not None and output == 0:
+            return self.buckets[bucket]
+        return self.geometry[output] if output < len(self.geometry) else None
 
 
 class SampleCollator(BatchCollator):
     """The batch format objectives and adapters consume.
 
-    ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: default-collated (one shape per
-    adapter); ``target`` (demonstrations), or ``chosen`` and ``rejected`` (preferences): per-sample lists of decoded
-    media, in the contract's output order (sizes may differ between samples); ``metadata``: each record's reward
-    metadata (a legacy row's extra columns, a V2 record's ``metadata``), as Flow-Factory hands every sample's
-    non-model columns to its rewards; ``group`` (GRPO batches only): each sample's prompt-group id, a tensor.
+    ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: collated key by key by the adapter's
+    ``condition_collation`` (:func:`~ff_core.data.condition_collation.collate_conditions`: stacked by default, or
+    padded with a ``<key>_mask``, or kept as a list); ``target`` (demonstrations), or ``chosen`` and ``rejected``
+    (preferences): per-sample lists of decoded media, in the contract's output order (sizes may differ between
+    samples); ``metadata``: each record's reward metadata (a legacy row's extra columns, a V2 record's
+    ``metadata``), as Flow-Factory hands every sample's non-model columns to its rewards; ``group`` (GRPO batches
+    only): each sample's prompt-group id, a tensor.
+
+    Args:
+        condition_collation: the adapter's ``condition_collation`` (condition key -> ``stack`` | ``pad`` | ``list``).
     """
+
+    def __init__(self, condition_collation: Mapping[str, str] | None = None) -> None:
+        self.condition_collation = dict(condition_collation or {})
+        check_rules(self.condition_collation, "SampleCollator")
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         keys = [k for k in CANDIDATE_KEYS if k in samples[0]]
@@ -149,7 +177,8 @@ class SampleCollator(BatchCollator):
         batch = {
             "index": torch.tensor([s["index"] for s in samples]),
             "prompt": [s["prompt"] for s in samples],
-            "condition": default_collate([s["condition"] for s in samples]),
+            "condition": collate_conditions([s["condition"] for s in samples], self.condition_collation,
+                                            [s["index"] for s in samples]),
             "metadata": [s["metadata"] for s in samples],
         }
         if "group" in samples[0]:
@@ -157,11 +186,15 @@ class SampleCollator(BatchCollator):
         return batch | {k: [s[k] for s in samples] for k in keys}
 
 
-def process_and_collate(items: list[ConditionedRecord]) -> dict[str, Any]:
-    """``collate_fn`` of a plain ``DataLoader`` over :class:`ConditionedRecords` (the validation loader).
+def process_and_collate(
+    items: list[ConditionedRecord], condition_collation: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``collate_fn`` of a plain ``DataLoader`` over :class:`ConditionedRecords` (the validation loader; bind
+    ``condition_collation`` with ``functools.partial``).
 
     Args:
         items: the raw items of one batch.
+        condition_collation: the adapter's ``condition_collation``.
     """
     processor = RecordProcessor()
-    return SampleCollator().collate([processor.process(item) for item in items])
+    return SampleCollator(condition_collation).collate([processor.process(item) for item in items])

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
 from ff_core.errors import DatasetError, raise_collected
 
@@ -272,22 +273,36 @@ class TensorRowCollator(BatchCollator):
     shape within a batch (one resolution per batch, as the loader fits media targets to one geometry): a packing
     batcher over mixed sizes needs a family collator that pads or packs.
 
+    Conditions collate by the adapter's ``condition_collation`` (:mod:`ff_core.data.condition_collation`: a text
+    embedding stored without padding can be padded per batch, with a mask).
+
     Args:
         processor: reads deferred samples (``None``: every sample must be complete).
+        condition_collation: the adapter's ``condition_collation`` (condition key -> ``stack`` | ``pad`` | ``list``).
     """
 
-    def __init__(self, processor: TensorRowProcessor | None = None) -> None:
+    def __init__(
+        self, processor: TensorRowProcessor | None = None, condition_collation: Mapping[str, str] | None = None
+    ) -> None:
         self.processor = processor
+        self.condition_collation = dict(condition_collation or {})
+        check_rules(self.condition_collation, "TensorRowCollator")
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
             raise ValueError("TensorRowCollator: cannot collate an empty batch")
         samples = [self._complete(s) for s in samples]
         batch = {"index": torch.tensor([s["index"] for s in samples]), "prompt": [s["prompt"] for s in samples],
-                 "condition": _stack(samples, "condition"), "metadata": [s["metadata"] for s in samples]}
+                 "condition": self._conditions(samples), "metadata": [s["metadata"] for s in samples]}
         for keys in LATENT_BATCH_KEYS.values():
             batch.update({key: _stack(samples, key) for key in keys if key in samples[0]})
         return batch
+
+    def _conditions(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not self.condition_collation:  # stacked, with the shard-specific messages
+            return _stack(samples, "condition")
+        return collate_conditions([s["condition"] for s in samples], self.condition_collation,
+                                  [f"row {s['index']}" for s in samples])  # fmt: skip
 
     def _complete(self, sample: dict[str, Any]) -> dict[str, Any]:
         if "condition" in sample:

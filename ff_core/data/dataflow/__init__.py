@@ -14,6 +14,7 @@ from .base import (
     stream_slot,
 )
 from .batchers import PoolPackingBatcher, SimpleBatcher, video_token_count
+from .buckets import BucketBatcher
 from .collators import DefaultBatchCollator, ListBatchCollator
 from .coords import DataParallelCoords, WorkerCoords
 from .distributors import (
@@ -34,6 +35,7 @@ from .state import StateHistory, check_state, merge_rank_states
 
 __all__ = [
     "BatchCollator",
+    "BucketBatcher",
     "CallableProcessor",
     "Cursor",
     "DataDistributor",
