@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
 [ -f build/moving_shapes/train.jsonl ] || .venv/bin/python -m ff_core.testing.moving_shapes build/moving_shapes
 [ -f build/tiny-wan-demo/model_index.json ] || \
-  .venv/bin/python -m ff_wan.demo_base --out build/tiny-wan-demo --clips build/moving_shapes/videos
+  .venv/bin/python -m ff_wan.demo_base --out build/tiny-wan-demo --clips build/moving_shapes
 .venv/bin/ff fit --config configs/demo/wan_moving_shapes.yaml "$@"
 .venv/bin/python benchmarks/demo_motion_accuracy.py --run-dir runs/demo_video
 echo "video demo outputs: $(ls -td runs/demo_video/version_* | head -1)"

@@ -24,20 +24,24 @@ import torch
 from torch import Tensor
 
 
-def load_clips(folder: str | Path, frames: int) -> Tensor:
-    """The first ``frames`` frames of every MP4 under ``folder`` (sorted), as float (N, 3, F, H, W) in [-1, 1]."""
+def load_clips(dataset_dir: str | Path, frames: int) -> tuple[Tensor, list[str]]:
+    """The first ``frames`` frames of each training record's target video of a moving-shapes dataset folder
+    (``train.jsonl``), as float (N, 3, F, H, W) in [-1, 1], with the records' prompts."""
+    import json
+
     from ff_core.data.media import decode_video
 
-    files = sorted(Path(folder).rglob("*.mp4"))
-    if not files:
-        raise FileNotFoundError(f"clips={str(folder)!r} holds no .mp4 files")
+    root = Path(dataset_dir)
+    records = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines() if line.strip()]
     clips = []
-    for f in files:
-        video = decode_video(f).frames[:frames]
-        if video.shape[0] < frames:
-            raise ValueError(f"{f}: {video.shape[0]} frames, fewer than the {frames} the demo VAE is trained on")
-        clips.append(video.permute(3, 0, 1, 2).float() / 127.5 - 1)
-    return torch.stack(clips)
+    for line, record in enumerate(records, 1):
+        video = decode_video(root / record["supervision"]["target"]["media"][0]["path"],
+                             referenced_by=(root / "train.jsonl", line), field="supervision.target.media[0].path")
+        if video.frames.shape[0] < frames:
+            raise ValueError(f"{root / 'train.jsonl'}:{line}: {video.frames.shape[0]} frames, fewer than the "
+                             f"{frames} the demo VAE is trained on")
+        clips.append(video.frames[:frames].permute(3, 0, 1, 2).float() / 127.5 - 1)
+    return torch.stack(clips), [r["input"]["prompt"] for r in records]
 
 
 def decode_unclamped(vae, z: Tensor) -> Tensor:
@@ -58,26 +62,55 @@ def decode_unclamped(vae, z: Tensor) -> Tensor:
     return torch.cat(out, 2)
 
 
-def train_vae(vae, clips: Tensor, *, steps: int, batch_size: int, lr: float, kl_weight: float, seed: int) -> float:
-    """Train ``vae`` in place: pixel MSE of the (unclamped) decoded posterior sample + ``kl_weight`` * KL per latent
-    element, Adam with a one-cycle schedule; returns the last loss."""
+def shape_weights(x: Tensor, weight: float) -> Tensor:
+    """Per-pixel loss weights for clips ``x`` (N, 3, F, H, W) in [-1, 1]: ``1 + weight`` on the shape's saturated
+    pixels (:func:`ff_core.testing.moving_shapes.saturated_mask`), 1 elsewhere. The shape covers ~10 % of a frame:
+    unweighted, a decoder that draws only the background is already at a low error and learns the shape slowly."""
+    from ff_core.testing.moving_shapes import saturated_mask
+
+    mask = saturated_mask(((x + 1) / 2).movedim(1, -1))  # (N, F, H, W)
+    return (1 + weight * mask.float()).unsqueeze(1)
+
+
+def train_vae(vae, clips: Tensor, *, steps: int, batch_size: int, lr: float, kl_weight: float, seed: int,
+              shape_weight: float = 9.0, log_every: int = 0) -> float:
+    """Train ``vae`` in place: pixel MSE of the (unclamped) decoded posterior sample, weighted by
+    :func:`shape_weights`, + ``kl_weight`` * KL per latent element, Adam with a one-cycle schedule; returns the last
+    loss (printed every ``log_every`` steps when > 0)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the posterior samples with the global generator
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
     vae.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
         x = clips[torch.randint(len(clips), (min(batch_size, len(clips)),), generator=g)]
         posterior = vae.encode(x).latent_dist
         kl = posterior.kl().mean() / posterior.mean[0].numel()
-        loss = torch.nn.functional.mse_loss(decode_unclamped(vae, posterior.sample()), x) + kl_weight * kl
+        error = (decode_unclamped(vae, posterior.sample()) - x).square() * shape_weights(x, shape_weight)
+        loss = error.mean() + kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
+        if log_every and step % log_every == 0:
+            print(f"vae step {step}/{steps}: loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     vae.eval()
     return float(loss.detach())
+
+
+@torch.no_grad()
+def reconstruction_accuracy(vae, clips: Tensor, prompts: list[str]):
+    """:func:`ff_core.testing.moving_shapes.motion_accuracy` of the VAE's reconstructions (posterior mode, decoded
+    with the pipeline's clamp) of ``clips``: the ceiling of what the demo can measure through this VAE."""
+    from ff_core.testing.moving_shapes import motion_accuracy
+
+    out = []
+    for i in range(0, len(clips), 32):
+        rec = vae.decode(vae.encode(clips[i : i + 32]).latent_dist.mode()).sample
+        out += list(((rec + 1) * 127.5).round().to(torch.uint8).transpose(1, 2))  # (T, 3, H, W) each
+    return motion_accuracy(out, prompts)
 
 
 @torch.no_grad()
@@ -98,6 +131,8 @@ def build_demo_base(
     text_max_length: int = 16,
     z_dim: int = 8,
     vae_base_dim: int = 16,
+    spatial_downsamples: int = 2,
+    temporal_downsamples: int = 2,
     vae_steps: int = 400,
     vae_batch_size: int = 8,
     vae_lr: float = 8e-3,
@@ -105,17 +140,22 @@ def build_demo_base(
     num_layers: int = 2,
     num_attention_heads: int = 4,
     attention_head_dim: int = 16,
+    patch_size: int = 2,
+    log_every: int = 0,
 ) -> Path:
     """Write the demo's tiny Wan T2V checkpoint (diffusers ``WanPipeline`` layout) to ``path`` and return it.
 
     Args:
         path: output folder (created; existing component folders are overwritten).
-        clips: folder searched recursively for the MP4 clips to train the VAE on (the moving-shapes dataset).
+        clips: the moving-shapes dataset folder whose training clips the VAE trains on.
         seed: seed of every random initialisation and of VAE training.
         frames: frames per clip the VAE trains on ((F - 1) % 4 == 0).
         text_max_length: the tokenizer's ``model_max_length`` (the pipeline's ``max_sequence_length`` for it).
         z_dim: latent channels.
         vae_base_dim: VAE channels at every level.
+        spatial_downsamples: the VAE's 2x spatial downsampling stages (the released Wan VAEs: 3, i.e. 8x).
+        temporal_downsamples: how many of those also halve time (released: 2, i.e. 4x; at most
+            ``spatial_downsamples``).
         vae_steps: Adam steps of VAE training.
         vae_batch_size: clips per VAE training step.
         vae_lr: peak Adam learning rate of VAE training (one-cycle schedule).
@@ -123,6 +163,8 @@ def build_demo_base(
         num_layers: transformer blocks.
         num_attention_heads: transformer attention heads.
         attention_head_dim: channels per head (split into the 3D rotary embedding's t/h/w parts).
+        patch_size: the transformer's spatial patch (latent pixels per token side).
+        log_every: print the VAE loss every this many steps (0: never).
     """
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -131,6 +173,9 @@ def build_demo_base(
 
     if (frames - 1) % 4:
         raise ValueError(f"frames={frames}: Wan VAEs need (frames - 1) % 4 == 0")
+    if not 0 <= temporal_downsamples <= spatial_downsamples:
+        raise ValueError(f"temporal_downsamples={temporal_downsamples}: 0 to spatial_downsamples "
+                         f"({spatial_downsamples}); the Wan VAE halves time only inside a spatial downsampling")
     tokenizer = build_umt5_tokenizer(text_max_length)
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(UMT5Config(
@@ -139,18 +184,24 @@ def build_demo_base(
     ))  # fmt: skip
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLWan(
-        base_dim=vae_base_dim, z_dim=z_dim, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
-        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim, scale_factor_spatial=4, scale_factor_temporal=4,
+        base_dim=vae_base_dim, z_dim=z_dim, dim_mult=[1] * (spatial_downsamples + 1), num_res_blocks=1,
+        temperal_downsample=[i < temporal_downsamples for i in range(spatial_downsamples)],
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim, scale_factor_spatial=2**spatial_downsamples,
+        scale_factor_temporal=2**temporal_downsamples,
     )  # fmt: skip
     torch.manual_seed(seed + 3)
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
+        patch_size=(1, patch_size, patch_size), num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
         in_channels=z_dim, out_channels=z_dim, text_dim=text_encoder.config.d_model, freq_dim=32,
         ffn_dim=2 * num_attention_heads * attention_head_dim, num_layers=num_layers, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     )  # fmt: skip
-    data = load_clips(clips, frames)
-    train_vae(vae, data, steps=vae_steps, batch_size=vae_batch_size, lr=vae_lr, kl_weight=vae_kl_weight, seed=seed)
+    data, prompts = load_clips(clips, frames)
+    train_vae(vae, data, steps=vae_steps, batch_size=vae_batch_size, lr=vae_lr, kl_weight=vae_kl_weight, seed=seed,
+              log_every=log_every)
+    recon = reconstruction_accuracy(vae, data, prompts)
+    print(f"VAE reconstructions of the {recon.n} clips: direction {recon.direction:.1%}, colour {recon.colour:.1%}")
     mean, std = latent_statistics(vae, data)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     # shift 1: sigmas as sampled, no resolution shift at 32 px (Wan's 3.0-5.0 are for 480-720 p).
@@ -164,12 +215,13 @@ def build_demo_base(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_wan.demo_base", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
-    p.add_argument("--clips", required=True, help="folder of MP4 clips to train the VAE on")
+    p.add_argument("--clips", required=True, help="moving-shapes dataset folder (train.jsonl) to train the VAE on")
     p.add_argument("--vae-steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=50)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    out = build_demo_base(a.out, a.clips, seed=a.seed, vae_steps=a.vae_steps)
+    out = build_demo_base(a.out, a.clips, seed=a.seed, vae_steps=a.vae_steps, log_every=a.log_every)
     print(f"wrote the video demo's tiny Wan T2V checkpoint to {out} in {time.perf_counter() - t0:.1f}s")
 
 
