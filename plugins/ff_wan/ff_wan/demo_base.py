@@ -11,7 +11,7 @@ latents as it does with the released Wan checkpoints.
 Sizes are chosen for 2 CPU cores: 4x spatial and 4x temporal compression (9 frames of 32x32 become 3 latent frames
 of 8x8; ``(F - 1) % 4 == 0`` as for every Wan VAE), and a 2-layer transformer of ~0.1M parameters.
 
-CLI: ``python -m ff_wan.demo_base --out DIR --clips DATASET_DIR [--vae-steps 400] [--seed 0]``.
+CLI: ``python -m ff_wan.demo_base --out DIR --clips DATASET_DIR [--vae-steps 600] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def build_demo_base(
     vae_base_dim: int = 8,
     spatial_downsamples: int = 2,
     temporal_downsamples: int = 2,
-    vae_steps: int = 400,
+    vae_steps: int = 600,
     vae_batch_size: int = 4,
-    vae_train_frames: int = 5,
+    vae_train_frames: int = 9,
     vae_lr: float = 8e-3,
     vae_kl_weight: float = 1e-5,
     num_layers: int = 2,
@@ -160,8 +160,8 @@ def build_demo_base(
         vae_steps: Adam steps of VAE training.
         vae_batch_size: clips per VAE training step.
         vae_train_frames: the first frames of each clip the VAE trains on. The Wan VAE is causal and runs chunk by
-            chunk (the first frame, then 4 frames at a time, with a feature cache), so 5 frames train both paths and
-            the weights apply unchanged to 9; this halves the cost of the slowest stage on a CPU.
+            chunk (the first frame, then 4 frames at a time, with a feature cache), but 5 frames do not suffice for
+            9: trained on 5, the third latent frame (a chunk after a chunk) decoded as a magenta haze (measured).
         vae_lr: peak Adam learning rate of VAE training (one-cycle schedule).
         vae_kl_weight: weight of the KL term (per latent element) against the pixel MSE.
         num_layers: transformer blocks.
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_wan.demo_base", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
     p.add_argument("--clips", required=True, help="moving-shapes dataset folder (train.jsonl) to train the VAE on")
-    p.add_argument("--vae-steps", type=int, default=400)
+    p.add_argument("--vae-steps", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     a = p.parse_args(argv)
