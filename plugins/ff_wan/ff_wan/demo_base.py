@@ -11,7 +11,7 @@ latents as it does with the released Wan checkpoints.
 Sizes are chosen for 2 CPU cores: 4x spatial and 4x temporal compression (9 frames of 32x32 become 3 latent frames
 of 8x8; ``(F - 1) % 4 == 0`` as for every Wan VAE), and a 2-layer transformer of ~0.1M parameters.
 
-CLI: ``python -m ff_wan.demo_base --out DIR --clips DATASET_DIR [--vae-steps 600] [--seed 0]``.
+CLI: ``python -m ff_wan.demo_base --out DIR --clips DATASET_DIR [--vae-steps 800] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def build_demo_base(
     frames: int = 9,
     text_max_length: int = 16,
     z_dim: int = 8,
-    vae_base_dim: int = 8,
+    vae_base_dim: int = 16,
     spatial_downsamples: int = 2,
     temporal_downsamples: int = 2,
-    vae_steps: int = 600,
+    vae_steps: int = 800,
     vae_batch_size: int = 4,
     vae_train_frames: int = 9,
-    vae_lr: float = 8e-3,
+    vae_lr: float = 5e-3,
     vae_kl_weight: float = 1e-5,
     num_layers: int = 2,
     num_attention_heads: int = 4,
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_wan.demo_base", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
     p.add_argument("--clips", required=True, help="moving-shapes dataset folder (train.jsonl) to train the VAE on")
-    p.add_argument("--vae-steps", type=int, default=600)
+    p.add_argument("--vae-steps", type=int, default=800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     a = p.parse_args(argv)
