@@ -9,7 +9,7 @@ its ``latents_mean`` / ``latents_std`` to the per-channel statistics of the post
 latents as it does with the released Wan checkpoints.
 
 Sizes are chosen for 2 CPU cores: 4x spatial and 4x temporal compression (9 frames of 32x32 become 3 latent frames
-of 8x8; ``(F - 1) % 4 == 0`` as for every Wan VAE), and a 2-layer transformer of ~0.1M parameters.
+of 8x8; ``(F - 1) % 4 == 0`` as for every Wan VAE), and a 2-layer transformer of 143k parameters.
 
 CLI: ``python -m ff_wan.demo_base --out DIR --clips DATASET_DIR [--vae-steps 800] [--seed 0]``.
 """
