@@ -161,7 +161,8 @@ def test_grpo_recipe_trains_on_its_own_videos(tiny_wan, tmp_path):
     assert 0.0 <= float(metrics["val/reward"]) <= 1.0
 
 
-@pytest.mark.parametrize("recipe", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", [*sorted(CONFIGS.glob("*.yaml")), *sorted(CONFIGS.parent.glob("demo/wan_*.yaml"))],
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_wan_recipe_starts_with_its_command(recipe):
     """STYLE 4 (the SD3 recipes are checked in tests/test_fit.py): a recipe's first line is the command that runs it."""
-    assert recipe.read_text().startswith(f"# ff fit --config configs/wan/{recipe.name}")
+    assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.parent.name}/{recipe.name}")
