@@ -105,6 +105,7 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float, qp: int = 10) ->
     and the bytes deterministic (x264's crf rate control gave different files for the same frames here).
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     f, h, w, _ = frames.shape
     if h % 2 or w % 2:
         raise ValueError(f"yuv420p needs even frame sizes, got {w}x{h}")

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ff_core.testing.moving_shapes import write_mp4
+
 VARIANTS: tuple[str, ...] = ("t2v", "i2v", "flf2v", "ti2v", "a14b", "t2v_a14b")
 
 WORDS: tuple[str, ...] = (
@@ -163,22 +165,6 @@ def moving_square(colour: tuple[int, int, int], direction: int, frames: int, siz
         x = x if direction > 0 else size - side - x
         clip[k, size // 2 - side // 2 : size // 2 + side // 2, x : x + side] = colour
     return clip
-
-
-def write_mp4(path: Path, clip: np.ndarray, fps: float) -> Path:
-    """An H.264 MP4 of ``clip`` (near-lossless, qp 10) at ``fps``."""
-    import av
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=int(fps))
-        stream.height, stream.width = clip.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        stream.codec_context.options = {"qp": "10"}
-        for frame in clip:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return path
 
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
