@@ -171,9 +171,17 @@ def _contract(
             print("ff data: --pretrained needs --model", file=out)
             return EXIT_INVALID
         return None
+    from ff_core.pretrained import resolve_contract
+
+    found = _resolve(model, pretrained, resolve_contract, out)
+    return found if isinstance(found, int) else (found[0].name, found[1])
+
+
+def _resolve(model: str, pretrained: str | None, resolver: Any, out: TextIO) -> tuple[type, Any] | int:
+    """``(adapter class, resolver(class, pretrained))`` for ``--model`` / ``--pretrained`` (a contract or tensor
+    columns read from the checkpoint's config, no weights), or the exit status after printing why not."""
     from ff_core.errors import ConfigError
     from ff_core.plugins import get_adapter_class
-    from ff_core.pretrained import resolve_contract
 
     try:
         cls = get_adapter_class(model)
@@ -181,7 +189,7 @@ def _contract(
         print(f"ff data validate: --model: {exc.args[0]}", file=out)
         return EXIT_INVALID
     try:
-        return cls.name, resolve_contract(cls, pretrained, None, key="--pretrained")
+        return cls, resolver(cls, pretrained, None, key="--pretrained")
     except ConfigError as exc:
         print(f"ff data validate: {exc}", file=out)
         return EXIT_INVALID
@@ -330,21 +338,12 @@ def _model_columns(model: str, root: str, out: TextIO, pretrained: str | None = 
     """``validate --model`` on a tensor-parquet root: the tensor columns the adapter trains from that it lacks."""
     from ff_core.data.tensor_parquet import TensorParquetDataset
     from ff_core.data.tensor_rows import column_problems
-    from ff_core.plugins import get_adapter_class
-
-    try:
-        cls = get_adapter_class(model)
-    except KeyError as exc:
-        print(f"ff data validate: --model: {exc.args[0]}", file=out)
-        return EXIT_INVALID
-    from ff_core.errors import ConfigError
     from ff_core.pretrained import resolve_tensor_columns
 
-    try:
-        columns = resolve_tensor_columns(cls, pretrained, None, key="--pretrained")
-    except ConfigError as exc:
-        print(f"ff data validate: {exc}", file=out)
-        return EXIT_INVALID
+    found = _resolve(model, pretrained, resolve_tensor_columns, out)
+    if isinstance(found, int):
+        return found
+    cls, columns = found
     if columns is None:
         return [DatasetError(root, None, None, f"adapter {cls.name!r} declares no tensor_columns: it cannot train "
                              "from tensor-parquet shards")]
