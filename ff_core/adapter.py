@@ -124,6 +124,12 @@ class Adapter(nn.Module):
     condition_collation: ClassVar[dict[str, str]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
+    embedded_guidance: float | None = None
+    """Distilled guidance (docs/plugins.md, "Sampling seams"): the guidance scale a guidance-distilled denoiser is
+    conditioned on when a run asks for none (FLUX.1-dev: 3.5, what diffusers' pipeline samples and its training
+    scripts train with); ``None``: the checkpoint has no guidance embedding. Instance-level: it is a property of the
+    checkpoint (FLUX.1-dev has one, FLUX.1-schnell none). Distinct from CFG (``guidance_scale``), which combines two
+    velocities; embedded guidance is one more input of one forward."""
 
     @classmethod
     def resolve_contract(
@@ -323,38 +329,78 @@ class Adapter(nn.Module):
         """The negative-prompt branch of ``condition`` for CFG, or ``None`` when there is none."""
         return None
 
+    def with_embedded_guidance(self, condition: Condition, scale: float) -> Condition:
+        """``condition`` with the distilled-guidance scale ``scale`` (``model.sampling.embedded_guidance``) for
+        :meth:`velocity` to feed the denoiser's guidance embedding.
+
+        Default: a copy holding ``condition["embedded_guidance"] = scale``; the adapter's :meth:`velocity` reads
+        ``condition.get("embedded_guidance", self.embedded_guidance)``. Sampling applies it to the condition and to its
+        CFG branch (:func:`ff_core.sampling.guided_conditions`). Raises ``ValueError`` when the checkpoint has no
+        guidance embedding (:attr:`embedded_guidance` is ``None``): a scale that would be ignored is an error.
+
+        Args:
+            condition: a prepared condition (:meth:`prepare_condition`, or :meth:`unconditional`'s branch).
+            scale: the guidance scale.
+        """
+        if self.embedded_guidance is None:
+            raise ValueError(f"adapter {self.name!r}: this checkpoint has no guidance embedding, so an embedded "
+                             f"guidance scale ({scale}) would be ignored; leave it unset")  # fmt: skip
+        return {**condition, "embedded_guidance": float(scale)}
+
     def timestep_shift(self, state: LatentState | None = None) -> float:
         """The noise-schedule shift ``s`` (``sigma <- s * sigma / (1 + (s - 1) * sigma)``, SD3 eq. 23) sampling uses
         for latents shaped like ``state`` (``None``: the adapter's sampling resolution); 1 is no shift.
 
         Training draws its noise levels with it unless the recipe sets ``timesteps.shift``, so a model trains on the
-        schedule it is evaluated on. Families read it from their scheduler config.
+        schedule it is evaluated on. Families read it from their scheduler config; a resolution-dependent shift
+        (diffusers' ``use_dynamic_shifting``: ``exp(mu)`` with ``mu`` linear in the token count, ``calculate_shift``)
+        reads the token count from ``state``'s shape.
         """
         return 1.0
 
-    def sampling_sigmas(self, num_steps: int, shift: float | None = None) -> Tensor:
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """Noise levels from 1 towards 0 (``num_steps + 1`` values, last one 0) for Euler sampling.
 
         Args:
             num_steps: Euler steps.
             shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: :meth:`timestep_shift`.
+            state: the run's initial noise: a schedule that depends on the latent geometry (a resolution-dependent
+                shift) reads it from its shape; ``None``: the adapter's sampling resolution.
         """
         sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
-        return shift_sigma(sigmas, self.timestep_shift() if shift is None else shift)
+        return shift_sigma(sigmas, self.timestep_shift(state) if shift is None else shift)
 
     def sampling_schedules(self, state: LatentState, num_steps: int, shift: float | None = None) -> dict[str, Tensor]:
         """Per latent component of ``state``, its noise levels (``num_steps + 1`` values from 1 towards 0) for sampling.
 
-        Default: :meth:`sampling_sigmas` for every component. A family whose components denoise on their own schedules
-        (an audio stream beside video) overrides it; the velocity is evaluated at the first component's level.
+        Default: :meth:`sampling_sigmas` for ``state``'s geometry, for every component. A family whose components
+        denoise on their own schedules (an audio stream beside video) overrides it; the velocity is evaluated at the
+        first component's level.
 
         Args:
             state: the initial noise (component names and shapes).
             num_steps: sampler steps.
             shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: the adapter's.
         """
-        sigmas = self.sampling_sigmas(num_steps, shift=shift)
+        sigmas = self.sampling_sigmas(num_steps, shift=shift, state=state)
         return {name: sigmas for name in state.components}
+
+    def training_sigmas(self, state: LatentState | None = None) -> Tensor:
+        """The table of noise levels the family's reference training draws from, descending from (about) 1 towards
+        0, for latents shaped like ``state`` (``model.objective.timesteps.schedule: adapter``,
+        :class:`~ff_core.objectives.flow_matching.TimestepSampler`).
+
+        diffusers' training scripts draw ``u`` (logit-normal or uniform) and take ``scheduler.sigmas[(u * N).long()]``
+        from the scheduler's ``N = num_train_timesteps`` levels. Default: those levels, ``i / 1000`` for
+        ``i = 1000 .. 1``, shifted by :meth:`timestep_shift` for ``state``. A family overrides it to use its
+        scheduler's own table.
+
+        Args:
+            state: the batch's clean latents (a resolution-dependent shift reads their size); ``None``: the
+                adapter's sampling resolution.
+        """
+        levels = torch.arange(1000, 0, -1, dtype=torch.float32) / 1000
+        return shift_sigma(levels, self.timestep_shift(state))
 
     @torch.no_grad()
     def sample(
@@ -365,15 +411,17 @@ class Adapter(nn.Module):
         guidance_scale: float = 1.0,
         generator: torch.Generator | None = None,
         shift: float | None = None,
+        embedded_guidance: float | None = None,
     ) -> LatentState:
         """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG
         (:func:`ff_core.sampling.sample_ode`; GRPO's stochastic rollouts are :func:`ff_core.sampling.sample_sde`).
 
         Elements ``initial_noise`` pins through its masks (mask 0, e.g. a condition frame) are never changed.
-        ``shift`` overrides the schedule's shift (see :meth:`sampling_sigmas`).
+        ``shift`` overrides the schedule's shift (see :meth:`sampling_sigmas`); ``embedded_guidance`` sets the
+        distilled-guidance scale (:meth:`with_embedded_guidance`; ``None``: the adapter's default).
         """
         return sample_ode(self, condition, num_steps=num_steps, guidance_scale=guidance_scale, generator=generator,
-                          shift=shift)  # fmt: skip
+                          shift=shift, embedded_guidance=embedded_guidance)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
     def lora_file(self, network: str) -> tuple[str, str]:

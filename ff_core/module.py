@@ -67,12 +67,16 @@ class SamplingConfig:
         guidance_scale: classifier-free guidance scale (1 disables CFG).
         seed: base seed; batch ``i`` of a validation run uses ``seed + i`` so samples are comparable.
         shift: noise-schedule shift of the sampling sigmas; ``None`` (default) keeps the checkpoint scheduler's.
+        embedded_guidance: distilled-guidance scale a guidance-embedded denoiser is conditioned on (FLUX.1-dev's
+            guidance embedding), independent of CFG's ``guidance_scale``; ``None`` (default): the adapter's. An error
+            for a checkpoint without a guidance embedding.
     """
 
     num_steps: int = 20
     guidance_scale: float = 1.0
     seed: int = 0
     shift: float | None = None
+    embedded_guidance: float | None = None
 
     def __post_init__(self) -> None:
         if self.shift is not None and self.shift <= 0:
@@ -218,6 +222,7 @@ class FlowModule(L.LightningModule):
             return
         # A folder or hub id that cannot be loaded is a ConfigError naming model.pretrained_model_name_or_path.
         adapter = load_pretrained(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        self._check_embedded_guidance(adapter)
         adapter.requires_grad_(False)
         networks = adapter.denoisers()
         if self.lora is not None:
@@ -237,6 +242,17 @@ class FlowModule(L.LightningModule):
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
         self._prepare_conditions(adapter)
+
+    def _check_embedded_guidance(self, adapter: Adapter) -> None:
+        """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it
+        as soon as the checkpoint is known, naming the key (docs/plugins.md, "Sampling seams")."""
+        keys = {"model.sampling.embedded_guidance": self.sampling.embedded_guidance,
+                "model.objective.embedded_guidance": getattr(self.objective, "embedded_guidance", None)}
+        for key, value in keys.items():
+            if value is not None and adapter.embedded_guidance is None:
+                raise ConfigError(key, f"{value} is set, but the {adapter.name!r} checkpoint "
+                                       f"{self.pretrained_model_name_or_path} has no guidance embedding; "
+                                       "leave it unset")  # fmt: skip
 
     def _prepare_conditions(self, adapter: Adapter) -> None:
         """Open (or build) the data module's condition caches now, between loading and the strategy's placement of
@@ -397,6 +413,7 @@ class FlowModule(L.LightningModule):
             guidance_scale=self.sampling.guidance_scale,
             generator=generator,
             shift=self.sampling.shift,
+            embedded_guidance=self.sampling.embedded_guidance,
         )
         types = self.output_types
         rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))

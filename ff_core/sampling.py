@@ -337,6 +337,29 @@ def guided_velocity(
     return v
 
 
+def guided_conditions(
+    adapter: Adapter, condition: Condition, guidance_scale: float, embedded_guidance: float | None
+) -> tuple[Condition, Condition | None]:
+    """The condition and CFG's negative branch (``None`` without CFG) of one sampling run.
+
+    CFG (``guidance_scale != 1``) combines two velocities (:func:`guided_velocity`); embedded (distilled) guidance is
+    an input of the denoiser (FLUX.1-dev's guidance embedding) that both branches carry
+    (:meth:`Adapter.with_embedded_guidance <ff_core.adapter.Adapter.with_embedded_guidance>`). The two are
+    independent: a guidance-distilled model samples with one forward per step and no negative prompt.
+
+    Args:
+        adapter: the model family's adapter.
+        condition: the prepared condition.
+        guidance_scale: CFG scale (1: no negative branch).
+        embedded_guidance: distilled-guidance scale; ``None``: the adapter's default (the condition as it is).
+    """
+    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    if embedded_guidance is not None:
+        condition = adapter.with_embedded_guidance(condition, embedded_guidance)
+        negative = None if negative is None else adapter.with_embedded_guidance(negative, embedded_guidance)
+    return condition, negative
+
+
 def schedules(adapter: Adapter, state: LatentState, num_steps: int, shift: float | None) -> dict[str, list[float]]:
     """Per component, its ``num_steps + 1`` noise levels (:meth:`Adapter.sampling_schedules`), checked."""
     out = {k: [float(x) for x in v] for k, v in adapter.sampling_schedules(state, num_steps, shift=shift).items()}
@@ -354,11 +377,14 @@ def sample_ode(
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
     shift: float | None = None,
+    embedded_guidance: float | None = None,
 ) -> LatentState:
     """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
-    each component steps on its own schedule, the velocity is evaluated at the first component's noise level."""
+    each component steps on its own schedule (:meth:`Adapter.sampling_schedules
+    <ff_core.adapter.Adapter.sampling_schedules>`, which sees the initial noise's geometry), the velocity is evaluated
+    at the first component's noise level, with the conditions of :func:`guided_conditions`."""
     state = adapter.initial_noise(condition, generator)
-    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
     levels = schedules(adapter, state, num_steps, shift)
     primary = levels[next(iter(state.components))]
     for i in range(num_steps):
@@ -376,6 +402,7 @@ def sample_sde(
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
     shift: float | None = None,
+    embedded_guidance: float | None = None,
 ) -> Trajectory:
     """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
     each component on its own schedule, as :func:`sample_ode`.
@@ -385,7 +412,7 @@ def sample_sde(
     """
     state = adapter.initial_noise(condition, generator)
     sde = set(sampler.sde_steps(num_steps, generator))
-    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
     levels = schedules(adapter, state, num_steps, shift)
     primary = levels[next(iter(state.components))]
     trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})

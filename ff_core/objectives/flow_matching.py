@@ -33,12 +33,18 @@ class TimestepSampler:
         shift: SD3 resolution shift, ``sigma <- shift * sigma / (1 + (shift - 1) * sigma)``; 1 disables it.
             ``None`` (default) takes the adapter's (:meth:`~ff_core.adapter.Adapter.timestep_shift`: for SD3 the
             checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses.
+        schedule: ``continuous`` (default): sigma is the weighting's draw, shifted by :attr:`shift`. ``adapter``: the
+            weighting's draw ``u`` picks level ``floor(u * N)`` of the adapter's table of ``N`` training noise levels
+            for the batch's latent geometry (:meth:`~ff_core.adapter.Adapter.training_sigmas`), as diffusers' training
+            scripts index their scheduler (``sigmas[(u * num_train_timesteps).long()]``); the table holds the
+            adapter's shift, so :attr:`shift` must stay ``None``.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float | None = None
+    schedule: Literal["continuous", "adapter"] = "continuous"
 
     def __post_init__(self) -> None:
         if self.weighting not in ("logit_normal", "uniform"):
@@ -47,6 +53,11 @@ class TimestepSampler:
             raise ValueError(f"logit_std must be > 0, got {self.logit_std}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"shift must be > 0 (or null for the adapter's), got {self.shift}")
+        if self.schedule not in ("continuous", "adapter"):
+            raise ValueError(f"schedule must be 'continuous' or 'adapter', got {self.schedule!r}")
+        if self.schedule == "adapter" and self.shift is not None:
+            raise ValueError(f"shift={self.shift} with schedule='adapter': the adapter's table of training noise "
+                             "levels holds its own shift; leave shift null or use schedule='continuous'")  # fmt: skip
 
     def resolve_shift(self, adapter: Adapter, clean: LatentState | None = None) -> float:
         """The recipe's :attr:`shift`, else the adapter's for latents shaped like ``clean``.
@@ -58,8 +69,24 @@ class TimestepSampler:
         """
         return self.shift if self.shift is not None else float(adapter.timestep_shift(clean))
 
+    def resolve_table(self, adapter: Adapter, clean: LatentState | None = None) -> Tensor | None:
+        """With ``schedule: adapter``, the adapter's training noise levels for latents shaped like ``clean``; else
+        ``None``."""
+        if self.schedule != "adapter":
+            return None
+        table = adapter.training_sigmas(clean).detach().float().cpu()
+        if table.ndim != 1 or not len(table) or not ((table >= 0) & (table <= 1)).all():
+            raise ValueError(f"{adapter.name}: training_sigmas must be a non-empty 1-D table of noise levels in "
+                             f"[0, 1], got shape {tuple(table.shape)}")  # fmt: skip
+        return table
+
     def sample(
-        self, batch_size: int, generator: torch.Generator | None = None, device=None, shift: float | None = None
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        device=None,
+        shift: float | None = None,
+        table: Tensor | None = None,
     ) -> Tensor:
         """``batch_size`` noise levels in [0, 1], drawn on the CPU (from ``generator``) and moved to ``device``.
 
@@ -68,12 +95,16 @@ class TimestepSampler:
             generator: CPU random generator; ``None`` uses the global one.
             device: where the result goes.
             shift: the shift to apply, as :meth:`resolve_shift` gives it; ``None``: :attr:`shift`, else 1.
+            table: the adapter's training levels (:meth:`resolve_table`): each draw ``u`` picks
+                ``table[floor(u * len(table))]`` and no shift applies.
         """
         if self.weighting == "logit_normal":
             n = torch.randn(batch_size, generator=generator) * self.logit_std + self.logit_mean
             sigma = torch.sigmoid(n)
         else:
             sigma = torch.rand(batch_size, generator=generator)
+        if table is not None:  # diffusers' training scripts: indices = (u * N).long(); u < 1, the clamp is for u = 1.0
+            return table[(sigma * len(table)).long().clamp_(max=len(table) - 1)].to(device)
         shift = shift if shift is not None else self.shift if self.shift is not None else 1.0
         return shift_sigma(sigma, shift).to(device)
 
@@ -108,8 +139,9 @@ def monte_carlo_draws(
     """
     device = next(iter(like.components.values())).device
     shift = timesteps.resolve_shift(adapter, like)  # the recipe's, else the sampling schedule's
+    table = timesteps.resolve_table(adapter, like)  # schedule: adapter
     for _ in range(n):
-        sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift)
+        sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift, table=table)
         yield sigma, like.map(lambda x: randn_like(x, generator))
 
 

@@ -39,6 +39,7 @@ from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
+    guided_conditions,
     guided_velocity,
     pooled_element_mean,
     sample_sde,
@@ -104,6 +105,8 @@ class GRPOObjective(Objective):
         prompts_per_step: P, prompts per step over all data-parallel ranks; every rank takes ``P*K/W`` samples.
         num_steps: sampler steps of a rollout.
         guidance_scale: classifier-free guidance of rollouts and replays (1 disables it).
+        embedded_guidance: distilled-guidance scale of rollouts and replays for a guidance-embedded denoiser
+            (FLUX.1-dev), distinct from CFG; ``None``: the adapter's default.
         shift: noise-schedule shift of the rollout sigmas (``None``: the checkpoint scheduler's).
         sampler: the stochastic steps (kind, eta, SDE window / random subset).
         micro_batch_size: samples per rollout and replay forward (``None``: the rank's whole share at once).
@@ -130,6 +133,7 @@ class GRPOObjective(Objective):
         prompts_per_step: int = 4,
         num_steps: int = 10,
         guidance_scale: float = 1.0,
+        embedded_guidance: float | None = None,
         shift: float | None = None,
         sampler: StochasticSampling | None = None,
         micro_batch_size: int | None = None,
@@ -163,6 +167,7 @@ class GRPOObjective(Objective):
         self.rewards = Rewards(rewards, config_key="model.objective.rewards")
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.num_steps, self.guidance_scale, self.shift = num_steps, guidance_scale, shift
+        self.embedded_guidance = embedded_guidance
         self.sampler = sampler or StochasticSampling()
         self.sampler.candidate_steps(num_steps)  # a window outside the schedule fails now
         self.micro_batch_size = micro_batch_size
@@ -245,9 +250,12 @@ class GRPOObjective(Objective):
             for start in range(0, n, size):
                 rows = slice(start, min(start + size, n))
                 condition = adapter.prepare_condition(slice_batch(batch["condition"], rows))
-                negative = adapter.unconditional(condition) if self.guidance_scale != 1.0 else None
                 trajectory = sample_sde(adapter, condition, self.sampler, num_steps=self.num_steps,
-                                        guidance_scale=self.guidance_scale, generator=generator, shift=self.shift)
+                                        guidance_scale=self.guidance_scale, generator=generator, shift=self.shift,
+                                        embedded_guidance=self.embedded_guidance)  # fmt: skip
+                # Replays use the very conditions the rollout sampled with (embedded guidance included).
+                condition, negative = guided_conditions(adapter, condition, self.guidance_scale,
+                                                        self.embedded_guidance)  # fmt: skip
                 rollouts.append(Rollout(rows, condition, negative, trajectory))
                 if progress is not None:
                     progress(rows.stop, n)

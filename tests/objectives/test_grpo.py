@@ -71,7 +71,7 @@ class ToyAdapter(Adapter):
     def initial_noise(self, condition, generator=None):
         return LatentState({"latent": torch.randn(condition["c"].shape[0], 3, 2, 2, generator=generator)})
 
-    def sampling_sigmas(self, num_steps, shift=None):
+    def sampling_sigmas(self, num_steps, shift=None, state=None):
         return torch.linspace(1.0, 0.0, num_steps + 1)
 
     def decode(self, state):

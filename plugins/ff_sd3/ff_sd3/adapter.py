@@ -284,13 +284,14 @@ class SD3Adapter(Adapter):
         mu = self._mu(state)
         return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
 
-    def sampling_sigmas(self, num_steps: int, shift: float | None = None) -> Tensor:
-        """The checkpoint scheduler's sigmas (``set_timesteps``, with ``mu`` when it shifts dynamically, as the
-        pipeline); ``shift`` builds a copy of that scheduler with this static shift (``from_config``)."""
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
+        """The checkpoint scheduler's sigmas (``set_timesteps``, with ``mu`` for ``state``'s latent size when it shifts
+        dynamically, as the pipeline); ``shift`` builds a copy of that scheduler with this static shift
+        (``from_config``)."""
         scheduler, kwargs = self.scheduler, {}
         if shift is not None:
             scheduler = type(scheduler).from_config(scheduler.config, shift=shift, use_dynamic_shifting=False)
         elif scheduler.config.get("use_dynamic_shifting", False):
-            kwargs["mu"] = self._mu(None)
+            kwargs["mu"] = self._mu(state)
         scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler.sigmas.float().clone()

@@ -464,9 +464,10 @@ class WanT2VAdapter(Adapter):
         cfg = self.scheduler.config
         return float(cfg.get("shift", None) or cfg.get("flow_shift", None) or 1.0)
 
-    def sampling_sigmas(self, num_steps: int, shift: float | None = None) -> Tensor:
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """The Euler sigmas of ``FlowMatchEulerDiscreteScheduler`` at the checkpoint's shift (``set_timesteps``), or at
-        ``shift``. ff samples with Euler; a checkpoint's UniPC scheduler contributes its ``flow_shift`` only."""
+        ``shift``. ff samples with Euler; a checkpoint's UniPC scheduler contributes its ``flow_shift`` only. Wan's
+        shift does not depend on the clip's size (``state`` is not read)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         scheduler = self.scheduler

@@ -1,0 +1,149 @@
+"""The Adapter's general sampling and training seams (docs/plugins.md, "Sampling seams"), each against a hand
+computation: embedded (distilled) guidance as a denoiser input distinct from CFG, sampling sigmas that depend on the
+latent geometry (a resolution-dependent shift), and training noise levels drawn from the adapter's table."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from ff_core.adapter import Adapter, LatentState
+from ff_core.contracts import IMAGE_OUT, PipelineIOContract
+from ff_core.errors import ConfigError
+from ff_core.module import FlowModule, SamplingConfig
+from ff_core.objectives.flow_matching import TimestepSampler, monte_carlo_draws
+from ff_core.sampling import guided_conditions, sample_ode, schedules, shift_sigma
+
+
+def calculate_shift(seq_len, base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15):
+    """``mu`` linear in the token count through (base_seq_len, base_shift) and (max_seq_len, max_shift) (FLUX.1)."""
+    return base_shift + (max_shift - base_shift) * (seq_len - base_seq_len) / (max_seq_len - base_seq_len)
+
+
+class GuidedAdapter(Adapter):
+    """A toy guidance-distilled adapter on (B, C, H, W) latents: ``v = x * g + c`` with ``g`` the embedded guidance
+    and ``c`` the prompt's number; its shift is FLUX.1's ``exp(mu)`` of the token count ``H * W / 4``."""
+
+    name = "toy-guided"
+    io_contract = PipelineIOContract(outputs=(IMAGE_OUT,))
+
+    def __init__(self, embedded_guidance: float | None = 3.5) -> None:
+        super().__init__()
+        self.net = nn.Linear(1, 1)  # something to train
+        self.embedded_guidance = embedded_guidance
+        self.side = 8
+
+    @property
+    def denoiser(self):
+        return self.net
+
+    def velocity(self, state, sigma, condition):
+        g = condition.get("embedded_guidance", self.embedded_guidance) or 0.0
+        x = state.components["latent"]
+        return LatentState({"latent": x * g + condition["c"][:, None, None, None]})
+
+    def unconditional(self, condition):
+        return {"c": torch.zeros_like(condition["c"])}
+
+    def initial_noise(self, condition, generator=None):
+        b = condition["c"].shape[0]
+        return LatentState({"latent": torch.randn(b, 2, self.side, self.side, generator=generator)})
+
+    def timestep_shift(self, state=None):
+        h, w = (self.side, self.side) if state is None else state.components["latent"].shape[-2:]
+        return math.exp(calculate_shift(h * w // 4))
+
+
+# -- embedded guidance -------------------------------------------------------------------------------------------
+def test_embedded_guidance_reaches_both_branches_and_is_not_cfg():
+    """``v(g) = x g + c``: with embedded guidance 2 and CFG 3 (negative ``c = 0``), the guided velocity is
+    ``x 2 + 0 + 3 (x 2 + c - x 2) = 2 x + 3 c``; embedded guidance alone keeps one branch: ``2 x + c``."""
+    adapter, c = GuidedAdapter(), {"c": torch.tensor([1.0, -2.0])}
+    x = LatentState({"latent": torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(0))})
+    cond, neg = guided_conditions(adapter, c, guidance_scale=3.0, embedded_guidance=2.0)
+    assert cond["embedded_guidance"] == 2.0 and neg["embedded_guidance"] == 2.0
+    v, v_neg = adapter.velocity(x, None, cond).components["latent"], adapter.velocity(x, None, neg).components["latent"]
+    assert_close(v_neg + 3.0 * (v - v_neg), 2 * x.components["latent"] + 3 * c["c"][:, None, None, None])
+    cond, neg = guided_conditions(adapter, c, guidance_scale=1.0, embedded_guidance=2.0)
+    assert neg is None and "embedded_guidance" not in c  # the caller's condition is not modified
+    cond, neg = guided_conditions(adapter, c, guidance_scale=1.0, embedded_guidance=None)
+    assert cond is c and neg is None  # the adapter's default (3.5) applies inside velocity
+
+
+def test_sample_ode_with_embedded_guidance_is_the_hand_euler_loop():
+    """Two Euler steps of ``v = g x + c`` on the adapter's sigmas: ``x <- x + (s' - s)(g x + c)``."""
+    adapter, c = GuidedAdapter(), {"c": torch.tensor([0.5])}
+    out = sample_ode(adapter, c, num_steps=2, generator=torch.Generator().manual_seed(1), embedded_guidance=1.5)
+    x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    s = shift_sigma(torch.linspace(1, 0, 3), math.exp(calculate_shift(16))).tolist()
+    for i in range(2):
+        x = x + (s[i + 1] - s[i]) * (1.5 * x + 0.5)
+    assert_close(out.components["latent"], x)
+    default = sample_ode(adapter, c, num_steps=2, generator=torch.Generator().manual_seed(1))
+    assert not torch.allclose(default.components["latent"], x)  # 3.5, the adapter's default, differs
+
+
+def test_embedded_guidance_is_refused_without_a_guidance_embedding():
+    adapter = GuidedAdapter(embedded_guidance=None)
+    with pytest.raises(ValueError, match="toy-guided.*no guidance embedding.*2.0"):
+        guided_conditions(adapter, {"c": torch.ones(1)}, 1.0, 2.0)
+    module = FlowModule(f"{__name__}:GuidedAdapter", "unused", sampling=SamplingConfig(embedded_guidance=4.0))
+    with pytest.raises(ConfigError, match=r"model\.sampling\.embedded_guidance: 4\.0 is set.*no guidance embedding"):
+        module._check_embedded_guidance(adapter)
+    module._check_embedded_guidance(GuidedAdapter(embedded_guidance=3.5))  # a guidance-embedded checkpoint: fine
+
+
+# -- sampling sigmas that depend on the latent geometry ----------------------------------------------------------
+@pytest.mark.parametrize("side,tokens", [(8, 16), (64, 1024)])
+def test_sampling_schedule_follows_the_latent_geometry(side, tokens):
+    """FLUX.1's ``mu`` at ``tokens`` image tokens: 0.5 + 0.65 (tokens - 256) / 3840 (16 tokens: 0.459375; 1024:
+    0.63); the Euler sigmas are ``linspace(1, 0)`` shifted by ``exp(mu)``."""
+    adapter = GuidedAdapter()
+    mu = {16: 0.459375, 1024: 0.63}[tokens]
+    assert calculate_shift(tokens) == pytest.approx(mu)
+    state = LatentState({"latent": torch.zeros(1, 2, side, side)})
+    got = schedules(adapter, state, 4, None)["latent"]
+    levels = torch.linspace(1, 0, 5)
+    expected = math.exp(mu) * levels / (1 + (math.exp(mu) - 1) * levels)
+    assert_close(torch.tensor(got), expected)
+    assert_close(adapter.sampling_sigmas(4, state=state), expected)
+    assert_close(torch.tensor(schedules(adapter, state, 4, 1.0)["latent"]), levels)  # model.sampling.shift wins
+
+
+def test_sample_ode_uses_the_schedule_of_the_noise_it_draws():
+    """An adapter sampling at 64 x 64 latents steps on the 1024-token schedule, not its default 16-token one."""
+    adapter, c = GuidedAdapter(embedded_guidance=0.0), {"c": torch.tensor([1.0])}
+    adapter.side = 64
+    out = sample_ode(adapter, c, num_steps=3, generator=torch.Generator().manual_seed(0))
+    s = shift_sigma(torch.linspace(1, 0, 4), math.exp(0.63))
+    x0 = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert_close(out.components["latent"], x0 + (s[-1] - s[0]) * 1.0)  # v = c = 1 at g = 0
+
+
+# -- training noise levels on the adapter's table ----------------------------------------------------------------
+def test_default_training_table_is_the_shifted_scheduler_grid():
+    """``i / 1000`` for ``i = 1000 .. 1`` shifted by ``exp(mu)``, as ``FlowMatchEulerDiscreteScheduler`` builds it."""
+    adapter = GuidedAdapter()
+    state = LatentState({"latent": torch.zeros(1, 2, 8, 8)})
+    table = adapter.training_sigmas(state)
+    s = math.exp(0.459375)
+    assert table.shape == (1000,)
+    assert_close(table[[0, 499, 999]], torch.tensor([1.0, s * 0.501 / (1 + (s - 1) * 0.501),
+                                                     s * 0.001 / (1 + (s - 1) * 0.001)]))  # fmt: skip
+
+
+def test_adapter_schedule_picks_table_levels_by_index():
+    """``schedule: adapter`` with uniform ``u``: sigma = ``table[floor(u * N)]`` (diffusers' training scripts)."""
+    adapter = GuidedAdapter()
+    clean = LatentState({"latent": torch.zeros(5, 2, 8, 8)})
+    sampler = TimestepSampler("uniform", schedule="adapter")
+    (sigma, _), = monte_carlo_draws(sampler, adapter, clean, 1, torch.Generator().manual_seed(0))
+    u = torch.rand(5, generator=torch.Generator().manual_seed(0))
+    table = adapter.training_sigmas(clean)
+    assert_close(sigma, table[(u * 1000).long()])
+    continuous, = monte_carlo_draws(TimestepSampler("uniform"), adapter, clean, 1, torch.Generator().manual_seed(0))
+    assert_close(continuous[0], shift_sigma(u, math.exp(0.459375)))  # the default: continuous, the adapter's shift
+    with pytest.raises(ValueError, match="schedule='adapter'.*holds its own shift"):
+        TimestepSampler(shift=3.0, schedule="adapter")
