@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def small_clip(folder: Path) -> str:
-    from ff_sd3.testing import build_clip_tokenizer
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from ff_core.testing.tiny import build_clip_tokenizer
 
     tok = build_clip_tokenizer(max_length=77)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

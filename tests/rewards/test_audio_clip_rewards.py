@@ -52,8 +52,9 @@ def test_audio_loudness_reward():
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A random 1-layer CLIPModel (16 x 16 images, 8-dim projection) with the ff-sd3 test tokenizer, saved."""
-    from ff_sd3.testing import build_clip_tokenizer
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from ff_core.testing.tiny import build_clip_tokenizer
 
     tokenizer = build_clip_tokenizer(max_length=16)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -349,7 +349,7 @@ def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_
 
 # -- VAE trained on the shapes dataset ---------------------------------------------------------------
 def test_trained_vae_reconstructs_held_out_shapes(trained_sd3, tiny_sd3, shapes_dirs):
-    from ff_sd3.testing import load_images
+    from ff_core.testing.tiny import load_images
 
     held = ((load_images(shapes_dirs[1] / "images", RES) + 1) * 127.5).round().to(torch.uint8)
     media = [[img] for img in held]

@@ -173,7 +173,7 @@ def build_demo_base(
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ff_wan.testing import build_umt5_tokenizer  # the tiny factory's: every caption word is one token
+    from ff_core.testing.tiny import VIDEO_WORDS, build_t5_tokenizer  # every caption word is one token
 
     if (frames - 1) % 4 or (vae_train_frames - 1) % 4 or vae_train_frames > frames:
         raise ValueError(f"frames={frames}, vae_train_frames={vae_train_frames}: Wan VAEs need (F - 1) % 4 == 0, "
@@ -181,7 +181,7 @@ def build_demo_base(
     if not 0 <= temporal_downsamples <= spatial_downsamples:
         raise ValueError(f"temporal_downsamples={temporal_downsamples}: 0 to spatial_downsamples "
                          f"({spatial_downsamples}); the Wan VAE halves time only inside a spatial downsampling")
-    tokenizer = build_umt5_tokenizer(text_max_length)
+    tokenizer = build_t5_tokenizer(text_max_length, VIDEO_WORDS)
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,

@@ -19,7 +19,8 @@ both through the ff adapters and through diffusers. One factory covers every var
 
 Sizes: a 1-layer transformer with 2 heads of 8 channels, a Wan VAE with ``base_dim`` 4 and ``dim_mult`` (1, 1, 1, 1)
 (4x temporal, 8x spatial compression as the real one), ``z_dim`` 4 with non-trivial ``latents_mean`` / ``latents_std``
-so normalisation is really exercised. 9 frames at 32x32 are 3 latent frames of 4x4, 2x2 tokens each after patching.
+so normalisation is really exercised; the tokenizer is :func:`ff_core.testing.tiny.build_t5_tokenizer` on the video
+vocabulary (UMT5's special tokens). 9 frames at 32x32 are 3 latent frames of 4x4, 2x2 tokens each after patching.
 
 :func:`write_moving_squares` writes a tiny V2 video dataset (MP4 targets with ``fps``, optional ``first_frame`` images).
 
@@ -37,33 +38,9 @@ import numpy as np
 import torch
 
 from ff_core.testing.moving_shapes import write_mp4
+from ff_core.testing.tiny import VIDEO_WORDS, build_t5_tokenizer, seeded
 
 VARIANTS: tuple[str, ...] = ("t2v", "i2v", "flf2v", "ti2v", "a14b", "t2v_a14b")
-
-WORDS: tuple[str, ...] = (
-    "red", "green", "blue", "yellow", "magenta", "cyan", "white", "black", "gray",
-    "circle", "square", "triangle", "a", "on", "background", "moving", "left", "right", "to", "the",
-    "an", "of", "and", "with", "in", "video", "shape", "small", "big",
-)  # fmt: skip
-
-
-def build_umt5_tokenizer(max_length: int = 16, words: tuple[str, ...] = WORDS):
-    """A (U)MT5-style unigram tokenizer built in memory: one piece per word, letters and digits as fallback.
-
-    Wan ships google/umt5-xxl's ``T5TokenizerFast``; this one has the same special tokens (``<pad>`` 0, ``</s>`` 1,
-    ``<unk>`` 2) so ``WanPipeline._get_t5_prompt_embeds`` treats it the same way.
-    """
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [("\u2581" + w, -1.0) for w in words] + [("\u2581", -5.0)]
-    pieces += [(c, -10.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
-
-
-def _seeded(seed: int, build):
-    torch.manual_seed(seed)
-    return build()
 
 
 def build_tiny_wan(
@@ -104,16 +81,16 @@ def build_tiny_wan(
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     path = Path(path)
-    tokenizer = build_umt5_tokenizer(text_max_length)
+    tokenizer = build_t5_tokenizer(text_max_length, VIDEO_WORDS)  # stands in for UMT5's: same special tokens
     text_cfg = UMT5Config(
         vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )  # fmt: skip
-    text_encoder = _seeded(seed + 1, lambda: UMT5EncoderModel(text_cfg))
+    text_encoder = seeded(seed + 1, lambda: UMT5EncoderModel(text_cfg))
     g = torch.Generator().manual_seed(seed + 2)
     latents_mean = [round(float(v), 4) for v in torch.randn(z_dim, generator=g) * 0.2]
     latents_std = [round(float(v), 4) for v in 0.5 + torch.rand(z_dim, generator=g)]
-    vae = _seeded(seed + 3, lambda: AutoencoderKLWan(
+    vae = seeded(seed + 3, lambda: AutoencoderKLWan(
         base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
         latents_mean=latents_mean, latents_std=latents_std,
     ))  # fmt: skip
@@ -126,12 +103,12 @@ def build_tiny_wan(
 
         vision_cfg = CLIPVisionConfig(hidden_size=clip_dim, intermediate_size=16, num_hidden_layers=2,
                                       num_attention_heads=2, image_size=image_size, patch_size=16)  # fmt: skip
-        image_encoder = _seeded(seed + 4, lambda: CLIPVisionModel(vision_cfg))
+        image_encoder = seeded(seed + 4, lambda: CLIPVisionModel(vision_cfg))
         image_processor = CLIPImageProcessor(crop_size=image_size, size={"shortest_edge": image_size})
     clip_tokens = (image_size // 16) ** 2 + 1
 
     def transformer(k: int) -> WanTransformer3DModel:
-        return _seeded(seed + 5 + k, lambda: WanTransformer3DModel(
+        return seeded(seed + 5 + k, lambda: WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
             in_channels=2 * z_dim + 4 if two_channels else z_dim, out_channels=z_dim, text_dim=text_cfg.d_model,
             freq_dim=32, ffn_dim=32, num_layers=num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",

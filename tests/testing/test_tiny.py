@@ -1,0 +1,79 @@
+"""The shared tiny builders (ff_core.testing.tiny): offline tokenizers, the cached trained tiny VAE, tiny datasets."""
+
+import time
+
+import pytest
+import torch
+
+from ff_core.testing.tiny import (
+    OUTPUT_KINDS,
+    VIDEO_WORDS,
+    WORDS,
+    build_clip_tokenizer,
+    build_gemma_tokenizer,
+    build_t5_tokenizer,
+    build_tiny_image_vae,
+    write_tiny_dataset,
+)
+
+BUILDERS = {"clip": build_clip_tokenizer, "t5": build_t5_tokenizer, "gemma": build_gemma_tokenizer}
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_tokenizers_spell_each_word_as_one_token_and_round_trip(kind, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = BUILDERS[kind](16, VIDEO_WORDS)
+    special = set(tokenizer.all_special_ids)
+    for word in VIDEO_WORDS:
+        ids = [i for i in tokenizer(word).input_ids if i not in special]
+        assert len(ids) == 1, (kind, word, tokenizer.convert_ids_to_tokens(ids))
+    prompt = "a red square moving left, 42 zebras!"  # unseen words and punctuation fall back, never crash
+    ids = tokenizer(prompt, padding="max_length", truncation=True).input_ids
+    assert len(ids) == 16
+    tokenizer.save_pretrained(tmp_path)  # what a tiny checkpoint's tokenizer/ folder holds
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(prompt, padding="max_length", truncation=True).input_ids == ids
+
+
+def test_special_tokens_are_the_released_ones():
+    t5, gemma = build_t5_tokenizer(), build_gemma_tokenizer()
+    assert (t5.pad_token_id, t5.eos_token_id, t5.unk_token_id) == (0, 1, 2)  # T5 / UMT5
+    assert (gemma.pad_token_id, gemma.eos_token_id, gemma.bos_token_id, gemma.unk_token_id) == (0, 1, 2, 3)
+    assert gemma("a red").input_ids[0] == gemma.bos_token_id
+    assert build_clip_tokenizer()("red").input_ids[0] == build_clip_tokenizer().bos_token_id
+    assert "red" in WORDS
+
+
+def test_trained_vae_is_built_once_per_cache_folder(tmp_path):
+    images = write_tiny_dataset(tmp_path / "shapes", "image", n=8) / "images"
+    kwargs = dict(seed=3, train_dir=images, steps=4, batch_size=4, block_out_channels=(8, 8), cache_dir=tmp_path / "c")
+    a = build_tiny_image_vae(**kwargs)
+    assert a.config.shift_factor != 0 and a.config.scaling_factor != 1  # set from the latent statistics
+    (folder,) = (tmp_path / "c").iterdir()
+    t0 = time.perf_counter()
+    b = build_tiny_image_vae(**kwargs)  # from this process' memory
+    assert time.perf_counter() - t0 < 1
+    assert b is not a and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    from ff_core.testing import tiny
+
+    tiny._VAE_CACHE.clear()  # a new session: loaded back from the folder, not retrained
+    c = build_tiny_image_vae(**kwargs)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    assert len(list((tmp_path / "c").iterdir())) == 1 and (folder / "config.json").is_file()
+    d = build_tiny_image_vae(**{**kwargs, "steps": 5})  # another training: another key
+    assert len(list((tmp_path / "c").iterdir())) == 2 and not torch.equal(next(a.parameters()), next(d.parameters()))
+
+
+@pytest.mark.parametrize("kind", OUTPUT_KINDS)
+def test_tiny_datasets_are_valid_v2_datasets_of_each_output_kind(kind, tmp_path):
+    from ff_core.data.media import decode_media
+    from ff_core.data.sources import DatasetConfig, load_split
+
+    root = write_tiny_dataset(tmp_path / kind, kind, n=3)
+    records = list(load_split(DatasetConfig(name=kind, dataset_dir=str(root), eval={}), "train", None))
+    assert len(records) == 3
+    for record in records:
+        ((target,),) = record.candidates
+        assert target.type.value == kind and target.path.is_file()
+        assert decode_media(target, referenced_by=record.where) is not None
