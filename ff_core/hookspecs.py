@@ -9,7 +9,10 @@ A plugin is a Python module named by an entry point in the ``ff`` group::
 The module defines functions decorated with :data:`hookimpl` whose names match the specs below. ff loads each
 entry point in isolation: a plugin that fails to import is reported by ``ff plugins`` with its distribution
 name and error, and every other plugin still loads. Set ``FF_DISABLE_PLUGIN_AUTOLOAD=1`` to load none
-(hermetic tests); adapters can then still be named by dotted path (``my_package.adapter:MyAdapter``).
+(hermetic tests); adapters can then still be named by dotted path (``my_package.adapter:MyAdapter``). Set
+``FF_PLUGINS=my_package.plugin[,other.plugin]`` to load plugin modules that are importable but not installed (a
+source tree on ``PYTHONPATH``); they load even with autoload off, and ``ff plugins`` lists their distribution as
+``FF_PLUGINS``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ from ff_core.rewards.base import GROUPWISE, POINTWISE, Reward
 
 ENTRY_POINT_GROUP = "ff"
 DISABLE_ENV = "FF_DISABLE_PLUGIN_AUTOLOAD"
+PLUGINS_ENV = "FF_PLUGINS"
+"""Comma-separated plugin modules to load besides the entry points (pytest's ``PYTEST_PLUGINS``): a plugin that is not
+installed, from a source tree on ``PYTHONPATH`` (examples/plugins/ff_flux's tests). Loaded even with autoload off."""
 BUILTIN_PLUGIN = "ff-core"
 BUILTIN_DISTRIBUTION = "ff-core"
 
@@ -97,10 +100,14 @@ class PluginRegistry:
             dist = ep.dist.name if ep.dist is not None else "?"
             version = ep.dist.version if ep.dist is not None else "?"
             self._register(ep.name, dist, version, ep.load)
+        for module_name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+            self._register(module_name, PLUGINS_ENV, "-", lambda m=module_name: importlib.import_module(m))
 
     def _register(self, name: str, dist: str, version: str, load) -> None:
         try:
             module = load()
+            if self.manager.is_registered(module):  # named by FF_PLUGINS and installed too: once is enough
+                return
             self.manager.register(module, name=name)
             # Ask this plugin alone, so a faulty hook is blamed on the plugin that has it.
             others = [p for p in self.manager.get_plugins() if p is not module]
