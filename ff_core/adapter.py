@@ -108,6 +108,9 @@ class Adapter(nn.Module):
         tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
+        interface_version: the ff adapter-interface version (``major.minor``, :data:`ff_core.ADAPTER_INTERFACE_VERSION`)
+            the adapter is written for; ff refuses it when ff-core's differs in major or is an older minor. ``None``:
+            the plugin's ``ff_adapter_interface_version`` hook, if any, declares it (else undeclared, not checked).
         condition_collation: how each condition key collates when its per-sample tensors may differ in shape
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
@@ -122,6 +125,7 @@ class Adapter(nn.Module):
     preprocessing_components: ClassVar[tuple[str, ...]] = ()
     tensor_columns: ClassVar[TensorColumns | None] = None
     condition_collation: ClassVar[dict[str, str]] = {}
+    interface_version: ClassVar[str | None] = None
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None

@@ -64,7 +64,8 @@ def _print_usage() -> int:
 
 
 def print_plugins(stream: TextIO | None = None) -> int:
-    """``ff plugins``: each adapter with its distribution, version and IO contract; each reward; then failures."""
+    """``ff plugins``: each adapter with its distribution, version, IO contract and the adapter-interface version it
+    targets; each reward; then failures (an incompatible interface version among them)."""
     from ff_core.plugins import get_registry
 
     out = stream or sys.stdout
@@ -73,7 +74,8 @@ def print_plugins(stream: TextIO | None = None) -> int:
     if not adapters:
         print("no adapters installed (install a model plugin such as ff-sd3)", file=out)
     for info in sorted(adapters.values(), key=lambda a: a.name):
-        print(f"{info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
+        interface = f"  (adapter interface {info.interface})" if info.interface else ""
+        print(f"{info.name}  [{info.distribution} {info.version}]  {info.summary}{interface}", file=out)
     for info in sorted(registry.rewards().values(), key=lambda r: r.name):
         print(f"reward {info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
     for failure in registry.failures:

@@ -53,3 +53,13 @@ def ff_rewards() -> list[type[Reward]]:
     here: a reward loads its model in ``__init__``. Two rewards with the same ``name`` are a conflict reported by
     ``ff plugins`` (the first one loaded wins; ff_core's built-ins load first).
     """
+
+
+@hookspec(firstresult=True)
+def ff_adapter_interface_version() -> str:
+    """Return the ff adapter-interface version (``"major.minor"``) this plugin's adapters are written for.
+
+    Optional; an adapter class's own ``interface_version`` attribute takes precedence. ff compares it with
+    :data:`ff_core.ADAPTER_INTERFACE_VERSION` when the plugin registers and refuses (reported by ``ff plugins``,
+    naming both versions and the distribution) a plugin that targets another major version or a newer minor one.
+    """

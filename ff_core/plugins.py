@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import pluggy
 
-from ff_core import hookspecs
+from ff_core import ADAPTER_INTERFACE_VERSION, hookspecs
 from ff_core.adapter import Adapter
 from ff_core.rewards.base import GROUPWISE, POINTWISE, Reward
 
@@ -39,6 +39,8 @@ class AdapterInfo:
     cls: type[Adapter]
     distribution: str
     version: str
+    interface: str | None = None
+    """The adapter-interface version the adapter targets (``None``: undeclared)."""
 
     @property
     def summary(self) -> str:
@@ -113,12 +115,13 @@ class PluginRegistry:
             others = [p for p in self.manager.get_plugins() if p is not module]
             adapters = [c for r in self.manager.subset_hook_caller("ff_adapters", remove_plugins=others)() for c in r]
             rewards = [c for r in self.manager.subset_hook_caller("ff_rewards", remove_plugins=others)() for c in r]
+            target = self.manager.subset_hook_caller("ff_adapter_interface_version", remove_plugins=others)()
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported, not raised
             if self.manager.has_plugin(name):
                 self.manager.unregister(name=name)
             self.failures.append(PluginFailure(name, dist, f"{type(exc).__name__}: {exc}"))
             return
-        self._add_adapters(adapters, name, dist, version)
+        self._add_adapters(adapters, name, dist, version, target)
         self._add_rewards(rewards, name, dist, version)
 
     def _add_rewards(self, classes: list[type[Reward]], plugin: str, dist: str, version: str) -> None:
@@ -131,16 +134,20 @@ class PluginRegistry:
                 continue
             self._rewards[cls.name] = RewardInfo(cls.name, cls, dist, version)
 
-    def _add_adapters(self, classes: list[type[Adapter]], plugin: str, dist: str, version: str) -> None:
+    def _add_adapters(
+        self, classes: list[type[Adapter]], plugin: str, dist: str, version: str, target: str | None = None
+    ) -> None:
         for cls in classes:
-            problem = _check_adapter_class(cls)
+            declared = getattr(cls, "interface_version", None) or target
+            who = f"plugin {plugin!r} ({dist} {version})"
+            problem = _check_adapter_class(cls) or interface_problem(declared, who, cls)
             if problem is None and cls.name in self._adapters:
                 other = self._adapters[cls.name]
                 problem = f"adapter name {cls.name!r} is already provided by {other.distribution}"
             if problem:
                 self.failures.append(PluginFailure(plugin, dist, problem))
                 continue
-            self._adapters[cls.name] = AdapterInfo(cls.name, cls, dist, version)
+            self._adapters[cls.name] = AdapterInfo(cls.name, cls, dist, version, declared)
 
     def adapters(self) -> dict[str, AdapterInfo]:
         return dict(self._adapters)
@@ -208,7 +215,7 @@ def load_dotted_adapter(path: str) -> type[Adapter]:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise KeyError(f"cannot import adapter {path!r}: {exc}") from exc
-    problem = _check_adapter_class(cls)
+    problem = _check_adapter_class(cls) or interface_problem(cls.interface_version, f"{path!r}", cls)
     if problem:
         raise KeyError(f"{path!r}: {problem}")
     return cls
@@ -242,6 +249,38 @@ def _check_adapter_class(cls: object) -> str | None:
     for attr in ("name", "io_contract"):
         if not hasattr(cls, attr):
             return f"{cls.__name__} does not set the class attribute {attr!r}"
+    return None
+
+
+def _interface(version: str) -> tuple[int, int] | None:
+    parts = version.split(".") if isinstance(version, str) else []
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
+def interface_problem(target: str | None, who: str, cls: type) -> str | None:
+    """Why an adapter that targets adapter-interface version ``target`` cannot run on this ff-core, or ``None``.
+
+    Compatible: the same major version and a minor no newer than :data:`ff_core.ADAPTER_INTERFACE_VERSION` (minor
+    versions only add what existing adapters need not implement). ``None`` (undeclared) is not checked.
+
+    Args:
+        target: the version the adapter declares (class attribute or its plugin's hook).
+        who: the plugin or dotted path, for the message (``plugin 'sd3' (ff-sd3 0.1.0)``).
+        cls: the adapter class, for the message.
+    """
+    if target is None:
+        return None
+    name = f"adapter {cls.__name__} of {who}"
+    core, wanted = _interface(ADAPTER_INTERFACE_VERSION), _interface(target)
+    if wanted is None:
+        return f"{name} declares ff adapter interface {target!r}; expected 'major.minor'"
+    have = f"ff-core {_core_version()} provides adapter interface {ADAPTER_INTERFACE_VERSION}"
+    if wanted[0] != core[0]:
+        return (f"{name} targets ff adapter interface {target}, but {have}: a different major version is "
+                f"incompatible (install a release of the plugin written for interface {core[0]}.x)")  # fmt: skip
+    if wanted[1] > core[1]:
+        return (f"{name} targets ff adapter interface {target}, but {have}, an older minor version "
+                f"(upgrade ff-core to one providing {target} or later)")  # fmt: skip
     return None
 
 

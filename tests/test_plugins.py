@@ -4,12 +4,12 @@ import importlib.metadata as md
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from ff_core.plugins import PluginRegistry, load_dotted_adapter
+from ff_core.testing.plugin_site import install_fake_plugin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,15 +52,6 @@ class Again(ToyT2V):
 def ff_adapters():
     return [Again]
 """
-
-
-def install_fake_plugin(site: Path, dist: str, module: str, source: str) -> None:
-    """A minimal installed distribution: its module plus a dist-info with an `ff` entry point."""
-    (site / f"{module}.py").write_text(textwrap.dedent(source))
-    info = site / f"{dist.replace('-', '_')}-0.3.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
-    (info / "entry_points.txt").write_text(f"[ff]\n{dist} = {module}\n")
 
 
 @pytest.fixture

@@ -11,3 +11,9 @@ def ff_adapters():
     from ff_wan.adapter import WanI2VAdapter, WanT2VAdapter
 
     return [WanT2VAdapter, WanI2VAdapter]
+
+
+@hookimpl
+def ff_adapter_interface_version():
+    """The ff adapter-interface version both adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
+    return "1.0"

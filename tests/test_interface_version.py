@@ -1,0 +1,122 @@
+"""Adapter-interface versioning: a plugin declares the version it targets (class attribute or plugin hook); ff refuses
+one written for another major version or a newer minor one, naming both versions and the distribution."""
+
+import importlib.metadata as md
+import sys
+
+import pytest
+
+import ff_core
+from ff_core.plugins import PluginRegistry, interface_problem, load_dotted_adapter
+from ff_core.testing.plugin_site import install_fake_plugin
+
+MAJOR, MINOR = (int(p) for p in ff_core.ADAPTER_INTERFACE_VERSION.split("."))
+
+BY_ATTRIBUTE = """
+from ff_core.adapter import Adapter
+from ff_core.hookspecs import hookimpl
+from ff_core.testing.contracts import SUPPORT_TABLE
+
+class Toy(Adapter):
+    name = "toy-{tag}"
+    io_contract = SUPPORT_TABLE["sd3-5"]
+    interface_version = {version!r}
+
+@hookimpl
+def ff_adapters():
+    return [Toy]
+"""
+BY_HOOK = """
+from ff_core.adapter import Adapter
+from ff_core.hookspecs import hookimpl
+from ff_core.testing.contracts import SUPPORT_TABLE
+
+class Toy(Adapter):
+    name = "toy-{tag}"
+    io_contract = SUPPORT_TABLE["sd3-5"]
+
+@hookimpl
+def ff_adapters():
+    return [Toy]
+
+@hookimpl
+def ff_adapter_interface_version():
+    return {version!r}
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in list(sys.modules):
+        if name.startswith("toy_"):
+            del sys.modules[name]
+
+
+def registry_of(site, source: str, version: str, tag: str = "a") -> PluginRegistry:
+    install_fake_plugin(site, f"toy-{tag}", f"toy_{tag}", source.format(tag=tag, version=version), version="2.5")
+    return PluginRegistry(entry_points=[ep for ep in md.entry_points(group="ff") if ep.name == f"toy-{tag}"])
+
+
+def test_core_exposes_a_major_minor_version():
+    assert MAJOR >= 1 and MINOR >= 0
+
+
+@pytest.mark.parametrize("source", [BY_ATTRIBUTE, BY_HOOK], ids=["attribute", "hook"])
+@pytest.mark.parametrize("version", [f"{MAJOR}.0", f"{MAJOR}.{MINOR}"])
+def test_compatible_plugins_register_with_their_declared_version(site, source, version):
+    registry = registry_of(site, source, version)
+    assert registry.failures == []
+    assert registry.adapters()["toy-a"].interface == version
+
+
+@pytest.mark.parametrize("source", [BY_ATTRIBUTE, BY_HOOK], ids=["attribute", "hook"])
+@pytest.mark.parametrize(
+    "version, why",
+    [
+        (f"{MAJOR + 1}.0", "a different major version is incompatible"),
+        (f"{MAJOR - 1}.9", "a different major version is incompatible"),
+        (f"{MAJOR}.{MINOR + 1}", "an older minor version (upgrade ff-core"),
+    ],
+)
+def test_incompatible_plugins_are_refused_naming_both_versions_and_the_distribution(site, source, version, why):
+    registry = registry_of(site, source, version)
+    assert "toy-a" not in registry.adapters()
+    (failure,) = registry.failures
+    assert (failure.plugin, failure.distribution) == ("toy-a", "toy-a")
+    assert f"adapter Toy of plugin 'toy-a' (toy-a 2.5) targets ff adapter interface {version}" in failure.error
+    assert f"provides adapter interface {ff_core.ADAPTER_INTERFACE_VERSION}" in failure.error
+    assert why in failure.error
+    with pytest.raises(KeyError, match=f"unknown adapter 'toy-a'(.|\n)*toy-a 2.5\\) targets ff adapter interface"):
+        registry.adapter_class("toy-a")
+
+
+def test_the_class_attribute_overrides_the_plugin_hook(site):
+    source = BY_HOOK.replace('    io_contract = SUPPORT_TABLE["sd3-5"]\n',
+                             f'    io_contract = SUPPORT_TABLE["sd3-5"]\n    interface_version = "{MAJOR}.0"\n')
+    registry = registry_of(site, source, f"{MAJOR + 1}.0")
+    assert registry.failures == [] and registry.adapters()["toy-a"].interface == f"{MAJOR}.0"
+
+
+def test_malformed_and_undeclared_versions(site):
+    (failure,) = registry_of(site, BY_ATTRIBUTE, "one", tag="b").failures
+    assert "declares ff adapter interface 'one'; expected 'major.minor'" in failure.error
+    undeclared = BY_ATTRIBUTE.replace("    interface_version = {version!r}\n", "")
+    registry = registry_of(site, undeclared, "", tag="c")
+    assert registry.failures == [] and registry.adapters()["toy-c"].interface is None
+
+
+def test_dotted_paths_are_checked_too(site):
+    install_fake_plugin(site, "toy-d", "toy_d", BY_ATTRIBUTE.format(tag="d", version=f"{MAJOR + 1}.0"))
+    with pytest.raises(KeyError, match=r"'toy_d:Toy': adapter Toy of 'toy_d:Toy' targets ff adapter interface"):
+        load_dotted_adapter("toy_d:Toy")
+
+
+def test_the_bundled_plugins_declare_the_current_version():
+    from ff_sd3 import SD3Adapter
+    from ff_wan import plugin
+
+    assert SD3Adapter.interface_version == ff_core.ADAPTER_INTERFACE_VERSION
+    assert plugin.ff_adapter_interface_version() == ff_core.ADAPTER_INTERFACE_VERSION
+    assert interface_problem(SD3Adapter.interface_version, "ff-sd3", SD3Adapter) is None
