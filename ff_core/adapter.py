@@ -14,6 +14,7 @@ Objectives (SFT, DPO, GRPO) only see this interface, so they never branch on a m
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from collections.abc import Callable
@@ -100,7 +101,9 @@ class Adapter(nn.Module):
             :meth:`resolve_contract`; a loaded adapter's ``io_contract`` is its checkpoint's.
         preprocess_version: bump when ``preprocess`` output changes, to invalidate condition caches.
         default_lora_targets: module names LoRA wraps when the config names none.
-        lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files.
+        lora_prefix: key prefix of the denoiser in the family's diffusers LoRA files: the ``transformer_name`` of its
+            pipeline's LoRA loader mixin (``transformer`` for SD3, FLUX.1 and Wan), so that ``pipe.load_lora_weights``
+            finds the keys ff exports; also the key of the denoiser in :meth:`denoisers`.
         preprocessing_components: attribute names of the modules only ``preprocess`` uses (text encoders, a
             condition-only image encoder). Once every condition is in the Arrow cache, ``FlowModule`` releases them
             (:meth:`release_preprocessing`) before the strategy places the model, so they never occupy the
@@ -386,7 +389,10 @@ class Adapter(nn.Module):
             num_steps: sampler steps.
             shift: overrides the schedule's shift (``model.sampling.shift``); ``None``: the adapter's.
         """
-        sigmas = self.sampling_sigmas(num_steps, shift=shift, state=state)
+        if "state" in inspect.signature(self.sampling_sigmas).parameters:
+            sigmas = self.sampling_sigmas(num_steps, shift=shift, state=state)
+        else:  # an override written for interface 1.0, before schedules could depend on the geometry
+            sigmas = self.sampling_sigmas(num_steps, shift=shift)
         return {name: sigmas for name in state.components}
 
     def training_sigmas(self, state: LatentState | None = None) -> Tensor:

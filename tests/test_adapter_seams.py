@@ -147,3 +147,14 @@ def test_adapter_schedule_picks_table_levels_by_index():
     assert_close(continuous[0], shift_sigma(u, math.exp(0.459375)))  # the default: continuous, the adapter's shift
     with pytest.raises(ValueError, match="schedule='adapter'.*holds its own shift"):
         TimestepSampler(shift=3.0, schedule="adapter")
+
+
+def test_a_sampling_sigmas_override_without_state_still_samples():
+    """Adapters written for interface 1.0 override ``sampling_sigmas(num_steps, shift)``: their schedule is used."""
+
+    class Old(GuidedAdapter):
+        def sampling_sigmas(self, num_steps, shift=None):
+            return torch.linspace(1.0, 0.0, num_steps + 1) ** 2
+
+    state = LatentState({"latent": torch.zeros(1, 2, 8, 8)})
+    assert_close(torch.tensor(schedules(Old(), state, 2, None)["latent"]), torch.tensor([1.0, 0.25, 0.0]))

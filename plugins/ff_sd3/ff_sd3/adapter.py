@@ -49,7 +49,7 @@ class SD3Adapter(Adapter):
     preprocess_version: ClassVar[str] = "1"
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
-    interface_version: ClassVar[str] = "1.0"
+    interface_version: ClassVar[str] = "1.1"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
     # Shards hold preprocess's keys under their own names and the scaled VAE latent; the negative prompt's
     # embeddings only serve CFG at sampling time, so shards may leave them out.

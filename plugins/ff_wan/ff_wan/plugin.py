@@ -16,4 +16,4 @@ def ff_adapters():
 @hookimpl
 def ff_adapter_interface_version():
     """The ff adapter-interface version both adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
-    return "1.0"
+    return "1.1"

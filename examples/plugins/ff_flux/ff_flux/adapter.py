@@ -56,6 +56,7 @@ class FluxAdapter(Adapter):
     """
 
     name: ClassVar[str] = "flux1"
+    interface_version: ClassVar[str] = "1.1"  # embedded guidance, geometry-dependent sampling sigmas
     io_contract: ClassVar[PipelineIOContract] = PipelineIOContract(outputs=(IMAGE_OUT,))
     preprocess_version: ClassVar[str] = "1"
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
