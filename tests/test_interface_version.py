@@ -88,7 +88,7 @@ def test_incompatible_plugins_are_refused_naming_both_versions_and_the_distribut
     assert f"adapter Toy of plugin 'toy-a' (toy-a 2.5) targets ff adapter interface {version}" in failure.error
     assert f"provides adapter interface {ff_core.ADAPTER_INTERFACE_VERSION}" in failure.error
     assert why in failure.error
-    with pytest.raises(KeyError, match=f"unknown adapter 'toy-a'(.|\n)*toy-a 2.5\\) targets ff adapter interface"):
+    with pytest.raises(KeyError, match="unknown adapter 'toy-a'(.|\n)*toy-a 2.5\\) targets ff adapter interface"):
         registry.adapter_class("toy-a")
 
 

@@ -2,17 +2,35 @@
 
 A plugin's tests are a tiny-model config class plus one line (STYLE 9, after diffusers' model tests)::
 
+    from diffusers import StableDiffusion3Pipeline
     from ff_core.testing.conformance import AdapterConformance
 
     class TestMyAdapterConformance(AdapterConformance):
         adapter_cls = MyAdapter
         adapter_kwargs = {"resolution": 32}
+        reference_pipeline = StableDiffusion3Pipeline     # opt-in: the maths checks against diffusers
 
         def build_checkpoint(self, path):          # a tiny random checkpoint in the family's real layout
             return build_tiny_my_family(path)
 
 Every check goes through ``from_pretrained`` on that saved folder, so the path a user's real checkpoint takes is
-the path tested. Override :meth:`AdapterConformance.make_targets` for outputs other than images.
+the path tested. Two groups of checks:
+
+* **plumbing** (always): metadata without weights, registration, stage shapes, seeding, schedule, what trains,
+  tensor rows, the condition cache key, releasing preprocessing components, the LoRA file format; frozen components in
+  eval mode at any depth (a dropout left on makes conditions random); a contract that accepts negative prompts gives
+  a different velocity with CFG on; with :meth:`AdapterConformance.build_trained_checkpoint`, encode -> decode on the
+  family's trained tiny VAE round-trips within :attr:`~AdapterConformance.roundtrip_tolerance`.
+* **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
+  same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
+  encoding, the sampling sigmas, one denoiser call at each sigma, a full sampling run (with and without CFG), the
+  decoding, and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
+  differed, where, and what it looks like.
+
+Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
+prompts when the contract takes them, an image per required image slot), batches no larger than its
+``max_batch_size``. Override the ``make_*`` and ``reference_*`` methods for what the defaults cannot know (outputs
+other than images, pipeline arguments for condition media, a packed latent layout).
 """
 
 from __future__ import annotations
@@ -28,14 +46,28 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from peft import LoraConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import Tensor
 from torch.utils.data import default_collate
 
-from ff_core.adapter import Adapter, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
+from ff_core.sampling import guided_velocity
+from ff_core.testing.reference import (
+    LatentLayout,
+    PipelineRun,
+    check_close,
+    condition_differences,
+    diagnose_velocity,
+    differences,
+    first_mask,
+    run_pipeline,
+    state_tensor,
+    velocity_at,
+)
 
 
 class AdapterConformance:
@@ -44,41 +76,383 @@ class AdapterConformance:
     Attributes:
         adapter_cls: the adapter class under test.
         adapter_kwargs: keyword arguments of its ``from_pretrained``.
-        prompts: prompts used for conditions (two, so batching is exercised).
+        prompts: prompts of the conditions (two, so batching is exercised where the contract allows).
+        negative_prompts: their negative prompts, used when the contract accepts negative prompts.
+        reference_pipeline: the family's diffusers pipeline class (``StableDiffusion3Pipeline``); ``None`` turns
+            the maths checks off.
+        reference_layout: how the pipeline's latents map to the adapter's state (default: the same tensor).
+        reference_steps: sampling steps of the reference runs.
+        reference_guidance: the CFG scale of the guided reference run.
+        condition_atol: tolerance of the prompt encoding against the pipeline's.
+        velocity_atol: tolerance of one denoiser call (and relative tolerance, times 10).
+        sample_atol: tolerance of the final latents of a full sampling run.
+        media_atol: tolerance of decoded media in uint8 units (rounding: 1).
+        roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE.
     """
 
     adapter_cls: ClassVar[type[Adapter]]
     adapter_kwargs: ClassVar[dict[str, Any]] = {}
     prompts: ClassVar[tuple[str, ...]] = ("a red circle on a white background", "a blue square")
+    negative_prompts: ClassVar[tuple[str, ...]] = ("blurry", "a green triangle")
+    reference_pipeline: ClassVar[Any] = None
+    reference_layout: ClassVar[LatentLayout] = LatentLayout()
+    reference_steps: ClassVar[int] = 3
+    reference_guidance: ClassVar[float] = 4.0
+    condition_atol: ClassVar[float] = 1e-5
+    velocity_atol: ClassVar[float] = 1e-4
+    sample_atol: ClassVar[float] = 1e-3
+    media_atol: ClassVar[float] = 1.0
+    roundtrip_tolerance: ClassVar[float] = 48.0
+    seed: ClassVar[int] = 7
 
     # -- to provide ---------------------------------------------------------------------------------------
     def build_checkpoint(self, path: Path) -> Path:
         """Write a tiny random-initialised checkpoint in the family's layout and return its folder."""
         raise NotImplementedError
 
+    def build_trained_checkpoint(self, path: Path) -> Path | None:
+        """The tiny checkpoint with its VAE trained briefly on the family's tiny data (e.g. ``build_tiny_image_vae``
+        of :mod:`ff_core.testing.tiny` on the shapes), for the encode -> decode round trip; ``None``: skipped."""
+        return None
+
+    def make_inputs(self, adapter: Adapter, folder: Path) -> list[ConditionInput]:
+        """The condition inputs of every check, from the adapter's contract: :attr:`prompts` (no more than its
+        ``max_batch_size``), :attr:`negative_prompts` when it takes negative prompts, and a distinct random image
+        (saved under ``folder``) bound to each required image slot. Override for other slot types."""
+        contract = adapter.io_contract
+        n = min(len(self.prompts), contract.max_batch_size or len(self.prompts))
+        inputs = []
+        for i in range(n):
+            media = []
+            for k, slot in enumerate(s for s in contract.slots if s.required):
+                if slot.type is not MediaType.IMAGE:
+                    raise NotImplementedError(f"slot {slot.name!r} takes {slot.type.value}: override make_inputs")
+                media.append(self._slot_image(adapter, folder, slot.name, seed=100 * i + k))
+            if contract.references is not None or contract.grouped is not None:
+                raise NotImplementedError("references / grouped inputs: override make_inputs")
+            negative = self.negative_prompts[i] if contract.uses_cfg else None
+            inputs.append(ConditionInput(self.prompts[i], negative_prompt=negative, media=media))
+        return inputs
+
     def make_targets(self, adapter: Adapter, n: int) -> list[list[torch.Tensor]]:
         """Decoded target media per sample, in the contract's output order (default: images at the resolution)."""
         if adapter.io_contract.output_types != (MediaType.IMAGE,):
             raise NotImplementedError("override make_targets for non-image outputs")
-        size = getattr(adapter, "resolution")
+        height, width = self._image_size(adapter)
         g = torch.Generator().manual_seed(0)
-        return [[torch.randint(0, 256, (3, size, size), generator=g, dtype=torch.uint8)] for _ in range(n)]
+        return [[torch.randint(0, 256, (3, height, width), generator=g, dtype=torch.uint8)] for _ in range(n)]
 
-    # -- fixtures -----------------------------------------------------------------------------------------
+    def make_roundtrip_targets(self, adapter: Adapter, n: int, folder: Path) -> list[list[torch.Tensor]]:
+        """Media of the trained VAE's domain (default: held-out shapes images at the output geometry)."""
+        from ff_core.testing.shapes import write_shapes_dataset
+        from ff_core.testing.tiny import load_images
+
+        if adapter.io_contract.output_types != (MediaType.IMAGE,):
+            raise NotImplementedError("override make_roundtrip_targets for non-image outputs")
+        height, width = self._image_size(adapter)
+        root = write_shapes_dataset(folder / "roundtrip-shapes", n_train=n, n_test=6, size=max(height, width),
+                                    seed=123)  # fmt: skip
+        images = ((load_images(root / "images", max(height, width)) + 1) * 127.5).round().to(torch.uint8)
+        return [[img[:, :height, :width]] for img in images]
+
+    def load_reference_pipeline(self, pretrained: Path) -> Any:
+        """The reference pipeline on the tiny checkpoint (default: ``reference_pipeline.from_pretrained``)."""
+        return self.reference_pipeline.from_pretrained(pretrained)
+
+    def reference_call_kwargs(self, adapter: Adapter, inputs: list[ConditionInput]) -> dict[str, Any]:
+        """``__call__`` arguments of the pipeline besides prompts, guidance, steps, latents and output: the geometry
+        (default: ``height`` / ``width`` [/ ``num_frames``] of ``output_geometry()``); add the condition media and
+        what else the adapter fixes (``max_sequence_length``)."""
+        (geometry, *_) = adapter.output_geometry()
+        if geometry is None:
+            return {}
+        out = {"height": geometry.height, "width": geometry.width}
+        return out if geometry.num_frames is None else {**out, "num_frames": geometry.num_frames}
+
+    def reference_guidance_kwargs(self, guidance_scale: float) -> dict[str, Any]:
+        """The pipeline's CFG argument for ``guidance_scale`` (default ``guidance_scale``; FLUX.1: ``true_cfg_scale``
+        with its embedded guidance beside it)."""
+        return {"guidance_scale": guidance_scale}
+
+    def reference_condition(self, pipe: Any, adapter: Adapter, inputs: list[ConditionInput],
+                            run: PipelineRun) -> dict[str, Tensor]:  # fmt: skip
+        """Reference tensors for keys of the adapter's prepared condition (default: the tensors the pipeline hands its
+        step callback, ``prompt_embeds`` and the like, at guidance 1). Add condition-media encodings here."""
+        return dict(run.tensors)
+
+    def reference_media(self, adapter: Adapter, output: Any) -> list[list[Tensor]]:
+        """The pipeline's decoded output (``output_type="pt"``) as ff media per sample, float in uint8 units."""
+        (media, *_) = output.to_tuple() if hasattr(output, "to_tuple") else output
+        if len(adapter.io_contract.outputs) != 1:
+            raise NotImplementedError("several outputs: override reference_media")
+        return [[m.float().cpu() * 255] for m in media]  # images (3, H, W); videos (F, 3, H, W)
+
+    def load_reference_lora(self, pipe: Any, adapter: Adapter, folder: Path, files: dict[str, Path]) -> None:
+        """Load the adapter's exported LoRA files into the pipeline the way a user does (``load_lora_weights``; a
+        second network with ``load_into_<name>=True``, as diffusers' Wan2.2 loader)."""
+        for network, file in files.items():
+            extra = {} if network == adapter.lora_prefix else {f"load_into_{network}": True}
+            pipe.load_lora_weights(folder, weight_name=file.name, **extra)
+
+    # -- fixtures (class-scoped classmethods: one checkpoint per test class) -------------------------------------
     @pytest.fixture(scope="class")
-    def pretrained(self, tmp_path_factory) -> Path:
-        return self.build_checkpoint(tmp_path_factory.mktemp(self.adapter_cls.__name__))
+    @classmethod
+    def pretrained(cls, tmp_path_factory) -> Path:
+        return cls().build_checkpoint(tmp_path_factory.mktemp(cls.adapter_cls.__name__))
 
     @pytest.fixture(scope="class")
-    def adapter(self, pretrained) -> Adapter:
-        return self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+    @classmethod
+    def adapter(cls, pretrained) -> Adapter:
+        return cls.adapter_cls.from_pretrained(pretrained, **cls.adapter_kwargs)
 
     @pytest.fixture(scope="class")
-    def batch(self, adapter) -> dict[str, Any]:
-        conditions = adapter.preprocess([ConditionInput(p) for p in self.prompts])
-        return {"condition": default_collate(conditions), "target": self.make_targets(adapter, len(self.prompts))}
+    @classmethod
+    def inputs(cls, adapter, tmp_path_factory) -> list[ConditionInput]:
+        return cls().make_inputs(adapter, tmp_path_factory.mktemp("inputs"))
 
-    # -- checks -------------------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    @classmethod
+    def batch(cls, adapter, inputs) -> dict[str, Any]:
+        conditions = adapter.preprocess(inputs)
+        return {"condition": default_collate(conditions), "target": cls().make_targets(adapter, len(inputs))}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def trained_pretrained(cls, tmp_path_factory) -> Path:
+        """The trained checkpoint (:meth:`build_trained_checkpoint`); override the fixture to share a session one."""
+        path = cls().build_trained_checkpoint(tmp_path_factory.mktemp("trained"))
+        if path is None:
+            pytest.skip(f"{cls.__name__} builds no trained checkpoint (build_trained_checkpoint)")
+        return path
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference(cls, pretrained) -> Any:
+        if cls.reference_pipeline is None:
+            pytest.skip(f"{cls.__name__} names no reference_pipeline: the maths checks against diffusers are off")
+        return cls().load_reference_pipeline(pretrained)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference_case(cls, adapter, reference, inputs) -> ReferenceCase:
+        return cls().run_reference(adapter, reference, inputs, guidance_scale=1.0)
+
+    # -- the maths checks, callable on any adapter (the kit's own tests feed it broken ones) ---------------------
+    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *,
+                      guidance_scale: float) -> ReferenceCase:  # fmt: skip
+        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it."""
+        condition = prepare(adapter, inputs)
+        init = adapter.initial_noise(condition, torch.Generator().manual_seed(self.seed))
+        kwargs = {"prompt": [c.prompt for c in inputs], "output_type": "pt",
+                  "generator": torch.Generator().manual_seed(self.seed),
+                  **self.reference_guidance_kwargs(guidance_scale), **self.reference_call_kwargs(adapter, inputs)}
+        if adapter.io_contract.uses_cfg:
+            kwargs["negative_prompt"] = [c.negative_prompt or "" for c in inputs]
+        run = run_pipeline(pipe, self.reference_layout.pipeline_latents(pipe, init).clone(),
+                           steps=self.reference_steps, denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
+        return ReferenceCase(inputs, condition, init, run, guidance_scale)
+
+    def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Prompt encoding: the prepared condition against the pipeline's tensors of the same name."""
+        reference = self.reference_condition(pipe, adapter, case.inputs, case.run)
+        common = sorted(set(case.condition) & set(reference))
+        assert common, (f"no key of the prepared condition {sorted(case.condition)} is among the pipeline's reference "
+                        f"tensors {sorted(reference)}: name them alike or override reference_condition")  # fmt: skip
+        problems = condition_differences(case.condition, reference, atol=self.condition_atol, rtol=1e-4)
+        assert not problems, (f"prompt encoding differs from {type(pipe).__name__}'s (compared {common}): "
+                              + "; ".join(problems))  # fmt: skip
+
+    def check_sigmas(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """The sampling schedule: the adapter's noise levels are the pipeline scheduler's."""
+        ours = adapter.sampling_schedules(case.init, self.reference_steps)[next(iter(case.init.components))]
+        check_close(f"the sampling sigmas of {self.reference_steps} steps ({[round(float(s), 4) for s in ours]})",
+                    ours.float().cpu(), case.run.sigmas, atol=1e-5,
+                    hint=f"{type(pipe).__name__}'s scheduler steps through "
+                         f"{[round(float(s), 4) for s in case.run.sigmas]}: check the schedule's shift.")  # fmt: skip
+
+    def check_denoiser(self, adapter: Adapter, pipe: Any, case: ReferenceCase, what: str = "") -> None:
+        """One denoiser call at each sigma of the run: ``velocity`` at the pipeline's latents and sigma equals the
+        pipeline's Euler update over that step."""
+        layout, mask = self.reference_layout, first_mask(case.init)
+        for k in range(self.reference_steps):
+            sigma = float(case.run.sigmas[k])
+            state = layout.adapter_state(pipe, case.run.latents[k], case.init)
+            with torch.no_grad():
+                ours = state_tensor(velocity_at(adapter, state, sigma, case.condition))
+            theirs = state_tensor(layout.adapter_state(pipe, case.run.velocity(k), case.init))
+            problem = differences(ours, theirs, atol=self.velocity_atol, rtol=self.velocity_atol * 10, mask=mask)
+            if problem is not None:
+                why = diagnose_velocity(pipe, case.run, k, ours, theirs, layout, case.init, atol=self.velocity_atol)
+                raise AssertionError(
+                    f"velocity{what} at sigma {sigma:.4g} (step {k} of {self.reference_steps}) differs from "
+                    f"{type(pipe).__name__}'s denoiser step at the same latents: {problem}. {why}"
+                )
+
+    def check_sampling(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """A full sampling run from the same seed: the adapter's final latents are the pipeline's."""
+        generator = torch.Generator().manual_seed(self.seed)
+        final = adapter.sample(case.condition, num_steps=self.reference_steps, guidance_scale=case.guidance_scale,
+                               generator=generator)  # fmt: skip
+        theirs = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
+        hint = ""
+        if case.guidance_scale != 1 and adapter.unconditional(case.condition) is None:
+            hint = "The adapter has no negative branch (unconditional() is None): CFG was skipped."
+        check_close(f"the final latents of {self.reference_steps}-step sampling at guidance {case.guidance_scale:g}",
+                    state_tensor(final), state_tensor(theirs), atol=self.sample_atol, rtol=self.sample_atol,
+                    mask=first_mask(case.init), hint=hint)  # fmt: skip
+
+    def check_decoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Decoding the pipeline's final latents gives the pipeline's media (to uint8 rounding)."""
+        final = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
+        ours = adapter.decode(final)
+        theirs = self.reference_media(adapter, case.run.output)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            for j, (x, y) in enumerate(zip(a, b)):
+                check_close(f"decoded output {j} of sample {i} (uint8 units)", x.float(), y, atol=self.media_atol,
+                            hint="The latents were the pipeline's, so decode differs: check the VAE latent "
+                                 "normalisation (shift / scaling factors, latents_mean / latents_std) and the pixel "
+                                 "range.")  # fmt: skip
+
+    def check_cfg(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
+        """A contract that accepts negative prompts has a negative branch, and CFG on changes the velocity."""
+        if not adapter.io_contract.uses_cfg:
+            return
+        condition = prepare(adapter, inputs)
+        negative = adapter.unconditional(condition)
+        name = type(adapter).__name__
+        assert negative is not None, (
+            f"{name}.io_contract accepts negative prompts (negative_prompt=allowed) but unconditional(condition) "
+            "returns None: sampling silently skips classifier-free guidance. Return the negative branch, or declare "
+            "negative_prompt=NegativePrompt.REJECTED."
+        )
+        state = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            plain = state_tensor(velocity_at(adapter, state, 0.7, condition))
+            guided = state_tensor(guided_velocity(adapter, state, 0.7, condition, negative, self.reference_guidance))
+        assert differences(guided, plain, atol=1e-6, rtol=0) is not None, (
+            f"{name}: the velocity with CFG on (scale {self.reference_guidance:g}) equals the one with CFG off: the "
+            "negative branch from unconditional() gives the positive condition's velocity (negative prompts unused?)"
+        )
+
+    def check_frozen_in_eval(self, adapter: Adapter, when: str) -> None:
+        """Every module outside the trained networks is in eval mode, however deeply nested (leaf modules: what
+        dropout and normalisation read)."""
+        left = frozen_in_train_mode(adapter)
+        assert not left, (
+            f"{type(adapter).__name__} {when}: {len(left)} frozen module(s) outside the trained networks are in train "
+            f"mode (dropout would randomise the conditions they compute): {', '.join(left[:6])}"
+            + (", ..." if len(left) > 6 else "") + ". Call .eval() on frozen components, wherever they are nested."
+        )
+
+    def check_preprocess_is_deterministic(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
+        a, b = adapter.preprocess(inputs), adapter.preprocess(inputs)
+        for i, (x, y) in enumerate(zip(a, b)):
+            for key in x:
+                assert torch.equal(x[key], y[key]), (
+                    f"{type(adapter).__name__}.preprocess gives different {key!r} for sample {i} on a second call with "
+                    "the same inputs: a frozen component in train mode (dropout)?"
+                )
+
+    def check_roundtrip(self, adapter: Adapter, inputs: list[ConditionInput], folder: Path) -> None:
+        """encode -> decode on the trained tiny VAE within :attr:`roundtrip_tolerance` (mean, uint8 units)."""
+        targets = self.make_roundtrip_targets(adapter, len(inputs), folder)
+        condition = prepare(adapter, inputs)
+        with torch.no_grad():
+            clean = adapter.encode_output(targets, condition, generator=torch.Generator().manual_seed(0))
+            media = adapter.decode(clean)
+        for i, (ours, target) in enumerate(zip(media, targets)):
+            for j, (x, y) in enumerate(zip(ours, target)):
+                error = float((x.float() - y.float()).abs().mean())
+                assert error <= self.roundtrip_tolerance, (
+                    f"encode_output -> decode round trip of output {j} of sample {i} on the trained tiny VAE: mean "
+                    f"|decoded - target| = {error:.1f} > {self.roundtrip_tolerance:g} (uint8 units): encode_output "
+                    "and decode do not invert each other (VAE latent normalisation, pixel range [-1, 1])"
+                )
+
+    def check_lora_in_pipeline(self, pretrained: Path, inputs: list[ConditionInput], folder: Path,
+                               adapter: Adapter | None = None) -> None:  # fmt: skip
+        """A LoRA (random ``lora_B``: as if trained) exported by the adapter and loaded into the pipeline through
+        ``load_lora_weights`` gives the adapter's denoiser calls, and changes them."""
+        adapter = adapter or self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+        apply_lora(adapter, LoRAConfig(rank=2, alpha=6))  # alpha != rank: a loader that drops alpha is caught
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in adapter.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        files = adapter.save_loras(folder, lora_state_dicts(adapter), lora_configs(adapter))
+        pipe = self.load_reference_pipeline(pretrained)
+        self.load_reference_lora(pipe, adapter, folder, files)
+        case = self.run_reference(adapter, pipe, inputs, guidance_scale=1.0)
+        self.check_denoiser(adapter, pipe, case, what=" with the exported LoRA loaded through load_lora_weights")
+        base = self.run_reference(adapter, self.load_reference_pipeline(pretrained), inputs, guidance_scale=1.0)
+        assert differences(case.run.velocity(0), base.run.velocity(0), atol=1e-4, rtol=0) is not None, (
+            f"the exported LoRA ({sorted(p.name for p in files.values())}) changes nothing in "
+            f"{type(pipe).__name__} after load_lora_weights: its keys or prefix ({adapter.lora_prefix!r}) match no "
+            "module"
+        )
+
+    # -- private helpers ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _image_size(adapter: Adapter) -> tuple[int, int]:
+        (geometry, *_) = adapter.output_geometry()
+        if geometry is not None:
+            return geometry.height, geometry.width
+        size = getattr(adapter, "resolution")
+        return size, size
+
+    def _slot_image(self, adapter: Adapter, folder: Path, slot: str, seed: int) -> dict[str, Any]:
+        from PIL import Image
+
+        height, width = self._image_size(adapter)
+        image = torch.randint(0, 256, (3, height, width), generator=torch.Generator().manual_seed(seed),
+                              dtype=torch.uint8)  # fmt: skip
+        path = folder / f"{slot}_{seed}.png"
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+        return {"type": "image", "data": image, "path": path, "slot": slot}
+
+    # -- checks: the maths against the reference pipeline --------------------------------------------------------
+    def test_reference_prompt_encoding(self, adapter, reference, reference_case):
+        self.check_condition(adapter, reference, reference_case)
+
+    def test_reference_sampling_sigmas(self, adapter, reference, reference_case):
+        self.check_sigmas(adapter, reference, reference_case)
+
+    def test_reference_denoiser_at_each_sigma(self, adapter, reference, reference_case):
+        self.check_denoiser(adapter, reference, reference_case)
+
+    def test_reference_sampling_run(self, adapter, reference, reference_case):
+        self.check_sampling(adapter, reference, reference_case)
+
+    def test_reference_sampling_run_with_cfg(self, adapter, reference, inputs):
+        if not adapter.io_contract.uses_cfg:
+            pytest.skip(f"{self.adapter_cls.__name__}'s contract takes no negative prompt (no CFG)")
+        self.check_sampling(adapter, reference,
+                            self.run_reference(adapter, reference, inputs, guidance_scale=self.reference_guidance))
+
+    def test_reference_decoding(self, adapter, reference, reference_case):
+        self.check_decoding(adapter, reference, reference_case)
+
+    def test_reference_lora_loads_through_load_lora_weights(self, pretrained, reference, inputs, tmp_path):
+        self.check_lora_in_pipeline(pretrained, inputs, tmp_path / "lora")
+
+    # -- checks: plumbing ----------------------------------------------------------------------------------------
+    def test_frozen_components_are_in_eval_mode_at_any_depth(self, pretrained, inputs):
+        adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
+        self.check_frozen_in_eval(adapter, "after from_pretrained")
+        self.check_preprocess_is_deterministic(adapter, inputs)
+        adapter.train()
+        self.check_frozen_in_eval(adapter, "after .train()")
+
+    def test_negative_prompts_change_the_guided_velocity(self, adapter, inputs):
+        if not adapter.io_contract.uses_cfg:
+            pytest.skip(f"{self.adapter_cls.__name__}'s contract takes no negative prompt (no CFG)")
+        self.check_cfg(adapter, inputs)
+
+    def test_encode_decode_round_trip_on_the_trained_vae(self, trained_pretrained, inputs, tmp_path):
+        adapter = self.adapter_cls.from_pretrained(trained_pretrained, **self.adapter_kwargs)
+        self.check_roundtrip(adapter, inputs, tmp_path)
+
     def test_metadata_is_readable_without_weights(self):
         cls = self.adapter_cls
         assert isinstance(cls.name, str) and cls.name
@@ -93,19 +467,19 @@ class AdapterConformance:
     def test_denoiser_is_a_submodule(self, adapter):
         assert any(m is adapter.denoiser for m in adapter.modules())
 
-    def test_preprocess_gives_per_sample_cpu_tensors(self, adapter):
-        out = adapter.preprocess([ConditionInput(p) for p in self.prompts])
-        assert len(out) == len(self.prompts)
-        assert out[0].keys() == out[1].keys() and out[0]
+    def test_preprocess_gives_per_sample_cpu_tensors(self, adapter, inputs):
+        out = adapter.preprocess(inputs)
+        assert len(out) == len(inputs) and out[0]
+        assert all(o.keys() == out[0].keys() for o in out)
         for key, value in out[0].items():
             assert value.device.type == "cpu", key
-            assert value.shape == out[1][key].shape, key
+            assert all(o[key].shape == value.shape for o in out), key
             assert not value.requires_grad, key
 
-    def test_stages_agree_on_latent_geometry(self, adapter, batch):
+    def test_stages_agree_on_latent_geometry(self, adapter, batch, inputs):
         condition = adapter.prepare_condition(batch["condition"])
         clean = adapter.encode_output(batch["target"], condition)
-        assert isinstance(clean, LatentState) and clean.batch_size == len(self.prompts)
+        assert isinstance(clean, LatentState) and clean.batch_size == len(inputs)
         noise = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
         assert list(noise.components) == list(clean.components)
         sigma = torch.full((clean.batch_size,), 0.5)
@@ -115,10 +489,10 @@ class AdapterConformance:
             assert velocity.components[name].shape == tensor.shape, name
             assert torch.isfinite(velocity.components[name]).all(), name
 
-    def test_decode_follows_the_output_contract(self, adapter, batch):
+    def test_decode_follows_the_output_contract(self, adapter, batch, inputs):
         condition = adapter.prepare_condition(batch["condition"])
         media = adapter.decode(adapter.encode_output(batch["target"], condition))
-        assert len(media) == len(self.prompts)
+        assert len(media) == len(inputs)
         for sample in media:
             assert len(sample) == len(adapter.io_contract.outputs)
             for item, spec in zip(sample, adapter.io_contract.outputs):
@@ -187,10 +561,7 @@ class AdapterConformance:
         adapter.train()  # frozen components must stay in eval mode (no dropout in the conditions)
         assert {id(m) for m in adapter.trained_networks()} == {id(m) for m in networks}
         assert all(m.training for network in networks for m in network.modules())
-        in_denoiser = {id(m) for network in networks for m in network.modules()}
-        frozen = [n for n, m in adapter.named_modules() if id(m) not in in_denoiser and n  # n: not the adapter itself
-                  and not any(p.requires_grad for p in m.parameters())]  # fmt: skip
-        assert frozen and not any(adapter.get_submodule(n).training for n in frozen), frozen  # nested ones included
+        self.check_frozen_in_eval(adapter, "after .train() with its denoisers trainable")
         loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()
@@ -199,14 +570,14 @@ class AdapterConformance:
         denoiser = {id(p) for p in trained}
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
-    def test_tensor_rows_round_trip(self, adapter, batch):
+    def test_tensor_rows_round_trip(self, adapter, batch, inputs):
         """With ``tensor_columns`` declared: the rows ``ff data preprocess-latents`` writes (``to_row`` of the
         preprocessed condition and the encoded latents), read back (``from_row``, collated, ``stored_latents``), are
         the condition and the clean state training would have computed, so SFT from shards equals SFT on the fly."""
         columns = self.adapter_cls.tensor_columns
         if columns is None:
             pytest.skip(f"{self.adapter_cls.__name__} declares no tensor_columns (no training from shards)")
-        conditions = adapter.preprocess([ConditionInput(p) for p in self.prompts])
+        conditions = adapter.preprocess(inputs)
         condition = adapter.prepare_condition(default_collate(conditions))
         clean = adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(0))
         rows = [columns.to_row(c, {k: v[i].cpu() for k, v in clean.components.items()})
@@ -228,7 +599,7 @@ class AdapterConformance:
         assert isinstance(identity, dict) and json.loads(json.dumps(identity)) == identity
         assert self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs).preprocess_identity() == identity
 
-    def test_preprocessing_components_are_preprocessing_only(self, pretrained, batch):
+    def test_preprocessing_components_are_preprocessing_only(self, pretrained, batch, inputs):
         """Once conditions are cached FlowModule releases ``preprocessing_components``: training (loss and gradient),
         sampling and decoding must still work from the cached conditions alone."""
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
@@ -246,7 +617,7 @@ class AdapterConformance:
         assert torch.isfinite(loss) and any(p.grad is not None for p in trained)
         condition = adapter.prepare_condition(batch["condition"])
         media = adapter.decode(adapter.sample(condition, num_steps=2, generator=torch.Generator().manual_seed(0)))
-        assert len(media) == len(self.prompts)
+        assert len(media) == len(inputs)
 
     def test_lora_export_is_prefixed_safetensors(self, pretrained, tmp_path):
         adapter = self.adapter_cls.from_pretrained(pretrained, **self.adapter_kwargs)
@@ -271,3 +642,32 @@ class AdapterConformance:
             weight_name, key_prefix = adapter.lora_file(network)
             assert file.name == weight_name and file.is_file()
             assert load_file(file) and all(k.startswith(f"{key_prefix}.") for k in load_file(file))
+
+
+class ReferenceCase:
+    """One reference run and the adapter-side state it started from.
+
+    Args:
+        inputs: the condition inputs.
+        condition: the adapter's prepared condition of them.
+        init: the adapter's initial noise (seeded), the run's initial latents.
+        run: the recorded pipeline run.
+        guidance_scale: the CFG scale of the run.
+    """
+
+    def __init__(self, inputs: list[ConditionInput], condition: Condition, init: LatentState, run: PipelineRun,
+                 guidance_scale: float) -> None:  # fmt: skip
+        self.inputs, self.condition, self.init, self.run = inputs, condition, init, run
+        self.guidance_scale = guidance_scale
+
+
+def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
+    """The adapter's prepared condition of ``inputs`` (preprocess, collate, prepare_condition)."""
+    return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
+
+
+def frozen_in_train_mode(adapter: Adapter) -> list[str]:
+    """Names of the leaf modules outside every trained network (``denoisers()``) that are in train mode."""
+    inside = {id(m) for network in adapter.denoisers().values() for m in network.modules()}
+    return [name for name, m in adapter.named_modules()
+            if name and id(m) not in inside and not list(m.children()) and m.training]  # fmt: skip
