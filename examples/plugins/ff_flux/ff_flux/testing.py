@@ -38,6 +38,7 @@ def build_tiny_flux(
     vae_train_dir: str | Path | None = None,
     vae_steps: int = 300,
     vae_cache_dir: str | Path | None = None,
+    vae_from: str | Path | None = None,
 ) -> Path:
     """Write a tiny random-initialised FLUX.1-layout checkpoint to ``path`` and return it.
 
@@ -52,6 +53,8 @@ def build_tiny_flux(
         vae_train_dir: folder of images to train the VAE on; ``None``: random, with FLUX.1's shift and scale.
         vae_steps: Adam steps of VAE training.
         vae_cache_dir: where the trained VAE is kept and reused (:func:`ff_core.testing.tiny.build_tiny_image_vae`).
+        vae_from: a saved ``AutoencoderKL`` folder to use as the VAE instead (another tiny checkpoint's trained
+            ``vae/``: FLUX.1's VAE is the same class as SD3's), so a session trains one tiny VAE for every family.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -69,9 +72,14 @@ def build_tiny_flux(
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )  # fmt: skip
     text_encoder_2 = seeded(seed + 2, lambda: T5EncoderModel(t5_cfg))
-    vae = build_tiny_image_vae(seed=seed + 3, image_size=image_size, train_dir=vae_train_dir, steps=vae_steps,
-                               train_seed=seed, cache_dir=vae_cache_dir)  # fmt: skip
-    if vae_train_dir is None:
+    if vae_from is not None:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(vae_from)
+    else:
+        vae = build_tiny_image_vae(seed=seed + 3, image_size=image_size, train_dir=vae_train_dir, steps=vae_steps,
+                                   train_seed=seed, cache_dir=vae_cache_dir)  # fmt: skip
+    if vae_train_dir is None and vae_from is None:
         vae.register_to_config(shift_factor=FLUX_VAE_SHIFT, scaling_factor=FLUX_VAE_SCALE)
     transformer = seeded(seed + 4, lambda: FluxTransformer2DModel(
         patch_size=1, in_channels=4 * vae.config.latent_channels, num_layers=num_layers,

@@ -1,22 +1,59 @@
-"""FluxAdapter against ff's adapter conformance kit, on a guidance-embedded and a guidance-free tiny checkpoint."""
+"""FluxAdapter against ff's adapter conformance kit, maths checks against diffusers' FluxPipeline included, on a
+guidance-embedded (dev-like) and a guidance-free (schnell-like) tiny checkpoint."""
 
+import pytest
+from diffusers import FluxPipeline
 from ff_flux import FluxAdapter
 from ff_flux.testing import build_tiny_flux
 
+from ff_core.adapter import LatentState
 from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.reference import LatentLayout
 
 
-class TestFluxDevConformance(AdapterConformance):
+def to_pipeline(pipe, state):
+    """The adapter's unpacked (B, C, h, w) latents in FluxPipeline's packed token layout, by the pipeline's own code."""
+    x = state.components["latent"]
+    return FluxPipeline._pack_latents(x, *x.shape)
+
+
+def from_pipeline(pipe, latents, like):
+    """FluxPipeline's packed latents unpacked by the pipeline's own code, shaped like the adapter's state."""
+    h, w = like.components["latent"].shape[-2:]
+    scale = pipe.vae_scale_factor
+    return LatentState({"latent": FluxPipeline._unpack_latents(latents, h * scale, w * scale, scale)})
+
+
+class FluxKit(AdapterConformance):
+    """The kit configured for FLUX.1 (subclassed per checkpoint kind)."""
+
     adapter_cls = FluxAdapter
     adapter_kwargs = {"resolution": 32}
+    reference_pipeline = FluxPipeline
+    # The pipeline packs 2 x 2 latent patches into tokens; ff's state holds them unpacked (LatentState docs).
+    reference_layout = LatentLayout(to_pipeline=to_pipeline, from_pipeline=from_pipeline)
+    guidance_embeds = True
 
     def build_checkpoint(self, path):
-        return build_tiny_flux(path, guidance_embeds=True)
+        return build_tiny_flux(path, guidance_embeds=self.guidance_embeds)
+
+    def reference_call_kwargs(self, adapter, inputs):
+        return {**super().reference_call_kwargs(adapter, inputs), "max_sequence_length": adapter.max_sequence_length}
+
+    def reference_guidance_kwargs(self, guidance_scale):
+        """ff's CFG is FluxPipeline's ``true_cfg_scale``; its ``guidance_scale`` is the embedded guidance, left at the
+        default both sides share (3.5)."""
+        return {"true_cfg_scale": guidance_scale}
 
 
-class TestFluxSchnellConformance(AdapterConformance):
-    adapter_cls = FluxAdapter
-    adapter_kwargs = {"resolution": 32}
+class TestFluxDevConformance(FluxKit):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def trained_pretrained(cls, tmp_path_factory, trained_sd3):
+        """A dev-like checkpoint with the session's shapes-trained tiny VAE (conftest's ``trained_sd3``: the same
+        ``AutoencoderKL`` class), for the encode -> decode round trip."""
+        return build_tiny_flux(tmp_path_factory.mktemp("tiny-flux-vae"), vae_from=trained_sd3 / "vae")
 
-    def build_checkpoint(self, path):
-        return build_tiny_flux(path, guidance_embeds=False)
+
+class TestFluxSchnellConformance(FluxKit):
+    guidance_embeds = False
