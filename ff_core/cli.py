@@ -29,6 +29,7 @@ TRAINER_COMMANDS = {
     "predict": "write one file per evaluation prompt plus an index (MediaWriter)",
 }
 PLUGINS_HELP = "list installed adapters (distribution, version, IO contract), rewards, and plugins that failed to load"
+PLUGINS_NEW_HELP = "generate a plugin skeleton (pyproject with entry point, adapter, tiny checkpoint, tests, recipe)"
 _HELP_FLAGS = ("-h", "--help")
 _OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints these and exits
 
@@ -37,7 +38,8 @@ def usage() -> str:
     """``ff --help``: what ff is and every subcommand, Lightning's and ff's own."""
     from ff_core.data.commands import DATA_COMMANDS
 
-    rows = [*TRAINER_COMMANDS.items(), *((f"data {k}", v) for k, v in DATA_COMMANDS.items()), ("plugins", PLUGINS_HELP)]
+    rows = [*TRAINER_COMMANDS.items(), *((f"data {k}", v) for k, v in DATA_COMMANDS.items()), ("plugins", PLUGINS_HELP),
+            ("plugins new", PLUGINS_NEW_HELP)]  # fmt: skip
     width = max(len(name) for name, _ in rows) + 2
     return "\n".join([
         "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]",
@@ -46,6 +48,7 @@ def usage() -> str:
         "       ff data preprocess --config recipe.yaml [--section.key value ...]",
         "       ff data preprocess-latents --config recipe.yaml --output ROOT [--section.key value ...]",
         "       ff plugins",
+        "       ff plugins new NAME [--dir DIR]",
         "",
         "ff post-trains flow-matching models on PyTorch Lightning. A recipe is one YAML with model: (FlowModule:",
         "adapter, checkpoint, objective), data: (FlowDataModule: datasets, batch sizes) and trainer: (Lightning's",
@@ -85,12 +88,36 @@ def print_plugins(stream: TextIO | None = None) -> int:
 
 def _plugins(args: list[str]) -> int:
     if args[:1] and args[0] in _HELP_FLAGS:
-        print(f"usage: ff plugins\n\n{PLUGINS_HELP}.", file=sys.stdout)
+        print(f"usage: ff plugins\n       ff plugins new NAME [--dir DIR]\n\n{PLUGINS_HELP}.\n"
+              f"new: {PLUGINS_NEW_HELP}.", file=sys.stdout)  # fmt: skip
         return 0
+    if args[:1] == ["new"]:
+        return _plugins_new(args[1:])
     if args:
-        print(f"usage: ff plugins\nff plugins: takes no arguments, found {' '.join(args)!r}", file=sys.stderr)
+        print(f"usage: ff plugins [new NAME [--dir DIR]]\nff plugins: takes no arguments, found {' '.join(args)!r}",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     return print_plugins()
+
+
+def _plugins_new(args: list[str]) -> int:
+    """``ff plugins new NAME [--dir DIR]`` (:func:`ff_core.scaffold.new_plugin`)."""
+    import argparse
+
+    from ff_core.scaffold import new_plugin
+
+    parser = argparse.ArgumentParser(prog="ff plugins new", description=PLUGINS_NEW_HELP + ".")
+    parser.add_argument("name", help="the family's name: lowercase letters, digits, dashes (my-family)")
+    parser.add_argument("--dir", default=".", help="folder to create the plugin in (default: the current one)")
+    a = parser.parse_args(args)
+    try:
+        folder = new_plugin(a.name, a.dir)
+    except (ValueError, FileExistsError) as exc:
+        print(f"ff plugins new: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote plugin {folder.name} to {folder}\nnext: pip install -e {folder} && ff plugins && "
+          f"python -m pytest -q {folder / 'tests'}")
+    return 0
 
 
 def _unknown_command(name: str) -> int:

@@ -1,0 +1,128 @@
+"""`ff plugins new`: the generated skeleton installs into a throwaway environment, registers through its entry point,
+passes the conformance kit, trains a step through `ff fit`, and uninstalls cleanly; plus the names it derives and the
+``FF_PLUGINS`` variable that loads a plugin module that is not installed."""
+
+import os
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ff_core
+from ff_core.cli import main
+from ff_core.plugins import ENTRY_POINT_GROUP, PLUGINS_ENV, PluginRegistry
+from ff_core.scaffold import PluginNames, new_plugin
+
+REPO = Path(ff_core.__file__).resolve().parents[1]
+
+
+def test_names_derive_from_the_family_name():
+    names = PluginNames.from_name("my-family2")
+    assert (names.adapter_name, names.dist, names.package, names.module, names.class_name) == (
+        "my-family2", "ff-my-family2", "ff_my_family2", "my_family2", "MyFamily2Adapter")
+    assert PluginNames.from_name("ff-toy") == PluginNames.from_name("toy")
+    assert names.interface_version == ff_core.ADAPTER_INTERFACE_VERSION
+
+
+@pytest.mark.parametrize("bad", ["My-Family", "2fam", "fam--ily", "fam_ily", "fam-", ""])
+def test_a_bad_name_is_refused_with_exit_2(bad, tmp_path, capsys):
+    assert main(["plugins", "new", bad, "--dir", str(tmp_path)]) == 2
+    assert "lowercase letters, digits and single dashes" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
+    folder = new_plugin("toy", tmp_path)
+    (folder / "mine.txt").write_text("keep")
+    assert main(["plugins", "new", "toy", "--dir", str(tmp_path)]) == 2
+    assert "exists already" in capsys.readouterr().err and (folder / "mine.txt").read_text() == "keep"
+
+
+def test_the_skeleton_declares_the_entry_point_ff_reads(tmp_path):
+    folder = new_plugin("toy-fam", tmp_path)
+    assert folder == tmp_path / "ff_toy_fam"
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == ["README.md", "configs/sft_tiny.yaml", "ff_toy_fam/__init__.py", "ff_toy_fam/adapter.py",
+                     "ff_toy_fam/plugin.py", "ff_toy_fam/testing.py", "pyproject.toml",
+                     "tests/test_toy_fam_conformance.py"]  # fmt: skip
+    pyproject = (folder / "pyproject.toml").read_text()
+    assert f'[project.entry-points.{ENTRY_POINT_GROUP}]\ntoy-fam = "ff_toy_fam.plugin"' in pyproject
+    assert 'name = "ff-toy-fam"' in pyproject
+    assert (folder / "configs" / "sft_tiny.yaml").read_text().startswith("# ff fit --config configs/sft_tiny.yaml")
+    for path in folder.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")  # every placeholder substituted into valid Python
+
+
+def test_ff_plugins_env_loads_a_module_that_is_not_installed(tmp_path, monkeypatch):
+    (tmp_path / "toy_env_plugin.py").write_text(textwrap.dedent('''
+        from ff_core.adapter import Adapter
+        from ff_core.contracts import IMAGE_OUT, PipelineIOContract
+        from ff_core.hookspecs import hookimpl
+
+        class ToyEnv(Adapter):
+            name = "toy-env"
+            io_contract = PipelineIOContract(outputs=(IMAGE_OUT,))
+
+        @hookimpl
+        def ff_adapters():
+            return [ToyEnv]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FF_DISABLE_PLUGIN_AUTOLOAD", "1")  # explicit plugins load even with autoload off
+    monkeypatch.setenv(PLUGINS_ENV, " toy_env_plugin , missing_plugin_module")
+    registry = PluginRegistry()
+    info = registry.adapters()["toy-env"]
+    assert (info.distribution, info.cls.__module__) == (PLUGINS_ENV, "toy_env_plugin")
+    (failure,) = registry.failures  # a module that does not import is reported by name, the others still load
+    assert failure.plugin == "missing_plugin_module" and "No module named" in failure.error
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> str:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return out.stdout
+
+
+def test_generated_plugin_installs_passes_the_kit_trains_and_uninstalls(tmp_path, shapes_dir):
+    """The acceptance test of issue 14: a throwaway venv that sees this environment's packages through a ``.pth``
+    (nothing is installed where the tests run), ``pip install --no-deps --no-build-isolation`` of the generated folder,
+    ``ff plugins`` lists it, its conformance tests pass, ``ff fit`` trains one step, ``pip uninstall`` removes it."""
+    plugin = new_plugin("toy-fam", tmp_path / "src")
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], dict(os.environ))
+    python = str(venv / "bin" / "python")
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       dict(os.environ)).strip())  # fmt: skip
+    parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (purelib / "_ff_parent_env.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in parents) + "\n")
+    # This checkout's ff_core first (the editable install's finder comes after PYTHONPATH); no network, no caches.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PIP_NO_INDEX": "1", "PIP_NO_CACHE_DIR": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(PLUGINS_ENV, None)
+    env.pop("FF_DISABLE_PLUGIN_AUTOLOAD", None)
+    run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(plugin)], env)
+    assert (purelib / "ff_toy_fam" / "adapter.py").is_file()
+
+    listing = run([python, "-m", "ff_core.cli", "plugins"], env)
+    assert "toy-fam  [ff-toy-fam 0.1.0]" in listing and "FAILED" not in listing, listing
+
+    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error::pytest.PytestDeprecationWarning",
+         str(plugin / "tests")], {**env, "PYTHONPATH": env["PYTHONPATH"]})  # fmt: skip
+
+    checkpoint = tmp_path / "tiny-toy-fam"
+    run([python, "-m", "ff_toy_fam.testing", "--out", str(checkpoint)], env)
+    datasets = f'[{{"name": "shapes", "dataset_dir": "{shapes_dir}"}}]'
+    run([python, "-m", "ff_core.cli", "fit", "--config", str(plugin / "configs" / "sft_tiny.yaml"),
+         "--model.pretrained_model_name_or_path", str(checkpoint), "--data.datasets", datasets,
+         "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path / "run")], env)  # fmt: skip
+    assert list((tmp_path / "run").rglob("*.ckpt")), "ff fit wrote no checkpoint"
+
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "ff-toy-fam"], env)
+    assert not (purelib / "ff_toy_fam").exists()
+    assert "toy-fam" not in run([python, "-m", "ff_core.cli", "plugins"], env)
+    for parent in parents:  # the environment the tests run in never saw it
+        assert not list(Path(parent).glob("ff_toy_fam*")), parent
