@@ -607,11 +607,11 @@ class AdapterConformance:
         denoiser = {id(p) for p in trained}
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
-    def test_tensor_rows_round_trip(self, adapter, batch, inputs):
+    def test_tensor_rows_round_trip(self, pretrained, adapter, batch, inputs):
         """With ``tensor_columns`` declared: the rows ``ff data preprocess-latents`` writes (``to_row`` of the
         preprocessed condition and the encoded latents), read back (``from_row``, collated, ``stored_latents``), are
         the condition and the clean state training would have computed, so SFT from shards equals SFT on the fly."""
-        columns = self.adapter_cls.tensor_columns
+        columns = self.adapter_cls.resolve_tensor_columns(pretrained, self.adapter_kwargs)  # the checkpoint's
         if columns is None:
             pytest.skip(f"{self.adapter_cls.__name__} declares no tensor_columns (no training from shards)")
         conditions = adapter.preprocess(inputs)
