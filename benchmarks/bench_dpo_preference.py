@@ -35,7 +35,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from demo_colour_accuracy import generate  # noqa: E402  (benchmarks/ is the script's folder)
+from demo_checkpoint import generate  # noqa: E402  (benchmarks/ is the script's folder)
 
 from ff_core.callbacks.samples import image_grid  # noqa: E402
 from ff_core.data.datamodule import FlowDataModule  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -20,30 +19,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ff_core.adapter import ConditionInput  # noqa: E402
+from demo_checkpoint import generate, latest_checkpoint, load_trained_and_base  # noqa: E402
+
 from ff_core.callbacks.samples import image_grid  # noqa: E402
-from ff_core.module import FlowModule  # noqa: E402
 from ff_core.testing.shapes import dominant_colour, prompt_colour  # noqa: E402
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    candidates = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise SystemExit(f"no checkpoint under {run_dir}/version_*/checkpoints: run scripts/demo.sh first")
-    return candidates[-1]
-
-
-@torch.no_grad()
-def generate(module: FlowModule, prompts: list[str], seeds: int, steps: int) -> list[tuple[str, torch.Tensor]]:
-    adapter = module.adapter.eval()
-    conditions = adapter.preprocess([ConditionInput(p) for p in prompts])
-    batch = torch.utils.data.default_collate(conditions)
-    out = []
-    for seed in range(seeds):
-        state = adapter.sample(adapter.prepare_condition(batch), num_steps=steps,
-                               generator=torch.Generator().manual_seed(seed))
-        out += [(p, media[0]) for p, media in zip(prompts, adapter.decode(state))]
-    return out
 
 
 def accuracy(samples: list[tuple[str, torch.Tensor]]) -> tuple[float, Counter]:
@@ -62,15 +41,9 @@ def main() -> None:
     parser.add_argument("--grid", type=Path, default=None, help="PNG of the trained model's samples")
     args = parser.parse_args()
 
-    ckpt = args.checkpoint or latest_checkpoint(args.run_dir)
+    ckpt = args.checkpoint or latest_checkpoint(args.run_dir, "scripts/demo.sh")
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    with warnings.catch_warnings():  # checkpoints hold trained tensors only: the frozen rest comes from the base
-        warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
-        trained = FlowModule.load_from_checkpoint(ckpt, map_location="cpu")
-    base = FlowModule(adapter=trained.hparams.adapter,
-                      pretrained_model_name_or_path=trained.hparams.pretrained_model_name_or_path,
-                      adapter_kwargs=trained.hparams.adapter_kwargs)
-    base.configure_model()
+    trained, base = load_trained_and_base(ckpt)
 
     rows = []
     for label, module in (("untrained base (baseline)", base), (f"trained ({ckpt})", trained)):

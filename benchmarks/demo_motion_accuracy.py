@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -22,30 +21,9 @@ from PIL import Image, ImageDraw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ff_core.adapter import ConditionInput  # noqa: E402
-from ff_core.module import FlowModule  # noqa: E402
+from demo_checkpoint import generate, latest_checkpoint, load_trained_and_base  # noqa: E402
+
 from ff_core.testing.moving_shapes import MotionScore, motion_accuracy, write_mp4  # noqa: E402
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    candidates = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise SystemExit(f"no checkpoint under {run_dir}/version_*/checkpoints: run scripts/demo_video.sh first")
-    return candidates[-1]
-
-
-@torch.no_grad()
-def generate(module: FlowModule, prompts: list[str], seeds: int, steps: int) -> list[tuple[str, torch.Tensor]]:
-    """``(prompt, uint8 clip (T, 3, H, W))`` for every seed and prompt, seed-major."""
-    adapter = module.adapter.eval()
-    conditions = adapter.preprocess([ConditionInput(p) for p in prompts])
-    batch = torch.utils.data.default_collate(conditions)
-    out = []
-    for seed in range(seeds):
-        state = adapter.sample(adapter.prepare_condition(batch), num_steps=steps,
-                               generator=torch.Generator().manual_seed(seed))
-        out += [(p, media[0]) for p, media in zip(prompts, adapter.decode(state))]
-    return out
 
 
 def frame_strips(samples: list[tuple[str, torch.Tensor]], scale: int = 3) -> Image.Image:
@@ -78,15 +56,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for the trained model's clips and frames PNG")
     args = parser.parse_args()
 
-    ckpt = args.checkpoint or latest_checkpoint(args.run_dir)
+    ckpt = args.checkpoint or latest_checkpoint(args.run_dir, "scripts/demo_video.sh")
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    with warnings.catch_warnings():  # checkpoints hold trained tensors only: the frozen rest comes from the base
-        warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
-        trained = FlowModule.load_from_checkpoint(ckpt, map_location="cpu")
-    base = FlowModule(adapter=trained.hparams.adapter,
-                      pretrained_model_name_or_path=trained.hparams.pretrained_model_name_or_path,
-                      adapter_kwargs=trained.hparams.adapter_kwargs)
-    base.configure_model()
+    trained, base = load_trained_and_base(ckpt)
 
     rows = []
     for label, module in (("untrained base (baseline)", base), (f"trained ({ckpt})", trained)):

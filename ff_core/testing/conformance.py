@@ -36,6 +36,7 @@ other than images, pipeline arguments for condition media, a packed latent layou
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any, ClassVar
@@ -338,9 +339,11 @@ class AdapterConformance:
         """Every module outside the trained networks is in eval mode, however deeply nested (leaf modules: what
         dropout and normalisation read)."""
         left = frozen_in_train_mode(adapter)
+        under = ".".join(os.path.commonprefix([n.split(".") for n in left])) if left else ""
         assert not left, (
             f"{type(adapter).__name__} {when}: {len(left)} frozen module(s) outside the trained networks are in train "
-            f"mode (dropout would randomise the conditions they compute): {', '.join(left[:6])}"
+            f"mode{f' under {under!r}' if under else ''} (dropout would randomise the conditions they compute): "
+            f"{', '.join(left[:6])}"
             + (", ..." if len(left) > 6 else "") + ". Call .eval() on frozen components, wherever they are nested."
         )
 
@@ -391,6 +394,40 @@ class AdapterConformance:
             f"{type(pipe).__name__} after load_lora_weights: its keys or prefix ({adapter.lora_prefix!r}) match no "
             "module"
         )
+
+    def run_checks(self, adapter: Adapter, pretrained: Path, folder: Path, pipe: Any = None) -> dict[str, str]:
+        """Every check of this kit that takes an adapter, run on ``adapter`` (loaded from ``pretrained``; ``pipe``:
+        the reference pipeline, ``None`` for the plumbing ones only); returns each failed check's message by name.
+        For debugging an adapter outside pytest, and for testing the kit itself on broken adapters."""
+        inputs = self.make_inputs(adapter, folder)
+        checks = {
+            "frozen_in_eval": lambda: self.check_frozen_in_eval(adapter, "after from_pretrained"),
+            "preprocess_deterministic": lambda: self.check_preprocess_is_deterministic(adapter, inputs),
+            "cfg": lambda: self.check_cfg(adapter, inputs),
+        }
+        if pipe is not None:
+            case = self.run_reference(adapter, pipe, inputs, guidance_scale=1.0)
+            checks.update({
+                "prompt_encoding": lambda: self.check_condition(adapter, pipe, case),
+                "sampling_sigmas": lambda: self.check_sigmas(adapter, pipe, case),
+                "denoiser": lambda: self.check_denoiser(adapter, pipe, case),
+                "sampling": lambda: self.check_sampling(adapter, pipe, case),
+                "decoding": lambda: self.check_decoding(adapter, pipe, case),
+            })  # fmt: skip
+            if adapter.io_contract.uses_cfg:
+                checks["sampling_with_cfg"] = lambda: self.check_sampling(
+                    adapter, pipe, self.run_reference(adapter, pipe, inputs, guidance_scale=self.reference_guidance))
+            checks["lora"] = lambda: self.check_lora_in_pipeline(
+                pretrained, inputs, folder / "lora", type(adapter).from_pretrained(pretrained, **self.adapter_kwargs))
+        checks["frozen_in_eval_after_train"] = lambda: self.check_frozen_in_eval(adapter.train(), "after .train()")
+        failed = {}
+        for name, check in checks.items():
+            try:
+                check()
+            except AssertionError as exc:
+                failed[name] = str(exc).split("\nassert ")[0]  # the message, without pytest's rewritten operands
+        adapter.eval()
+        return failed
 
     # -- private helpers ------------------------------------------------------------------------------------------
     @staticmethod
@@ -570,11 +607,11 @@ class AdapterConformance:
         denoiser = {id(p) for p in trained}
         assert all(p.grad is None for p in adapter.parameters() if id(p) not in denoiser)
 
-    def test_tensor_rows_round_trip(self, adapter, batch, inputs):
+    def test_tensor_rows_round_trip(self, pretrained, adapter, batch, inputs):
         """With ``tensor_columns`` declared: the rows ``ff data preprocess-latents`` writes (``to_row`` of the
         preprocessed condition and the encoded latents), read back (``from_row``, collated, ``stored_latents``), are
         the condition and the clean state training would have computed, so SFT from shards equals SFT on the fly."""
-        columns = self.adapter_cls.tensor_columns
+        columns = self.adapter_cls.resolve_tensor_columns(pretrained, self.adapter_kwargs)  # the checkpoint's
         if columns is None:
             pytest.skip(f"{self.adapter_cls.__name__} declares no tensor_columns (no training from shards)")
         conditions = adapter.preprocess(inputs)

@@ -224,12 +224,14 @@ def build_tiny_image_vae(
     kl_weight: float = 1e-5,
     train_seed: int | None = None,
     cache_dir: str | Path | None = None,
+    shift_factor: float = 0.0,
+    scaling_factor: float = 1.0,
 ):
     """A tiny diffusers ``AutoencoderKL`` in the SD3 / FLUX.1 layout (no quant convs; ``2 ** (len(blocks) - 1)``x
     downsampling), trained briefly on ``train_dir``'s images when given.
 
     Trained, its ``shift_factor`` / ``scaling_factor`` make the posterior samples of the training images zero-mean,
-    unit-variance; untrained it keeps ``shift 0, scale 1`` (the fast path for plumbing tests). With ``cache_dir``,
+    unit-variance; untrained (the fast path for plumbing tests) they are the arguments'. With ``cache_dir``,
     the trained VAE is saved under ``cache_dir/<key>`` (key: a hash of every argument and the image files' names and
     sizes) and loaded back with ``from_pretrained`` on later calls, in this process from memory: one build per
     session and per build folder.
@@ -247,6 +249,9 @@ def build_tiny_image_vae(
         kl_weight: weight of the KL term (per latent element) against the pixel MSE.
         train_seed: seed of batch drawing and posterior sampling in training; ``None``: ``seed``.
         cache_dir: where trained VAEs are kept; ``None``: build every time.
+        shift_factor: the untrained VAE's ``shift_factor`` (trained: fitted). A non-trivial latent normalisation lets
+            a reference check see an adapter that ignores it.
+        scaling_factor: the untrained VAE's ``scaling_factor`` (trained: fitted).
     """
     from diffusers import AutoencoderKL
 
@@ -257,8 +262,8 @@ def build_tiny_image_vae(
         return AutoencoderKL(
             in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
             up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(block_out_channels), layers_per_block=1,
-            latent_channels=latent_channels, norm_num_groups=8, sample_size=image_size, scaling_factor=1.0,
-            shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
+            latent_channels=latent_channels, norm_num_groups=8, sample_size=image_size, scaling_factor=scaling_factor,
+            shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
         )  # fmt: skip
 
     if train_dir is None:

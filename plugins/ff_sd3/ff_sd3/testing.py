@@ -35,6 +35,8 @@ def build_tiny_sd3(
     vae_lr: float = 4e-3,
     vae_kl_weight: float = 1e-5,
     vae_cache_dir: str | Path | None = None,
+    vae_shift_factor: float = 0.0,
+    vae_scaling_factor: float = 1.0,
 ) -> Path:
     """Write a tiny random-initialised SD3.5-layout checkpoint to ``path`` and return it.
 
@@ -52,6 +54,8 @@ def build_tiny_sd3(
         vae_lr: peak Adam learning rate of VAE training (one-cycle schedule).
         vae_kl_weight: weight of the KL term (per latent element) against the pixel MSE.
         vae_cache_dir: where the trained VAE is kept and reused (:func:`ff_core.testing.tiny.build_tiny_image_vae`).
+        vae_shift_factor: the random VAE's ``shift_factor`` (a trained one's is fitted).
+        vae_scaling_factor: the random VAE's ``scaling_factor`` (a trained one's is fitted).
     """
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -82,7 +86,8 @@ def build_tiny_sd3(
     text_encoder_3 = seeded(seed + 3, lambda: T5EncoderModel(t5_cfg))
     vae = build_tiny_image_vae(
         seed=seed + 4, image_size=image_size, train_dir=vae_train_dir, steps=vae_steps, batch_size=vae_batch_size,
-        lr=vae_lr, kl_weight=vae_kl_weight, train_seed=seed, cache_dir=vae_cache_dir,
+        lr=vae_lr, kl_weight=vae_kl_weight, train_seed=seed, cache_dir=vae_cache_dir, shift_factor=vae_shift_factor,
+        scaling_factor=vae_scaling_factor,
     )  # fmt: skip
     latent_size = image_size // 4
     transformer = seeded(seed + 5, lambda: SD3Transformer2DModel(

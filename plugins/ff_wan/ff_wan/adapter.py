@@ -524,6 +524,8 @@ class WanI2VAdapter(WanT2VAdapter):
         self.image_encoder, self.image_processor = image_encoder, image_processor
         if image_encoder is not None:
             image_encoder.requires_grad_(False).eval()
+        else:  # Wan2.2: nothing to release beyond the text encoder (the kit's release check found the None)
+            self.preprocessing_components = ("text_encoder",)
 
     @classmethod
     def _variant(cls, pretrained: str | os.PathLike | None) -> str:
