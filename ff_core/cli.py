@@ -94,8 +94,8 @@ def _plugins(args: list[str]) -> int:
     if args[:1] == ["new"]:
         return _plugins_new(args[1:])
     if args:
-        print(f"usage: ff plugins [new NAME [--dir DIR]]\nff plugins: takes no arguments, found {' '.join(args)!r}",
-              file=sys.stderr)  # fmt: skip
+        print(f"usage: ff plugins [new NAME [--dir DIR]]\nff plugins: takes no arguments but 'new', found "
+              f"{' '.join(args)!r}", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     return print_plugins()
 

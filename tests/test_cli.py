@@ -23,16 +23,17 @@ def test_help_describes_ff_and_lists_every_subcommand(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]"
-    assert lines[1:5] == ["       ff data {validate,inspect} DATASET_DIR [options]",
+    assert lines[1:6] == ["       ff data {validate,inspect} DATASET_DIR [options]",
                           "       ff data preprocess --config recipe.yaml [--section.key value ...]",
                           "       ff data preprocess-latents --config recipe.yaml --output ROOT "
                           "[--section.key value ...]",
-                          "       ff plugins"]
-    assert lines[6].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
+                          "       ff plugins",
+                          "       ff plugins new NAME [--dir DIR]"]
+    assert lines[7].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
     block = lines[lines.index("commands:") + 1 : lines.index("", lines.index("commands:"))]
     assert [line[2:].split("  ")[0] for line in block] == [
         "fit", "validate", "test", "predict", "data validate", "data inspect", "data preprocess",
-        "data preprocess-latents", "plugins"]
+        "data preprocess-latents", "plugins", "plugins new"]
     assert lines[-1] == "`ff COMMAND --help` shows a command's options (`ff fit --help` lists every config key)."
     assert main(["-h"]) == 0 and capsys.readouterr().out == out
 
@@ -50,11 +51,12 @@ def test_unknown_command_names_the_closest(capsys):
         " see ff --help)\n")
 
 
-def test_plugins_takes_no_arguments(capsys):
+def test_plugins_takes_no_arguments_but_new(capsys):
     assert main(["plugins", "--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: ff plugins\n")
+    assert capsys.readouterr().out.startswith("usage: ff plugins\n       ff plugins new NAME [--dir DIR]\n")
     assert main(["plugins", "sd3-5"]) == 2
-    assert capsys.readouterr().err == "usage: ff plugins\nff plugins: takes no arguments, found 'sd3-5'\n"
+    assert capsys.readouterr().err == ("usage: ff plugins [new NAME [--dir DIR]]\n"
+                                       "ff plugins: takes no arguments but 'new', found 'sd3-5'\n")
 
 
 @pytest.fixture(scope="module")
