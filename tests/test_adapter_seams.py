@@ -44,6 +44,9 @@ class GuidedAdapter(Adapter):
         x = state.components["latent"]
         return LatentState({"latent": x * g + condition["c"][:, None, None, None]})
 
+    def prepare_condition(self, batch):
+        return dict(batch)
+
     def unconditional(self, condition):
         return {"c": torch.zeros_like(condition["c"])}
 
@@ -158,3 +161,23 @@ def test_a_sampling_sigmas_override_without_state_still_samples():
 
     state = LatentState({"latent": torch.zeros(1, 2, 8, 8)})
     assert_close(torch.tensor(schedules(Old(), state, 2, None)["latent"]), torch.tensor([1.0, 0.25, 0.0]))
+
+
+def test_grpo_rollouts_and_replays_carry_the_embedded_guidance():
+    """GRPO's ``embedded_guidance`` reaches the rollout (the trajectory is ``sample_sde``'s with it) and the stored
+    conditions its replays recompute log-probs from; a checkpoint without a guidance embedding refuses it by key."""
+    from ff_core.objectives import GRPOObjective
+    from ff_core.sampling import StochasticSampling, sample_sde
+
+    objective = GRPOObjective(rewards=[{"name": "brightness"}], group_size=2, prompts_per_step=1, num_steps=2,
+                              embedded_guidance=1.5, guidance_scale=2.0)  # fmt: skip
+    adapter, condition = GuidedAdapter(), {"c": torch.tensor([1.0, 1.0])}
+    (rollout,) = objective.rollout(adapter, {"prompt": ["a", "a"], "condition": condition},
+                                   torch.Generator().manual_seed(0))  # fmt: skip
+    assert rollout.condition["embedded_guidance"] == rollout.negative["embedded_guidance"] == 1.5
+    expected = sample_sde(adapter, condition, StochasticSampling(), num_steps=2, guidance_scale=2.0,
+                          generator=torch.Generator().manual_seed(0), embedded_guidance=1.5)  # fmt: skip
+    assert_close(rollout.trajectory.final.components["latent"], expected.final.components["latent"])
+    module = FlowModule(f"{__name__}:GuidedAdapter", "unused", objective=objective)
+    with pytest.raises(ConfigError, match=r"model\.objective\.embedded_guidance: 1\.5 is set"):
+        module._check_embedded_guidance(GuidedAdapter(embedded_guidance=None))
