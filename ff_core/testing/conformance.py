@@ -298,9 +298,10 @@ class AdapterConformance:
         hint = ""
         if case.guidance_scale != 1 and adapter.unconditional(case.condition) is None:
             hint = "The adapter has no negative branch (unconditional() is None): CFG was skipped."
-        check_close(f"the final latents of {self.reference_steps}-step sampling at guidance {case.guidance_scale:g}",
-                    state_tensor(final), state_tensor(theirs), atol=self.sample_atol, rtol=self.sample_atol,
-                    mask=first_mask(case.init), hint=hint)  # fmt: skip
+        for name, tensor in final.components.items():
+            check_close(f"the final {name!r} latents of {self.reference_steps}-step sampling at guidance "
+                        f"{case.guidance_scale:g}", tensor, theirs.components[name], atol=self.sample_atol,
+                        rtol=self.sample_atol, mask=case.init.masks.get(name), hint=hint)  # fmt: skip
 
     def check_decoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Decoding the pipeline's final latents gives the pipeline's media (to uint8 rounding)."""

@@ -201,7 +201,8 @@ def diagnose_velocity(
 
 
 def state_tensor(state: LatentState) -> Tensor:
-    """The single component of ``state`` (the kit compares multi-component families component by component)."""
+    """The first component of ``state``: the one whose noise levels sampling steps through (the denoiser check
+    compares it; the sampling check compares every component)."""
     return next(iter(state.components.values()))
 
 
