@@ -66,6 +66,11 @@ class ConditionInput:
 class LatentState:
     """Ordered named latent components, batch-first (``latent``, or ``video`` then ``audio``).
 
+    Each component is the latent as the family's codec gives it, normalised (``(z - shift_factor) * scaling_factor``)
+    and **unpacked**: images (B, C, h, w), videos (B, C, f, h, w). Noise, masks, losses and Euler steps act on it
+    element by element and :meth:`Adapter.decode` inverts :meth:`Adapter.encode_output`; a denoiser that takes packed
+    tokens (FLUX.1's 2 x 2 patches) packs inside :meth:`Adapter.velocity` and unpacks its prediction there.
+
     Attributes:
         components: name -> tensor of shape (B, ...); insertion order is the pipeline's output order.
         masks: optional name -> {0,1} tensor broadcastable to the component; 1 marks elements that are
