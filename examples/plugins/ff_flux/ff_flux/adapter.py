@@ -33,6 +33,7 @@ from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
+from ff_core.errors import ConfigError
 
 DEFAULT_EMBEDDED_GUIDANCE = 3.5
 """``FluxPipeline.__call__``'s default ``guidance_scale`` (diffusers' FLUX training scripts' ``--guidance_scale``)."""
@@ -100,9 +101,10 @@ class FluxAdapter(Adapter):
         if transformer.config.guidance_embeds:
             default = DEFAULT_EMBEDDED_GUIDANCE if embedded_guidance is None else embedded_guidance
             self.embedded_guidance = float(default)
-        elif embedded_guidance is not None:
-            raise ValueError(f"model.adapter_kwargs.embedded_guidance={embedded_guidance}: this checkpoint's "
-                             "transformer has no guidance embedding (guidance_embeds: false, a schnell-like model)")
+        elif embedded_guidance is not None:  # a ConfigError: `ff fit` prints it as one line naming the key
+            raise ConfigError("model.adapter_kwargs.embedded_guidance", f"{embedded_guidance} is set, but this "
+                              "checkpoint's transformer has no guidance embedding (guidance_embeds: false, a "
+                              "schnell-like model); leave it unset")  # fmt: skip
         for frozen in (vae, text_encoder, text_encoder_2):
             frozen.requires_grad_(False).eval()
 

@@ -4,8 +4,10 @@ validates with embedded guidance, and exports a LoRA that ``FluxPipeline.load_lo
 import csv
 import json
 import math
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ff_core.cli import main
@@ -13,6 +15,12 @@ from ff_core.cli import main
 HERE = Path(__file__).resolve().parents[1]
 REPO = HERE.parents[2]
 RECIPE = HERE / "configs" / "sft_tiny.yaml"
+
+
+@pytest.fixture(autouse=True)
+def ff_argv(monkeypatch):
+    """`ff fit` as the console script sees it (LightningCLI warns when pytest's own arguments are in sys.argv)."""
+    monkeypatch.setattr(sys, "argv", ["ff"])
 
 
 def test_sft_tiny_recipe_trains_through_ff_fit(tiny_flux_dev, shapes_dir, tmp_path):
@@ -38,3 +46,21 @@ def test_sft_tiny_recipe_trains_through_ff_fit(tiny_flux_dev, shapes_dir, tmp_pa
     image = pipe("a red circle", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
                  output_type="pt", generator=torch.Generator().manual_seed(0)).images  # fmt: skip
     assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ([], "ff fit: model.adapter_kwargs.embedded_guidance: 3.5 is set, but this checkpoint's transformer has no "
+         "guidance embedding"),
+    (["--model.adapter_kwargs.embedded_guidance", "null"],
+     "ff fit: model.sampling.embedded_guidance: 3.5 is set, but the 'flux1' checkpoint"),
+])  # fmt: skip
+def test_the_dev_recipe_on_a_schnell_checkpoint_fails_naming_the_key(tiny_flux_schnell, shapes_dir, tmp_path, capsys,
+                                                                     overrides, message):
+    """Embedded guidance asked of a checkpoint without a guidance embedding is one line naming the key, exit 2,
+    before any step."""
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
+    status = main(["fit", "--config", str(RECIPE), "--model.pretrained_model_name_or_path", str(tiny_flux_schnell),
+                   "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path), *overrides])
+    assert status == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.ckpt"))
