@@ -1,0 +1,1 @@
+"""ff-ltx2: LTX-2 text-to-audio+video (``ltx2_t2av``) and image-to-audio+video (``ltx2_i2av``) adapters for ff."""

@@ -1,0 +1,179 @@
+"""Tiny, random-initialised LTX-2 checkpoints in the diffusers layout, built offline in seconds.
+
+:func:`build_tiny_ltx2` writes every component of diffusers' ``LTX2Pipeline`` (``variant="t2av"``) or
+``LTX2ImageToVideoPipeline`` (``"i2av"``): ``transformer/`` (``LTX2VideoTransformer3DModel``), ``vae/``
+(``AutoencoderKLLTX2Video``), ``audio_vae/`` (``AutoencoderKLLTX2Audio``), ``vocoder/`` (``LTX2Vocoder``),
+``connectors/`` (``LTX2TextConnectors``), ``text_encoder/`` (a tiny ``Gemma3ForConditionalGeneration``),
+``tokenizer/`` (:func:`ff_core.testing.tiny.build_gemma_tokenizer`), ``scheduler/`` and ``model_index.json``, with
+``save_pretrained``, so the folder loads both through the ff adapters and through diffusers.
+
+Sizes (every number is the real model's structure scaled down):
+
+* video VAE: patch 2 and two down blocks (``spatial``, ``spatiotemporal``): 8x spatial, 2x temporal compression,
+  4 latent channels, non-trivial ``latents_mean`` / ``latents_std`` and ``scaling_factor`` so normalisation is
+  exercised. ``AutoencoderKLLTX2Video`` derives its ratios as ``patch * 2 ** (number of scaled blocks)`` for both
+  axes, which is wrong here (it would say 4x temporal): :func:`video_vae_compression` derives them from the block
+  types and the factory passes them explicitly (``spatial_compression_ratio`` / ``temporal_compression_ratio``,
+  stored in ``vae/config.json``), so diffusers' pipeline and ff agree on the latent grid.
+* audio VAE: stereo 16 kHz, mel hop 160, 16 mel bins, two down levels (4x on time and mel, as the real one),
+  2 latent channels: a packed audio token has ``2 * 16 / 4 = 8`` features, equal to ``base_channels`` (the length
+  of its ``latents_mean`` / ``latents_std``, which normalise packed tokens).
+* vocoder: upsampling ``4 * 4 * 10 = 160`` = the mel hop, so it writes 16 kHz audio (the real one upsamples to 24 kHz).
+* text: a 2-layer Gemma-3 with a 32-wide hidden state (and a 1-layer SigLIP vision tower, never used), the
+  connectors 4 heads x 8 with 8 learnable registers (the tokenizer's ``model_max_length`` 16 is a multiple);
+  the transformer 1 block, video 2 heads x 8, audio 2 heads x 4.
+
+9 frames at 32x32 are 5 latent frames of 4x4 (80 video tokens); at 8 fps that is 1.125 s, 28 audio tokens.
+
+:func:`write_av_clips` writes a tiny V2 dataset of MP4 + WAV pairs (a coloured square on grey, a sine tone) whose
+caption names the colour and the pitch.
+
+CLI: ``python -m ff_ltx2.testing --out DIR [--variant t2av]``; ``--dataset [--i2av] [--preference] [--n 8]``
+writes the dataset instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ff_core.testing.tiny import VIDEO_WORDS, build_gemma_tokenizer, seeded, write_wav
+
+VARIANTS: tuple[str, ...] = ("t2av", "i2av")
+
+AV_WORDS: tuple[str, ...] = (*VIDEO_WORDS, "low", "high", "tone", "pitch", "sound", "square", "humming", "beep")
+"""The audio+video datasets' vocabulary: the video words plus pitches (:func:`write_av_clips`)."""
+
+PITCHES: dict[str, float] = {"low": 220.0, "high": 880.0}
+COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+
+
+def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
+    """``(spatial, temporal)`` compression of an ``AutoencoderKLLTX2Video`` config, from what its blocks do.
+
+    Explicit ``spatial_compression_ratio`` / ``temporal_compression_ratio`` win (the released checkpoints: 32, 8).
+    Else each scaled encoder block halves the axes its ``downsample_type`` names (``spatial``: height and width,
+    ``temporal``: frames, ``spatiotemporal``: all three), after the ``patch_size`` / ``patch_size_t`` patchify; the
+    model's own default (``patch * 2 ** blocks`` for both axes) is wrong for any block that is not spatiotemporal.
+    """
+    spatial, temporal = config.get("spatial_compression_ratio"), config.get("temporal_compression_ratio")
+    if spatial is not None and temporal is not None:
+        return int(spatial), int(temporal)
+    scaling = config.get("spatio_temporal_scaling", (True, True, True, True))
+    blocks = len(config.get("layers_per_block", (4, 6, 6, 2, 2)))
+    if isinstance(scaling, bool):
+        scaling = (scaling,) * (blocks - 1)
+    types = config.get("downsample_type", ("spatial", "temporal", "spatiotemporal", "spatiotemporal"))
+    s = int(config.get("patch_size", 4)) * 2 ** sum(on and k in ("spatial", "spatiotemporal") for on, k in zip(scaling, types))
+    t = int(config.get("patch_size_t", 1)) * 2 ** sum(on and k in ("temporal", "spatiotemporal") for on, k in zip(scaling, types))
+    return (int(spatial) if spatial is not None else s), (int(temporal) if temporal is not None else t)
+
+
+def build_tiny_ltx2(
+    path: str | Path,
+    *,
+    variant: str = "t2av",
+    seed: int = 0,
+    text_max_length: int = 16,
+    num_layers: int = 1,
+    scheduler_kwargs: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny random-initialised LTX-2 checkpoint of ``variant`` to ``path`` and return it.
+
+    Args:
+        path: output folder (created; existing component folders are overwritten).
+        variant: ``t2av`` (``LTX2Pipeline``) or ``i2av`` (``LTX2ImageToVideoPipeline``); the weights are the same.
+        seed: seed of every random initialisation (components get ``seed + k``).
+        text_max_length: ``model_max_length`` of the tokenizer (a multiple of the connectors' 8 registers).
+        num_layers: transformer blocks.
+        scheduler_kwargs: ``FlowMatchEulerDiscreteScheduler`` arguments over the released LTX-2 scheduler's
+            (dynamic shifting, ``base_shift`` 0.95, ``max_shift`` 2.05, ``base_image_seq_len`` 1024,
+            ``max_image_seq_len`` 4096, exponential time shift).
+    """
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2ImageToVideoPipeline,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if text_max_length % 8:
+        raise ValueError(f"text_max_length must be a multiple of the connectors' 8 registers, got {text_max_length}")
+    path = Path(path)
+    tokenizer = build_gemma_tokenizer(text_max_length, AV_WORDS)
+    hidden, gemma_layers = 32, 2
+    text_cfg = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=64,
+                         num_hidden_layers=gemma_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         query_pre_attn_scalar=16, sliding_window=16, max_position_embeddings=64),
+        vision_config=dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=len(tokenizer), eoi_token_index=len(tokenizer) + 1,
+        image_token_index=len(tokenizer) + 2,
+    )  # fmt: skip
+    text_encoder = seeded(seed + 1, lambda: Gemma3ForConditionalGeneration(text_cfg).eval())
+    connectors = seeded(seed + 2, lambda: LTX2TextConnectors(
+        caption_channels=hidden, text_proj_in_factor=gemma_layers + 1,
+        video_connector_num_attention_heads=4, video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=8, audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1, audio_connector_num_learnable_registers=8,
+        connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False, rope_type="split",
+    ))  # fmt: skip
+    vae_cfg = dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
+        downsample_type=("spatial", "spatiotemporal"), upsample_type=("spatiotemporal", "spatial"),
+        upsample_residual=(False, False), upsample_factor=(1, 1), timestep_conditioning=False, patch_size=2,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False, scaling_factor=0.8,
+    )  # fmt: skip
+    spatial, temporal = video_vae_compression(vae_cfg)
+    vae = seeded(seed + 3, lambda: AutoencoderKLLTX2Video(
+        **vae_cfg, spatial_compression_ratio=spatial, temporal_compression_ratio=temporal))
+    g = torch.Generator().manual_seed(seed + 4)
+    vae.latents_mean.copy_(torch.randn(4, generator=g) * 0.2)
+    vae.latents_std.copy_(0.5 + torch.rand(4, generator=g))
+    mel_bins, audio_latent_channels = 16, 2
+    packed_audio = audio_latent_channels * mel_bins // 4
+    audio_vae = seeded(seed + 5, lambda: AutoencoderKLLTX2Audio(
+        base_channels=packed_audio, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None,
+        in_channels=2, resolution=32, latent_channels=audio_latent_channels, norm_type="pixel",
+        causality_axis="height", dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160,
+        is_causal=True, mel_bins=mel_bins,
+    ))  # fmt: skip
+    audio_vae.latents_mean.copy_(torch.randn(packed_audio, generator=g) * 0.2)
+    audio_vae.latents_std.copy_(0.5 + torch.rand(packed_audio, generator=g))
+    vocoder = seeded(seed + 6, lambda: LTX2Vocoder(
+        in_channels=2 * mel_bins, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[8, 8, 20],
+        upsample_factors=[4, 4, 10], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
+    ))  # fmt: skip
+    transformer = seeded(seed + 7, lambda: LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, vae_scale_factors=(temporal, spatial, spatial), audio_in_channels=packed_audio,
+        audio_out_channels=packed_audio, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=num_layers, qk_norm="rms_norm_across_heads", caption_channels=hidden,
+        rope_double_precision=False, rope_type="split", audio_sampling_rate=16000, audio_hop_length=160,
+    ))  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(**{
+        "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.95,
+        "max_shift": 2.05, "base_image_seq_len": 1024, "max_image_seq_len": 4096, "time_shift_type": "exponential",
+        **(scheduler_kwargs or {})})  # fmt: skip
+    pipeline_cls = LTX2Pipeline if variant == "t2av" else LTX2ImageToVideoPipeline
+    pipe = pipeline_cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    pipe.save_pretrained(path)
+    return path
