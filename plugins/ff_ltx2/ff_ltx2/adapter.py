@@ -1,0 +1,523 @@
+"""LTX-2 behind ff's stage methods: ``ltx2_t2av`` (text to audio + video).
+
+The maths follows diffusers' ``LTX2Pipeline`` (pipelines/ltx2/pipeline_ltx2.py) step for step, without
+instantiating it:
+
+* text: the Gemma-3 tokenizer pads on the left to ``max_sequence_length``; every hidden state of the text encoder
+  (embeddings + each layer) is stacked and flattened per token (``_get_gemma_prompt_embeds``), then the text
+  connectors (``LTX2TextConnectors``) turn it into the video and audio streams' prompt embeddings and their
+  attention mask. Both run once, in :meth:`preprocess`, and are cached (the negative prompt, "" when absent, too).
+* latents: a two-component :class:`~ff_core.adapter.LatentState`, ``video`` (B, C, F, h, w) normalised per channel
+  ``(z - latents_mean) * scaling_factor / latents_std`` and ``audio`` (B, C, L, M) normalised per packed feature
+  (``latents_mean`` / ``latents_std`` of the audio VAE have one entry per ``(channel, mel bin)``); both unpacked.
+* denoiser: :meth:`velocity` packs them into tokens inside (video ``[B, F h w / p^2, C p_t p^2]``, audio
+  ``[B, L, C M]``), calls ``transformer(..., timestep=sigma * 1000, sigma=sigma * 1000, fps=frame_rate)`` as the
+  pipeline does, and unpacks both velocities ``eps - x0``.
+* schedule: ``FlowMatchEulerDiscreteScheduler`` at ``sigmas = linspace(1, 1/N, N)`` with the resolution-dependent
+  shift ``mu = calculate_shift(video tokens, ...)`` of the scheduler config; the audio stream steps on the same
+  sigmas (the pipeline deep-copies the scheduler for it).
+* decode: video VAE of the denormalised latents, audio VAE to a mel spectrogram, vocoder to the waveform.
+* targets (:meth:`encode_output`): the video clip on the ``frame_rate`` grid (the loader fits it to
+  :meth:`output_geometry`), the audio cut to the same clock ``num_frames / frame_rate`` (:mod:`ff_ltx2.audio`),
+  both VAE posteriors sampled from the training generator.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, PipelineIOContract
+from ff_core.data.geometry import MediaGeometry
+from ff_ltx2.audio import clock_window, log_mel, to_model_rate
+from ff_ltx2.testing import video_vae_compression
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+# Spec dataset-guide, "Offline model support", ltx2_t2av: every candidate an exact ordered (video, audio) pair with
+# required fps and sample_rate.
+T2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT))
+TEXT_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[value]
+
+
+def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
+    """One decoded target video as ``uint8`` (F, 3, H, W) and its start second on the file's clock."""
+    frames = getattr(item, "frames", None)
+    if frames is not None:
+        window = getattr(item, "window", None)
+        return frames.permute(0, 3, 1, 2), float(window[0]) if window else 0.0
+    if isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
+        return item, 0.0
+    shape = tuple(item.shape) if isinstance(item, Tensor) else type(item).__name__
+    raise ValueError(f"media[{index}][0]: expected a video (DecodedVideo or uint8 (F, 3, H, W) tensor), got {shape}")
+
+
+class LTX2T2AVAdapter(Adapter):
+    """LTX-2 text-to-audio+video (any checkpoint in diffusers' ``LTX2Pipeline`` layout).
+
+    Build it with :meth:`from_pretrained`; the transformer (video, audio and cross-modal blocks alike) trains,
+    everything else is frozen.
+    """
+
+    name: ClassVar[str] = "ltx2_t2av"
+    io_contract: ClassVar[PipelineIOContract] = T2AV_CONTRACT
+    preprocess_version: ClassVar[str] = "1"
+    # Every attention projection of the transformer (video and audio self/cross attention, audio<->video attention):
+    # the LTX-2 trainer's default LoRA targets.
+    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    lora_prefix: ClassVar[str] = "transformer"
+    preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors")
+
+    def __init__(
+        self,
+        *,
+        transformer: nn.Module,
+        vae: nn.Module,
+        audio_vae: nn.Module,
+        vocoder: nn.Module,
+        connectors: nn.Module,
+        text_encoder: nn.Module,
+        tokenizer: Any,
+        scheduler: Any,
+        height: int = 512,
+        width: int = 768,
+        num_frames: int = 121,
+        frame_rate: float = 24.0,
+        max_sequence_length: int = 1024,
+        use_cross_timestep: bool = True,
+        mel_n_fft: int = 1024,
+        audio_tolerance: float = 0.05,
+    ) -> None:
+        """
+        Args:
+            transformer: the ``LTX2VideoTransformer3DModel``.
+            vae: the ``AutoencoderKLLTX2Video``.
+            audio_vae: the ``AutoencoderKLLTX2Audio``.
+            vocoder: the ``LTX2Vocoder`` (mel spectrogram -> waveform).
+            connectors: the ``LTX2TextConnectors``.
+            text_encoder: the Gemma-3 text encoder.
+            tokenizer: its tokenizer (padded on the left, as the pipeline does).
+            scheduler: the checkpoint's ``FlowMatchEulerDiscreteScheduler`` (its shift settings set the schedule).
+            height: pixel rows of sampled videos and training targets (multiple of the VAE's spatial compression x
+                the transformer's patch size).
+            width: pixel columns, likewise.
+            num_frames: frames per video; ``(num_frames - 1)`` divisible by the VAE's temporal compression.
+            frame_rate: frames per second: the video grid targets are sampled onto and the clock the audio is cut to
+                (``num_frames / frame_rate`` seconds); also the transformer's ``fps`` conditioning.
+            max_sequence_length: Gemma tokens per prompt (diffusers' default 1024; capped by the tokenizer).
+            use_cross_timestep: the pipeline's ``use_cross_timestep`` (its default ``True``): audio<->video attention
+                modulated by the other stream's noise level.
+            mel_n_fft: FFT size of the target audio's mel spectrogram (LTX-2's audio processor: 1024).
+            audio_tolerance: seconds a target's audio may fall short of the clip's clock and still be padded with
+                silence (rounding of its length); shorter clips are rejected.
+        """
+        super().__init__()
+        self.transformer, self.vae, self.audio_vae, self.vocoder = transformer, vae, audio_vae, vocoder
+        self.connectors, self.text_encoder, self.tokenizer, self.scheduler = connectors, text_encoder, tokenizer, scheduler
+        self.tokenizer.padding_side = "left"  # Gemma pads on the left for the connectors (pipeline)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.spatial_stride, self.temporal_stride = video_vae_compression(dict(vae.config))
+        patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+        if (num_frames - 1) % (self.temporal_stride * patch_t):
+            raise ValueError(f"model.adapter_kwargs.num_frames: (num_frames - 1) must be divisible by "
+                             f"{self.temporal_stride * patch_t} (the video VAE's temporal compression x patch), "
+                             f"got {num_frames}")  # fmt: skip
+        for key, value in (("height", height), ("width", width)):
+            if value % (self.spatial_stride * patch):
+                raise ValueError(f"model.adapter_kwargs.{key} must be a multiple of {self.spatial_stride * patch} "
+                                 f"(video VAE compression x patch size), got {value}")  # fmt: skip
+        if not frame_rate > 0:
+            raise ValueError(f"model.adapter_kwargs.frame_rate must be > 0, got {frame_rate}")
+        self.height, self.width, self.num_frames, self.frame_rate = height, width, num_frames, float(frame_rate)
+        self.max_sequence_length = min(max_sequence_length, tokenizer.model_max_length)
+        self.use_cross_timestep, self.mel_n_fft, self.audio_tolerance = use_cross_timestep, mel_n_fft, audio_tolerance
+        for frozen in (vae, audio_vae, vocoder, connectors, text_encoder):
+            frozen.requires_grad_(False).eval()
+
+    # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def _components(cls, path: str, dt: torch.dtype, revision: str | None) -> dict[str, Any]:
+        import transformers
+        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+        from diffusers.schedulers import FlowMatchEulerDiscreteScheduler
+        from transformers import AutoTokenizer
+
+        from ff_core.pretrained import read_config
+
+        index = read_config(path, "model_index.json")
+        text_cls = getattr(transformers, (index.get("text_encoder") or [None, "Gemma3ForConditionalGeneration"])[1])
+        kw = {"revision": revision}
+        return {
+            "transformer": LTX2VideoTransformer3DModel.from_pretrained(path, subfolder="transformer",
+                                                                       torch_dtype=dt, **kw),
+            # The VAEs and the vocoder stay fp32: decoding and target encoding are not where memory goes.
+            "vae": AutoencoderKLLTX2Video.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32, **kw),
+            "audio_vae": AutoencoderKLLTX2Audio.from_pretrained(path, subfolder="audio_vae",
+                                                                torch_dtype=torch.float32, **kw),
+            "vocoder": LTX2Vocoder.from_pretrained(path, subfolder="vocoder", torch_dtype=torch.float32, **kw),
+            "connectors": LTX2TextConnectors.from_pretrained(path, subfolder="connectors", torch_dtype=dt, **kw),
+            "text_encoder": text_cls.from_pretrained(path, subfolder="text_encoder", dtype=dt, **kw),
+            "tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
+            "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kw),
+        }  # fmt: skip
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        height: int = 512,
+        width: int = 768,
+        num_frames: int = 121,
+        frame_rate: float = 24.0,
+        max_sequence_length: int = 1024,
+        use_cross_timestep: bool = True,
+        mel_n_fft: int = 1024,
+        audio_tolerance: float = 0.05,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+    ) -> LTX2T2AVAdapter:
+        """Load every component of a diffusers LTX-2 checkpoint (local folder or hub id).
+
+        Args:
+            pretrained_model_name_or_path: folder in the diffusers layout (``model_index.json``), or a hub id.
+            height: see :class:`LTX2T2AVAdapter`.
+            width: see :class:`LTX2T2AVAdapter`.
+            num_frames: see :class:`LTX2T2AVAdapter`.
+            frame_rate: see :class:`LTX2T2AVAdapter`.
+            max_sequence_length: see :class:`LTX2T2AVAdapter`.
+            use_cross_timestep: see :class:`LTX2T2AVAdapter`.
+            mel_n_fft: see :class:`LTX2T2AVAdapter`.
+            audio_tolerance: see :class:`LTX2T2AVAdapter`.
+            dtype: weights dtype of the transformer, the connectors and the text encoder (VAEs, vocoder: fp32).
+            revision: hub revision.
+        """
+        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        adapter = cls(**cls._components(path, dt, revision), height=height, width=width, num_frames=num_frames,
+                      frame_rate=frame_rate, max_sequence_length=max_sequence_length,
+                      use_cross_timestep=use_cross_timestep, mel_n_fft=mel_n_fft,
+                      audio_tolerance=audio_tolerance)  # fmt: skip
+        local = Path(path).expanduser()
+        adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
+                          "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
+        return adapter
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.transformer
+
+    @property
+    def output_rates(self) -> tuple[float, float]:
+        """The generated video's frame rate and the vocoder's sample rate (samples are logged and muxed at them)."""
+        return (self.frame_rate, float(self.vocoder.config.output_sampling_rate))
+
+    # -- condition side --------------------------------------------------------------------------
+    def preprocess_identity(self) -> dict[str, Any]:
+        """Checkpoint, revision, dtype and the token length: the connector outputs depend on nothing else."""
+        source = getattr(self, "source", None)
+        if source is None:
+            raise ValueError(f"{self.name}: built without from_pretrained, so its checkpoint is unknown; set .source")
+        return {**source, "max_sequence_length": self.max_sequence_length}
+
+    @torch.no_grad()
+    def encode_prompt(self, prompts: list[str]) -> dict[str, Tensor]:
+        """``LTX2Pipeline._get_gemma_prompt_embeds`` then ``connectors``: per prompt the video and audio streams'
+        prompt embeddings (B, L, D) and the connectors' attention mask (B, L)."""
+        inputs = self.tokenizer([p.strip() for p in prompts], padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, add_special_tokens=True, return_tensors="pt")  # fmt: skip
+        device = self.text_encoder.device
+        ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+        hidden = self.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        embeds = torch.stack(hidden, dim=-1).flatten(2, 3).to(self.text_encoder.dtype)  # every layer, per token
+        video, audio, connector_mask = self.connectors(embeds.to(self.connectors.dtype), mask, padding_side="left")
+        return {"video_prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": connector_mask}
+
+    def _text_rows(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
+        positive = self.encode_prompt([item.prompt for item in inputs])
+        negative = self.encode_prompt([item.negative_prompt or "" for item in inputs])
+        # clone: each sample owns compact storage (no view into the batch tensor reaches the cache).
+        return [{**{k: v[i].cpu().clone() for k, v in positive.items()},
+                 **{f"negative_{k}": v[i].cpu().clone() for k, v in negative.items()}}
+                for i in range(len(inputs))]  # fmt: skip
+
+    @torch.no_grad()
+    def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
+        for i, item in enumerate(inputs):
+            if item.media:
+                raise ValueError(f"inputs[{i}]: {self.name} takes no input media, got {len(item.media)} item(s)")
+        return self._text_rows(inputs)
+
+    def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
+        device, dtype = self.transformer.device, self.transformer.dtype
+        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+
+    def unconditional(self, condition: Condition) -> Condition | None:
+        if "negative_video_prompt_embeds" not in condition:
+            return None
+        rest = {k: v for k, v in condition.items() if k not in TEXT_KEYS and not k.startswith("negative_")}
+        return {**rest, **{k: condition[f"negative_{k}"] for k in TEXT_KEYS}}
+
+    # -- latent normalisation --------------------------------------------------------------------
+    def _video_stats(self, like: Tensor) -> tuple[Tensor, Tensor, float]:
+        mean = self.vae.latents_mean.view(1, -1, 1, 1, 1).to(like.device, like.dtype)
+        std = self.vae.latents_std.view(1, -1, 1, 1, 1).to(like.device, like.dtype)
+        return mean, std, float(self.vae.config.scaling_factor)
+
+    def normalize_video(self, z: Tensor) -> Tensor:
+        mean, std, scale = self._video_stats(z)
+        return (z - mean) * scale / std
+
+    def denormalize_video(self, latents: Tensor) -> Tensor:
+        mean, std, scale = self._video_stats(latents)
+        return latents * std / scale + mean
+
+    def _audio_stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        """The audio VAE's statistics per packed feature ``c * M + m``, as (1, C, 1, M) for unpacked latents."""
+        c, m = like.shape[1], like.shape[3]
+        mean = self.audio_vae.latents_mean.view(1, c, 1, m).to(like.device, like.dtype)
+        std = self.audio_vae.latents_std.view(1, c, 1, m).to(like.device, like.dtype)
+        return mean, std
+
+    def normalize_audio(self, z: Tensor) -> Tensor:
+        mean, std = self._audio_stats(z)
+        return (z - mean) / std
+
+    def denormalize_audio(self, latents: Tensor) -> Tensor:
+        mean, std = self._audio_stats(latents)
+        return latents * std + mean
+
+    # -- packing (inside velocity only: the state is unpacked) -----------------------------------
+    def pack_video(self, x: Tensor) -> Tensor:
+        """(B, C, F, H, W) -> (B, F/p_t * H/p * W/p, C p_t p p) (``LTX2Pipeline._pack_latents``)."""
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        b, c, f, h, w = x.shape
+        x = x.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
+        return x.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+
+    def unpack_video(self, tokens: Tensor, like: Tensor) -> Tensor:
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        b, _, f, h, w = like.shape
+        x = tokens.reshape(b, f // pt, h // p, w // p, -1, pt, p, p)
+        return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    @staticmethod
+    def pack_audio(x: Tensor) -> Tensor:
+        """(B, C, L, M) -> (B, L, C M) (``LTX2Pipeline._pack_audio_latents`` without patches)."""
+        return x.transpose(1, 2).flatten(2, 3)
+
+    @staticmethod
+    def unpack_audio(tokens: Tensor, like: Tensor) -> Tensor:
+        return tokens.unflatten(2, (like.shape[1], like.shape[3])).transpose(1, 2)
+
+    # -- geometry --------------------------------------------------------------------------------
+    @property
+    def duration(self) -> float:
+        """The clip's official clock in seconds: ``num_frames / frame_rate``."""
+        return self.num_frames / self.frame_rate
+
+    @property
+    def audio_latent_frames(self) -> int:
+        """``round(duration * sample_rate / mel_hop / 4)``: the pipeline's ``audio_num_frames``."""
+        cfg = self.audio_vae.config
+        per_second = cfg.sample_rate / cfg.mel_hop_length / float(self.audio_vae.temporal_compression_ratio)
+        return round(self.duration * per_second)
+
+    def latent_shapes(self, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The video (B, C, F', H', W') and audio (B, C_a, L, M') latent shapes of one generated clip."""
+        video = (batch_size, self.vae.config.latent_channels, (self.num_frames - 1) // self.temporal_stride + 1,
+                 self.height // self.spatial_stride, self.width // self.spatial_stride)  # fmt: skip
+        cfg = self.audio_vae.config
+        audio = (batch_size, cfg.latent_channels, self.audio_latent_frames,
+                 cfg.mel_bins // self.audio_vae.mel_compression_ratio)  # fmt: skip
+        return video, audio
+
+    def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
+        """The video's decode specification (``num_frames`` on the ``frame_rate`` grid, fitted to the canvas); the
+        audio is decoded whole and cut to the same clock in :meth:`encode_output`."""
+        return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=self.frame_rate), None)
+
+    def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
+        """Video tokens ``F' h' w' / (p_t p^2)`` plus the clip's audio tokens (one per audio latent frame)."""
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        frames = self.num_frames if geometry.num_frames is None else geometry.num_frames
+        video = ((frames - 1) // self.temporal_stride + 1) // pt * (geometry.height // (self.spatial_stride * p)) * (
+            geometry.width // (self.spatial_stride * p))
+        return video + self.audio_latent_frames
+
+    # -- target side -----------------------------------------------------------------------------
+    def _videos(self, media: list[list[Any]]) -> tuple[Tensor, list[float]]:
+        videos, starts = [], []
+        for i, outputs in enumerate(media):
+            if len(outputs) != 2:
+                raise ValueError(f"media[{i}]: {self.name} trains on exact (video, audio) pairs, got "
+                                 f"{len(outputs)} item(s)")  # fmt: skip
+            video, start = _to_video(outputs[0], i)
+            if tuple(video.shape) != (self.num_frames, 3, self.height, self.width):
+                raise ValueError(f"media[{i}][0]: a clip of {tuple(video.shape)} (F, 3, H, W); {self.name} trains on "
+                                 f"{self.num_frames} frames of {self.height}x{self.width} (the loader fits targets to "
+                                 "output_geometry(); fit others the same way)")  # fmt: skip
+            videos.append(video)
+            starts.append(start)
+        x = torch.stack(videos).to(self.vae.device)  # (B, F, 3, H, W)
+        x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1
+        return x.permute(0, 2, 1, 3, 4).contiguous(), starts
+
+    def target_mel(self, audio: Any, start: float, what: str) -> Tensor:
+        """One target's audio as the audio VAE's input (C, 4 L, M): cut to ``[start, start + duration)`` on its clock,
+        converted to the VAE's channels and rate once, padded or trimmed to ``4 L`` mel hops, log-mel.
+
+        Args:
+            audio: a ``DecodedAudio`` (its ``clock_rate`` honours the manifest's ``sample_rate``) or a float
+                (C, N) tensor already at the VAE's rate.
+            start: the video clip's first second on the file's clock (the audio is cut from the same instant).
+            what: names the target in errors.
+        """
+        cfg = self.audio_vae.config
+        waveform = getattr(audio, "waveform", None)
+        if waveform is None:
+            if not (isinstance(audio, Tensor) and audio.ndim == 2 and audio.is_floating_point()):
+                raise ValueError(f"{what}: expected audio (DecodedAudio or float (C, N) tensor), got "
+                                 f"{type(audio).__name__}")  # fmt: skip
+            waveform, rate, offset = audio, float(cfg.sample_rate), 0.0
+        else:
+            rate, offset = float(audio.clock_rate), float(getattr(audio, "start", 0.0))
+        frames = 4 * self.audio_latent_frames
+        samples = frames * cfg.mel_hop_length
+        window = clock_window(waveform, rate, start - offset, self.duration, tolerance=self.audio_tolerance,
+                              what=what)  # fmt: skip
+        x = to_model_rate(window, rate, int(cfg.sample_rate), int(cfg.in_channels), samples)
+        mel = log_mel(x.to(self.audio_vae.device), sample_rate=int(cfg.sample_rate), n_fft=self.mel_n_fft,
+                      hop_length=int(cfg.mel_hop_length), n_mels=int(cfg.mel_bins))  # fmt: skip
+        return mel[:, :frames]  # centred STFT: 1 + samples / hop frames, the last one past the clip
+
+    @torch.no_grad()
+    def encode_output(
+        self, media: list[list[Any]], condition: Condition, generator: torch.Generator | None = None
+    ) -> LatentState:
+        x, starts = self._videos(media)
+        mels = torch.stack([self.target_mel(outputs[1], starts[i], f"media[{i}][1]")
+                            for i, outputs in enumerate(media)])  # fmt: skip
+        # Posterior samples drawn from `generator` (video first, then audio), as the LTX-2 trainer encodes targets.
+        video = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(generator=generator)
+        audio = self.audio_vae.encode(mels.to(self.audio_vae.dtype)).latent_dist.sample(generator=generator)
+        audio = audio[:, :, : self.audio_latent_frames]
+        dtype = self.transformer.dtype
+        return LatentState({"video": self.normalize_video(video.float()).to(dtype),
+                            "audio": self.normalize_audio(audio.float()).to(dtype)})  # fmt: skip
+
+    # -- the denoiser ----------------------------------------------------------------------------
+    def _timesteps(self, t: Tensor, state: LatentState) -> tuple[Tensor, Tensor]:
+        """(video, audio) timesteps: (B,) each (the pinned-token variant gives the video per-token ones)."""
+        return t, t
+
+    def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
+        video, audio = state.components["video"], state.components["audio"]
+        # Timesteps stay fp32: sigma * 1000 in bf16 would round to whole steps.
+        t = sigma.to(device=video.device, dtype=torch.float32) * self.scheduler.config.num_train_timesteps
+        video_t, audio_t = self._timesteps(t, state)
+        dtype = self.transformer.dtype
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        mask = condition["prompt_attention_mask"]
+        v_video, v_audio = self.transformer(
+            hidden_states=self.pack_video(video).to(dtype), audio_hidden_states=self.pack_audio(audio).to(dtype),
+            encoder_hidden_states=condition["video_prompt_embeds"],
+            audio_encoder_hidden_states=condition["audio_prompt_embeds"], timestep=video_t, audio_timestep=audio_t,
+            sigma=t, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+            num_frames=video.shape[2] // pt, height=video.shape[3] // p, width=video.shape[4] // p,
+            fps=self.frame_rate, audio_num_frames=audio.shape[2], use_cross_timestep=self.use_cross_timestep,
+            return_dict=False,
+        )  # fmt: skip
+        return LatentState({"video": self.unpack_video(v_video, video), "audio": self.unpack_audio(v_audio, audio)},
+                           dict(state.masks))  # fmt: skip
+
+    # -- decoding --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, state: LatentState) -> list[list[Tensor]]:
+        """Per sample ``[video uint8 (F, 3, H, W), audio float32 (channels, samples) at the vocoder's rate]``
+        (``VideoProcessor.postprocess_video``: [-1, 1] -> [0, 1] -> ``round(x * 255)``)."""
+        z = self.denormalize_video(state.components["video"].to(self.vae.device, torch.float32)).to(self.vae.dtype)
+        timestep = None
+        if self.vae.config.timestep_conditioning:  # the pipeline's decode_timestep 0, decode_noise_scale 0
+            timestep = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
+        video = self.vae.decode(z, timestep, return_dict=False)[0]  # (B, 3, F, H, W)
+        video = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        a = self.denormalize_audio(state.components["audio"].to(self.audio_vae.device, torch.float32))
+        mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
+        waveform = self.vocoder(mel.to(self.vocoder.dtype)).float().cpu()  # (B, channels, samples)
+        return [[v.permute(1, 0, 2, 3).contiguous(), w] for v, w in zip(video, waveform)]
+
+    # -- generation ------------------------------------------------------------------------------
+    def initial_noise(self, condition: Condition, generator: torch.Generator | None = None) -> LatentState:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        embeds = condition["video_prompt_embeds"]
+        video_shape, audio_shape = self.latent_shapes(embeds.shape[0])
+        # fp32 noise, video then audio, as LTX2Pipeline.prepare_latents / prepare_audio_latents draw it.
+        video = randn_tensor(video_shape, generator=generator, device=embeds.device, dtype=torch.float32)
+        audio = randn_tensor(audio_shape, generator=generator, device=embeds.device, dtype=torch.float32)
+        return self._initial_state(video, audio, condition)
+
+    def _initial_state(self, video: Tensor, audio: Tensor, condition: Condition) -> LatentState:
+        return LatentState({"video": video, "audio": audio})
+
+    def _video_tokens(self, state: LatentState | None) -> int:
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        if state is None:
+            shape = self.latent_shapes(1)[0]
+        else:
+            shape = state.components["video"].shape
+        return shape[2] // pt * (shape[3] // p) * (shape[4] // p)
+
+    def _mu(self, state: LatentState | None) -> float:
+        """``calculate_shift(video tokens, ...)`` with the scheduler config's bounds (the pipeline's defaults)."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+        cfg = self.scheduler.config
+        return float(calculate_shift(self._video_tokens(state), cfg.get("base_image_seq_len", 1024),
+                                     cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.95),
+                                     cfg.get("max_shift", 2.05)))  # fmt: skip
+
+    def timestep_shift(self, state: LatentState | None = None) -> float:
+        """The shift ``s`` of the schedule for latents shaped like ``state``: with dynamic shifting ``exp(mu)``
+        (exponential time shift ``e^mu / (e^mu + 1/sigma - 1)`` is SD3's shift at ``s = e^mu``) or ``mu`` (linear),
+        else the scheduler's ``shift``."""
+        cfg = self.scheduler.config
+        if not cfg.get("use_dynamic_shifting", False):
+            return float(cfg.get("shift", 1.0))
+        mu = self._mu(state)
+        return float(torch.tensor(mu).exp()) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
+        """``LTX2Pipeline``'s sigmas: ``linspace(1, 1/N, N)`` through the scheduler's shift for ``state``'s video
+        tokens, then 0; with ``shift``, that fixed shift instead (dynamic shifting off)."""
+        import copy
+
+        import numpy as np
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if shift is not None:
+            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.scheduler.config.num_train_timesteps,
+                                                        shift=shift)  # fmt: skip
+            scheduler.set_timesteps(sigmas=sigmas, device="cpu")
+        else:
+            scheduler = copy.deepcopy(self.scheduler)
+            kwargs = {"mu": self._mu(state)} if scheduler.config.get("use_dynamic_shifting", False) else {}
+            scheduler.set_timesteps(sigmas=sigmas, device="cpu", **kwargs)
+        return scheduler.sigmas.float().clone()

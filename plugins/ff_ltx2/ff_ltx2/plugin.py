@@ -1,0 +1,19 @@
+"""Entry point module of ff-ltx2 (``[project.entry-points.ff] ltx2 = "ff_ltx2.plugin"``)."""
+
+from __future__ import annotations
+
+from ff_core.hookspecs import hookimpl
+
+
+@hookimpl
+def ff_adapters():
+    """The LTX-2 adapter classes; importing them loads no weights."""
+    from ff_ltx2.adapter import LTX2T2AVAdapter
+
+    return [LTX2T2AVAdapter]
+
+
+@hookimpl
+def ff_adapter_interface_version():
+    """The ff adapter-interface version the adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
+    return "1.1"
