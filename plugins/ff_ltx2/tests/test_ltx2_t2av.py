@@ -1,0 +1,244 @@
+"""ltx2_t2av on a tiny checkpoint: loading, parity with diffusers' LTX2Pipeline (prompt encoding through the
+connectors, the denoiser call at every step, a sampling run with and without CFG, decoding to frames and waveform),
+the video VAE's compression ratios, and the LoRA export loaded by the pipeline.
+
+The conformance kit's reference checks read the pipeline's latents from its step callback, which LTX2Pipeline gives
+for the video stream only; these tests record the transformer's own inputs instead (a forward pre-hook), so both
+streams are compared, each unpacked with the pipeline's own ``_unpack_latents`` / ``_unpack_audio_latents``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+from diffusers import LTX2Pipeline
+from ff_ltx2 import LTX2T2AVAdapter
+from ltx2_geometry import ADAPTER_KWARGS, AUDIO_LATENTS, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
+from torch.utils.data import default_collate
+
+from ff_core.adapter import ConditionInput, LatentState
+from ff_core.data.geometry import MediaGeometry
+
+PROMPTS = ["a red square with a low tone", "  a blue square moving left with a high beep "]
+NEGATIVE = ["blurry", "a green humming"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def t2av(tiny_ltx2):
+    return tiny_ltx2("t2av")
+
+
+@pytest.fixture(scope="module")
+def adapter(t2av):
+    return LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def pipe(t2av):
+    return LTX2Pipeline.from_pretrained(t2av)
+
+
+@pytest.fixture(scope="module")
+def condition(adapter):
+    inputs = [ConditionInput(p, negative_prompt=n) for p, n in zip(PROMPTS, NEGATIVE)]
+    return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
+
+
+def run_pipeline(pipe, adapter, init: LatentState, guidance_scale: float, output_type: str = "latent"):
+    """The pipeline from the adapter's initial noise (passed denormalised: ``prepare_latents`` normalises 5-D video
+    and 4-D audio latents), recording every transformer call's inputs."""
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
+    try:
+        out = pipe(prompt=PROMPTS, negative_prompt=NEGATIVE, height=SIZE, width=SIZE, num_frames=FRAMES,
+                   frame_rate=FPS, num_inference_steps=STEPS, guidance_scale=guidance_scale,
+                   audio_guidance_scale=guidance_scale, **PLAIN_GUIDANCE, max_sequence_length=adapter.max_sequence_length,
+                   latents=adapter.denormalize_video(init.components["video"]),
+                   audio_latents=adapter.denormalize_audio(init.components["audio"]), output_type=output_type,
+                   generator=torch.Generator().manual_seed(0), return_dict=False)  # fmt: skip
+    finally:
+        handle.remove()
+    return out, calls
+
+
+def _video(pipe, tokens):
+    return LTX2Pipeline._unpack_latents(tokens, (FRAMES - 1) // 2 + 1, SIZE // 8, SIZE // 8)
+
+
+def _audio(pipe, tokens):
+    return LTX2Pipeline._unpack_audio_latents(tokens, AUDIO_LATENTS, num_mel_bins=pipe.audio_vae.config.mel_bins // 4)
+
+
+# -- discovery and loading ---------------------------------------------------------------------------
+def test_discovered_through_the_entry_point(monkeypatch):
+    try:
+        importlib.metadata.distribution("ff-ltx2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("ff-ltx2 is not installed (pip install -e plugins/ff_ltx2 --no-deps)")
+    from ff_core.plugins import PluginRegistry
+
+    monkeypatch.delenv("FF_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    adapters = PluginRegistry().adapters()
+    assert adapters["ltx2_t2av"].cls is LTX2T2AVAdapter and adapters["ltx2_t2av"].distribution == "ff-ltx2"
+
+
+def test_contract_is_the_spec_row():
+    from ff_core.testing.contracts import SUPPORT_TABLE
+
+    assert LTX2T2AVAdapter.io_contract == SUPPORT_TABLE["ltx2_t2av"]
+    video, audio = LTX2T2AVAdapter.io_contract.outputs
+    assert video.requires_fps and audio.requires_sample_rate
+
+
+def test_from_pretrained_freezes_all_but_the_transformer(adapter):
+    assert adapter.denoiser is adapter.transformer
+    assert {n.split(".")[0] for n, p in adapter.named_parameters() if p.requires_grad} == {"transformer"}
+    assert adapter.max_sequence_length == 16  # 1024 requested, capped by the tiny tokenizer
+    assert (adapter.spatial_stride, adapter.temporal_stride) == (8, 2)
+    assert adapter.audio_latent_frames == AUDIO_LATENTS == round(FRAMES / FPS * 16000 / 160 / 4)
+    assert adapter.output_rates == (FPS, 16000.0)
+    assert adapter.output_geometry() == (MediaGeometry(SIZE, SIZE, num_frames=FRAMES, fps=FPS), None)
+    assert adapter.denoiser_tokens(adapter.output_geometry()[0]) == 5 * 4 * 4 + AUDIO_LATENTS
+
+
+def test_video_vae_compression_is_derived_from_its_blocks(adapter):
+    """The tiny VAE halves frames in one block only: its own formula (``patch_t * 2 ** scaled blocks``) says 4x
+    temporal, the encoder does 2x; the factory stores the derived ratios, which the pipeline then reads."""
+    from diffusers import AutoencoderKLLTX2Video
+    from ff_ltx2.testing import video_vae_compression
+
+    config = {k: v for k, v in dict(adapter.vae.config).items()
+              if k not in ("spatial_compression_ratio", "temporal_compression_ratio")}  # fmt: skip
+    assert video_vae_compression(config) == (8, 2)
+    default = AutoencoderKLLTX2Video(**{k: v for k, v in config.items() if not k.startswith("_")})
+    assert (default.spatial_compression_ratio, default.temporal_compression_ratio) == (8, 4)  # misreported
+    with torch.no_grad():
+        z = adapter.vae.encode(torch.zeros(1, 3, FRAMES, SIZE, SIZE)).latent_dist.mode()
+    assert tuple(z.shape[2:]) == ((FRAMES - 1) // 2 + 1, SIZE // 8, SIZE // 8)
+    assert (adapter.vae.spatial_compression_ratio, adapter.vae.temporal_compression_ratio) == (8, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_frames": 10}, r"num_frames: \(num_frames - 1\) must be divisible by 2"),
+        ({"height": 36}, "height must be a multiple of 8"),
+        ({"frame_rate": 0}, "frame_rate must be > 0"),
+    ],
+)
+def test_geometry_arguments_are_checked(t2av, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LTX2T2AVAdapter.from_pretrained(t2av, **{**ADAPTER_KWARGS, **kwargs})
+
+
+# -- condition side: LTX2Pipeline.encode_prompt + connectors ---------------------------------------------
+def test_preprocess_matches_the_pipeline_prompt_encoding(adapter, pipe, condition):
+    with torch.no_grad():
+        pe, pm, ne, nm = pipe.encode_prompt(PROMPTS, NEGATIVE, max_sequence_length=16, device="cpu")
+        ours = {"": pipe.connectors(pe, pm, padding_side="left"), "negative_": pipe.connectors(ne, nm, "left")}
+    for prefix, (video, audio, mask) in ours.items():
+        torch.testing.assert_close(condition[f"{prefix}video_prompt_embeds"], video, rtol=0, atol=0)
+        torch.testing.assert_close(condition[f"{prefix}audio_prompt_embeds"], audio, rtol=0, atol=0)
+        torch.testing.assert_close(condition[f"{prefix}prompt_attention_mask"], mask, rtol=0, atol=0)
+    assert not torch.equal(condition["video_prompt_embeds"][0], condition["video_prompt_embeds"][1])
+
+
+def test_missing_negative_prompt_is_the_empty_string(adapter):
+    a, b = adapter.preprocess([ConditionInput(PROMPTS[0]), ConditionInput(PROMPTS[1], negative_prompt="")])
+    torch.testing.assert_close(a["negative_video_prompt_embeds"], b["negative_video_prompt_embeds"], rtol=0, atol=0)
+
+
+def test_preprocess_rejects_input_media(adapter):
+    with pytest.raises(ValueError, match="no input media"):
+        adapter.preprocess([ConditionInput("x", media=[{"type": "image", "data": torch.zeros(3, 8, 8)}])])
+
+
+# -- the denoiser, sampling and decoding against the pipeline ------------------------------------------
+def test_sampling_sigmas_are_the_pipeline_schedule(adapter, pipe, condition):
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    run_pipeline(pipe, adapter, init, 1.0)
+    schedules = adapter.sampling_schedules(init, STEPS)
+    torch.testing.assert_close(schedules["video"], pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(schedules["audio"], schedules["video"], rtol=0, atol=0)  # the pipeline's copy
+    # The resolution-dependent shift: exp(mu) for 80 video tokens, SD3's shift form of the exponential time shift.
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    s = float(torch.tensor(calculate_shift(80, 1024, 4096, 0.95, 2.05)).exp())
+    assert adapter.timestep_shift(init) == pytest.approx(s)
+    torch.testing.assert_close(schedules["video"][1], torch.tensor(s * 2 / 3 / (1 + (s - 1) * 2 / 3)), rtol=1e-5,
+                               atol=0)  # fmt: skip
+
+
+def test_velocity_is_the_pipeline_denoiser_at_every_step(adapter, pipe, condition):
+    """At each step, ``velocity`` of the pipeline's (unpacked) latents at the step's sigma is the transformer's output
+    for both streams: packing, the x1000 timestep, fps, the cross-modal timestep and the prompt embeddings agree."""
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    _, calls = run_pipeline(pipe, adapter, init, 1.0)
+    assert len(calls) == STEPS
+    sigmas = pipe.scheduler.sigmas
+    for k, kw in enumerate(calls):
+        state = LatentState({"video": _video(pipe, kw["hidden_states"]), "audio": _audio(pipe, kw["audio_hidden_states"])})
+        with torch.no_grad():
+            theirs = pipe.transformer(**{**kw, "return_dict": False})
+            ours = adapter.velocity(state, torch.full((2,), float(sigmas[k])), condition)
+        torch.testing.assert_close(ours.components["video"], _video(pipe, theirs[0]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours.components["audio"], _audio(pipe, theirs[1]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_sampling_run_matches_the_pipeline(adapter, pipe, condition, guidance_scale):
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    (video, audio), calls = run_pipeline(pipe, adapter, init, guidance_scale)
+    assert calls[0]["hidden_states"].shape[0] == (4 if guidance_scale > 1 else 2)  # CFG batch on the pipeline side
+    final = adapter.sample(condition, num_steps=STEPS, guidance_scale=guidance_scale,
+                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    torch.testing.assert_close(final.components["video"], adapter.normalize_video(video), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final.components["audio"], adapter.normalize_audio(audio), rtol=1e-4, atol=1e-5)
+    assert not torch.equal(final.components["audio"], init.components["audio"])
+
+
+def test_decode_matches_the_pipeline(adapter, pipe, condition):
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    (video, audio), _ = run_pipeline(pipe, adapter, init, 1.0, output_type="pt")
+    (latent_video, latent_audio), _ = run_pipeline(pipe, adapter, init, 1.0)
+    final = LatentState({"video": adapter.normalize_video(latent_video), "audio": adapter.normalize_audio(latent_audio)})
+    media = adapter.decode(final)
+    for i, (frames, waveform) in enumerate(media):
+        assert frames.dtype == torch.uint8 and frames.shape == (FRAMES, 3, SIZE, SIZE)
+        torch.testing.assert_close(frames.float(), video[i].float() * 255, rtol=0, atol=1.0)
+        assert waveform.dtype == torch.float32 and waveform.shape == audio[i].shape
+        torch.testing.assert_close(waveform, audio[i].float(), rtol=1e-4, atol=1e-5)
+    # The vocoder writes (4 L - 3) mel hops of the clock's audio: 16 kHz, 160 samples a hop.
+    assert media[0][1].shape == (2, (4 * AUDIO_LATENTS - 3) * 160)
+
+
+def test_lora_export_loads_through_load_lora_weights(t2av, adapter, condition, tmp_path):
+    """A LoRA (random lora_B: as if trained) exported by ff, loaded by ``LTX2Pipeline.load_lora_weights``, gives the
+    adapter's velocity on both streams, and changes it."""
+    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+
+    tuned = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+    apply_lora(tuned, LoRAConfig(rank=2, alpha=6))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    tuned.save_lora(tmp_path / "lora", lora_state_dict(tuned), lora_config(tuned))
+    pipe = LTX2Pipeline.from_pretrained(t2av)
+    pipe.load_lora_weights(tmp_path / "lora")
+    init = tuned.initial_noise(condition, torch.Generator().manual_seed(3))
+    _, calls = run_pipeline(pipe, tuned, init, 1.0)
+    kw = calls[1]
+    state = LatentState({"video": _video(pipe, kw["hidden_states"]), "audio": _audio(pipe, kw["audio_hidden_states"])})
+    sigma = torch.full((2,), float(pipe.scheduler.sigmas[1]))
+    with torch.no_grad():
+        theirs = pipe.transformer(**{**kw, "return_dict": False})
+        ours = tuned.velocity(state, sigma, condition)
+        base = adapter.velocity(state, sigma, condition)
+    torch.testing.assert_close(ours.components["video"], _video(pipe, theirs[0]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.components["audio"], _audio(pipe, theirs[1]), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(ours.components["audio"], base.components["audio"], atol=1e-4)
+    assert not torch.allclose(ours.components["video"], base.components["video"], atol=1e-4)
