@@ -35,7 +35,6 @@ from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_ltx2.audio import clock_window, log_mel, to_model_rate
-from ff_ltx2.testing import video_vae_compression
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
@@ -52,6 +51,29 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
     if value not in _DTYPES:
         raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[value]
+
+
+def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
+    """``(spatial, temporal)`` compression of an ``AutoencoderKLLTX2Video`` config, from what its blocks do.
+
+    Explicit ``spatial_compression_ratio`` / ``temporal_compression_ratio`` win (the released checkpoints: 32, 8).
+    Else each scaled encoder block halves the axes its ``downsample_type`` names (``spatial``: height and width,
+    ``temporal``: frames, ``spatiotemporal``: all three), after the ``patch_size`` / ``patch_size_t`` patchify; the
+    model's own default (``patch * 2 ** blocks`` for both axes) is wrong for any block that is not spatiotemporal.
+    """
+    spatial, temporal = config.get("spatial_compression_ratio"), config.get("temporal_compression_ratio")
+    if spatial is not None and temporal is not None:
+        return int(spatial), int(temporal)
+    scaling = config.get("spatio_temporal_scaling", (True, True, True, True))
+    blocks = len(config.get("layers_per_block", (4, 6, 6, 2, 2)))
+    if isinstance(scaling, bool):
+        scaling = (scaling,) * (blocks - 1)
+    types = config.get("downsample_type", ("spatial", "temporal", "spatiotemporal", "spatiotemporal"))
+    spatial_blocks = sum(on and k in ("spatial", "spatiotemporal") for on, k in zip(scaling, types))
+    temporal_blocks = sum(on and k in ("temporal", "spatiotemporal") for on, k in zip(scaling, types))
+    s = int(config.get("patch_size", 4)) * 2**spatial_blocks
+    t = int(config.get("patch_size_t", 1)) * 2**temporal_blocks
+    return (int(spatial) if spatial is not None else s), (int(temporal) if temporal is not None else t)
 
 
 def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
@@ -127,7 +149,8 @@ class LTX2T2AVAdapter(Adapter):
         """
         super().__init__()
         self.transformer, self.vae, self.audio_vae, self.vocoder = transformer, vae, audio_vae, vocoder
-        self.connectors, self.text_encoder, self.tokenizer, self.scheduler = connectors, text_encoder, tokenizer, scheduler
+        self.connectors, self.text_encoder, self.tokenizer = connectors, text_encoder, tokenizer
+        self.scheduler = scheduler
         self.tokenizer.padding_side = "left"  # Gemma pads on the left for the connectors (pipeline)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ff_core.testing.tiny import VIDEO_WORDS, build_gemma_tokenizer, seeded, write_wav
+from ff_ltx2.adapter import video_vae_compression
 
 VARIANTS: tuple[str, ...] = ("t2av", "i2av")
 
@@ -52,27 +53,6 @@ AV_WORDS: tuple[str, ...] = (*VIDEO_WORDS, "low", "high", "tone", "pitch", "soun
 
 PITCHES: dict[str, float] = {"low": 220.0, "high": 880.0}
 COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
-
-
-def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
-    """``(spatial, temporal)`` compression of an ``AutoencoderKLLTX2Video`` config, from what its blocks do.
-
-    Explicit ``spatial_compression_ratio`` / ``temporal_compression_ratio`` win (the released checkpoints: 32, 8).
-    Else each scaled encoder block halves the axes its ``downsample_type`` names (``spatial``: height and width,
-    ``temporal``: frames, ``spatiotemporal``: all three), after the ``patch_size`` / ``patch_size_t`` patchify; the
-    model's own default (``patch * 2 ** blocks`` for both axes) is wrong for any block that is not spatiotemporal.
-    """
-    spatial, temporal = config.get("spatial_compression_ratio"), config.get("temporal_compression_ratio")
-    if spatial is not None and temporal is not None:
-        return int(spatial), int(temporal)
-    scaling = config.get("spatio_temporal_scaling", (True, True, True, True))
-    blocks = len(config.get("layers_per_block", (4, 6, 6, 2, 2)))
-    if isinstance(scaling, bool):
-        scaling = (scaling,) * (blocks - 1)
-    types = config.get("downsample_type", ("spatial", "temporal", "spatiotemporal", "spatiotemporal"))
-    s = int(config.get("patch_size", 4)) * 2 ** sum(on and k in ("spatial", "spatiotemporal") for on, k in zip(scaling, types))
-    t = int(config.get("patch_size_t", 1)) * 2 ** sum(on and k in ("temporal", "spatiotemporal") for on, k in zip(scaling, types))
-    return (int(spatial) if spatial is not None else s), (int(temporal) if temporal is not None else t)
 
 
 def build_tiny_ltx2(
@@ -177,3 +157,111 @@ def build_tiny_ltx2(
                         tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
     pipe.save_pretrained(path)
     return path
+
+
+def av_clip(colour: str, pitch: str, frames: int, fps: float, rate: int, size: int = 32,
+            channels: int = 1) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """One synthetic clip: uint8 (F, H, W, 3) frames of a ``colour`` square on grey, and a float (N, channels) sine
+    tone of ``pitch`` (:data:`PITCHES`) lasting exactly ``frames / fps`` seconds at ``rate`` Hz."""
+    clip = np.full((frames, size, size, 3), 96, np.uint8)
+    side = size // 2
+    clip[:, size // 4 : size // 4 + side, size // 4 : size // 4 + side] = COLOURS[colour]
+    t = np.arange(int(round(frames / fps * rate))) / rate
+    tone = 0.3 * np.sin(2 * np.pi * PITCHES[pitch] * t)
+    return clip, np.repeat(tone[:, None], channels, axis=1)
+
+
+def write_av_clips(
+    root: str | Path,
+    n: int = 4,
+    *,
+    i2av: bool = False,
+    preference: bool = False,
+    frames: int = 12,
+    fps: float = 8.0,
+    rate: int = 22050,
+    channels: int = 1,
+) -> Path:
+    """A V2 dataset folder of ``n`` (>= 2) audio+video clips: ``train.jsonl``, MP4 targets with ``fps`` under
+    ``videos/``, WAV targets with ``sample_rate`` under ``audios/`` (each target an ordered (video, audio) pair),
+    ``test.txt`` prompts. Clip ``i`` is a red / blue / green square with a low / high tone, as its caption says;
+    12 frames at 8 fps (1.5 s, longer than a 9-frame training clip), audio at 22.05 kHz mono (so the codec resamples
+    and converts channels).
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        i2av: each record binds its clip's first frame (``images/``) to the ``first_frame`` slot; evaluation prompts
+            are ``test.jsonl`` rows with an ``image``.
+        preference: records are preference pairs (offline DPO): chosen sounds as the caption says, rejected the
+            other pitch (same colour and first frame).
+        frames: frames per clip.
+        fps: the clips' frame rate (written in the file and in each record's ``fps``).
+        rate: the WAV files' sample rate (and each record's ``sample_rate``).
+        channels: the WAV files' channel count.
+    """
+    from PIL import Image
+
+    from ff_core.testing.moving_shapes import write_mp4
+
+    if n < 2:
+        raise ValueError(f"write_av_clips needs n >= 2, got {n}")
+    root = Path(root)
+    lines, prompts = [], []
+    pitches = list(PITCHES)
+
+    def pair(stem: str, colour: str, pitch: str) -> list[dict[str, Any]]:
+        clip, tone = av_clip(colour, pitch, frames, fps, rate, channels=channels)
+        video = {"type": "video", "path": f"videos/{stem}.mp4", "fps": fps}
+        audio = {"type": "audio", "path": f"audios/{stem}.wav", "sample_rate": rate}
+        write_mp4(root / video["path"], clip, fps)
+        write_wav(root / audio["path"], tone, rate)
+        return [video, audio]
+
+    for i in range(n):
+        colour, pitch = list(COLOURS)[i % len(COLOURS)], pitches[i % len(pitches)]
+        prompts.append(f"a {colour} square with a {pitch} tone")
+        target = pair(f"{i:03d}", colour, pitch)
+        media = []
+        if i2av:
+            (root / "images").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(av_clip(colour, pitch, 1, fps, rate)[0][0]).save(root / "images" / f"{i:03d}.png")
+            media = [{"type": "image", "path": f"images/{i:03d}.png", "slot": "first_frame"}]
+        if preference:
+            other = pitches[(i + 1) % len(pitches)]
+            rejected = pair(f"{i:03d}_rejected", colour, other)
+            supervision = {"type": "preference", "chosen": {"media": target}, "rejected": {"media": rejected}}
+        else:
+            supervision = {"type": "demonstration", "target": {"media": target}}
+        record = {"schema_version": 2, "input": {"prompt": prompts[-1], "media": media}, "supervision": supervision,
+                  "metadata": {"colour": colour, "pitch": pitch}}  # fmt: skip
+        lines.append(json.dumps(record))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    if i2av:  # evaluation binds a first frame too: legacy prompt + image rows (the first two clips')
+        rows = [{"prompt": p, "image": f"{k:03d}.png"} for k, p in enumerate(prompts[:2])]
+        (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        (root / "test.txt").write_text("\n".join(prompts[:2]) + "\n")
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ff_ltx2.testing", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output checkpoint folder")
+    p.add_argument("--variant", default="t2av", choices=VARIANTS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", action="store_true", help="write an audio+video clip dataset to --out instead")
+    p.add_argument("--i2av", action="store_true", help="with --dataset: bind each clip's first frame (first_frame)")
+    p.add_argument("--preference", action="store_true", help="with --dataset: preference pairs (the other pitch)")
+    p.add_argument("--n", type=int, default=8, help="with --dataset: number of clips")
+    a = p.parse_args(argv)
+    if a.dataset:
+        out = write_av_clips(a.out, a.n, i2av=a.i2av, preference=a.preference)
+        print(f"wrote {a.n} audio+video clips to {out}")
+        return
+    out = build_tiny_ltx2(a.out, variant=a.variant, seed=a.seed)
+    print(f"wrote tiny LTX-2 {a.variant} checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,7 +54,8 @@ def run_pipeline(pipe, adapter, init: LatentState, guidance_scale: float, output
     try:
         out = pipe(prompt=PROMPTS, negative_prompt=NEGATIVE, height=SIZE, width=SIZE, num_frames=FRAMES,
                    frame_rate=FPS, num_inference_steps=STEPS, guidance_scale=guidance_scale,
-                   audio_guidance_scale=guidance_scale, **PLAIN_GUIDANCE, max_sequence_length=adapter.max_sequence_length,
+                   audio_guidance_scale=guidance_scale, **PLAIN_GUIDANCE,
+                   max_sequence_length=adapter.max_sequence_length,
                    latents=adapter.denormalize_video(init.components["video"]),
                    audio_latents=adapter.denormalize_audio(init.components["audio"]), output_type=output_type,
                    generator=torch.Generator().manual_seed(0), return_dict=False)  # fmt: skip
@@ -69,6 +70,11 @@ def _video(pipe, tokens):
 
 def _audio(pipe, tokens):
     return LTX2Pipeline._unpack_audio_latents(tokens, AUDIO_LATENTS, num_mel_bins=pipe.audio_vae.config.mel_bins // 4)
+
+
+def _state(pipe, kw) -> LatentState:
+    """The (unpacked) latent state a recorded transformer call saw."""
+    return LatentState({"video": _video(pipe, kw["hidden_states"]), "audio": _audio(pipe, kw["audio_hidden_states"])})
 
 
 # -- discovery and loading ---------------------------------------------------------------------------
@@ -107,7 +113,7 @@ def test_video_vae_compression_is_derived_from_its_blocks(adapter):
     """The tiny VAE halves frames in one block only: its own formula (``patch_t * 2 ** scaled blocks``) says 4x
     temporal, the encoder does 2x; the factory stores the derived ratios, which the pipeline then reads."""
     from diffusers import AutoencoderKLLTX2Video
-    from ff_ltx2.testing import video_vae_compression
+    from ff_ltx2.adapter import video_vae_compression
 
     config = {k: v for k, v in dict(adapter.vae.config).items()
               if k not in ("spatial_compression_ratio", "temporal_compression_ratio")}  # fmt: skip
@@ -179,7 +185,7 @@ def test_velocity_is_the_pipeline_denoiser_at_every_step(adapter, pipe, conditio
     assert len(calls) == STEPS
     sigmas = pipe.scheduler.sigmas
     for k, kw in enumerate(calls):
-        state = LatentState({"video": _video(pipe, kw["hidden_states"]), "audio": _audio(pipe, kw["audio_hidden_states"])})
+        state = _state(pipe, kw)
         with torch.no_grad():
             theirs = pipe.transformer(**{**kw, "return_dict": False})
             ours = adapter.velocity(state, torch.full((2,), float(sigmas[k])), condition)
@@ -203,7 +209,8 @@ def test_decode_matches_the_pipeline(adapter, pipe, condition):
     init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
     (video, audio), _ = run_pipeline(pipe, adapter, init, 1.0, output_type="pt")
     (latent_video, latent_audio), _ = run_pipeline(pipe, adapter, init, 1.0)
-    final = LatentState({"video": adapter.normalize_video(latent_video), "audio": adapter.normalize_audio(latent_audio)})
+    final = LatentState({"video": adapter.normalize_video(latent_video),
+                         "audio": adapter.normalize_audio(latent_audio)})  # fmt: skip
     media = adapter.decode(final)
     for i, (frames, waveform) in enumerate(media):
         assert frames.dtype == torch.uint8 and frames.shape == (FRAMES, 3, SIZE, SIZE)
@@ -232,7 +239,7 @@ def test_lora_export_loads_through_load_lora_weights(t2av, adapter, condition, t
     init = tuned.initial_noise(condition, torch.Generator().manual_seed(3))
     _, calls = run_pipeline(pipe, tuned, init, 1.0)
     kw = calls[1]
-    state = LatentState({"video": _video(pipe, kw["hidden_states"]), "audio": _audio(pipe, kw["audio_hidden_states"])})
+    state = _state(pipe, kw)
     sigma = torch.full((2,), float(pipe.scheduler.sigmas[1]))
     with torch.no_grad():
         theirs = pipe.transformer(**{**kw, "return_dict": False})
