@@ -4,6 +4,7 @@ converts channels and rate); V2 records that break the (video, audio) pair contr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,77 @@ def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
     lora = version / "checkpoints" / "last.lora" / "pytorch_lora_weights.safetensors"
     assert lora.stat().st_size > 0
+
+
+def test_offline_dpo_recipe_trains_on_audio_video_pairs(tiny_ltx2, tmp_path):
+    pairs = write_av_clips(tmp_path / "pairs", 2, preference=True)
+    record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
+    assert [m["type"] for m in record["supervision"]["rejected"]["media"]] == ["video", "audio"]
+    cli = fit("offline_dpo_tiny.yaml", tiny_ltx2("t2av"), [{"name": "pairs", "dataset_dir": str(pairs), "eval": {}}],
+              tmp_path / "run", "--data.per_device_batch_size", "2")
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path):
+    """Flow-GRPO through the adapter's sampler: SDE rollouts stepping both streams, a video reward and an audio reward,
+    and the replayed log-probabilities equal the rollout's (ratio exactly 1 on the first update)."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.txt").write_text("a red square\na low tone\n")
+    (prompts / "test.txt").write_text("a green square\n")
+    cli = fit("grpo_tiny.yaml", tiny_ltx2("t2av"), [{"name": "prompts", "dataset_dir": str(prompts), "eval": {}}],
+              tmp_path / "run", "--model.objective.init_args.num_steps", "3", "--model.objective.init_args.sampler",
+              json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2], "num_sde_steps": None}),
+              "--model.objective.init_args.prompts_per_step", "2", "--model.objective.init_args.group_size", "2",
+              "--model.objective.init_args.micro_batch_size", "4", "--data.eval_batch_size", "1")  # fmt: skip
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
+    assert float(metrics["train/ratio_first_max_dev"]) == 0.0
+
+
+@pytest.mark.parametrize("recipe", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_ltx2_recipe_starts_with_its_command(recipe):
+    """STYLE 4 (the SD3 recipes are checked in tests/test_fit.py): a recipe's first line is the command that runs it."""
+    assert recipe.read_text().startswith(f"# ff fit --config configs/ltx2/{recipe.name}")
+
+
+def _broken(clips: Path, root: Path, how: str) -> Path:
+    """A copy of the first record of ``clips`` whose target breaks the (video(fps), audio(sample_rate)) pair."""
+    import shutil
+
+    record = json.loads((clips / "train.jsonl").read_text().splitlines()[0])
+    video, audio = record["supervision"]["target"]["media"]
+    media = {"audio_first": [audio, video], "video_only": [video], "no_fps": [{**video, "fps": None}, audio],
+             "no_sample_rate": [video, {k: v for k, v in audio.items() if k != "sample_rate"}]}[how]
+    record["supervision"]["target"]["media"] = [{k: v for k, v in m.items() if v is not None} for m in media]
+    shutil.copytree(clips, root)
+    (root / "train.jsonl").write_text(json.dumps(record) + "\n")
+    return root
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("audio_first", r"expected outputs \(video, audio\) in this order, found \(audio, video\)"),
+    ("video_only", r"expected outputs \(video, audio\) in this order, found \(video\)"),
+    ("no_fps", r"media\[0\]\.fps: required by this adapter's video output"),
+    ("no_sample_rate", r"media\[1\]\.sample_rate: required by this adapter's audio output"),
+])  # fmt: skip
+def test_records_breaking_the_pair_contract_fail_before_weights_load(tiny_ltx2, clips, tmp_path, capsys, monkeypatch,
+                                                                     how, message):  # fmt: skip
+    """Spec: every LTX-2 candidate is an exact ordered (video, audio) pair with fps and sample_rate. ``ff data
+    validate`` names the record, and ``ff fit`` fails on it before any weights load."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    bad = _broken(clips, tmp_path / how, how)
+    assert main(["data", "validate", "--model", "ltx2_t2av", str(clips)]) == 0
+    capsys.readouterr()
+    assert main(["data", "validate", "--model", "ltx2_t2av", str(bad)]) != 0
+    err = capsys.readouterr()
+    assert re.search(rf"train\.jsonl:1: supervision\.target\.{message}", err.out + err.err)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the dataset was validated")
+
+    monkeypatch.setattr(LTX2T2AVAdapter, "_components", classmethod(no_weights))
+    with pytest.raises(Exception, match=message) as info:
+        fit("sft_tiny.yaml", tiny_ltx2("t2av"), [{"name": "bad", "dataset_dir": str(bad)}], tmp_path / "run")
+    assert "weights loaded" not in str(info.value)
