@@ -98,8 +98,8 @@ def _broken(clips: Path, root: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize(("how", "message"), [
-    ("audio_first", r"expected outputs \(video, audio\) in this order, found \(audio, video\)"),
-    ("video_only", r"expected outputs \(video, audio\) in this order, found \(video\)"),
+    ("audio_first", r"media: expected outputs \(video, audio\) in this order, found \(audio, video\)"),
+    ("video_only", r"media: expected outputs \(video, audio\) in this order, found \(video\)"),
     ("no_fps", r"media\[0\]\.fps: required by this adapter's video output"),
     ("no_sample_rate", r"media\[1\]\.sample_rate: required by this adapter's audio output"),
 ])  # fmt: skip
