@@ -473,7 +473,12 @@ class LTX2T2AVAdapter(Adapter):
     @torch.no_grad()
     def decode(self, state: LatentState) -> list[list[Tensor]]:
         """Per sample ``[video uint8 (F, 3, H, W), audio float32 (channels, samples) at the vocoder's rate]``
-        (``VideoProcessor.postprocess_video``: [-1, 1] -> [0, 1] -> ``round(x * 255)``)."""
+        (``VideoProcessor.postprocess_video``: [-1, 1] -> [0, 1] -> ``round(x * 255)``).
+
+        The audio lasts exactly the clip's clock, ``round(num_frames / frame_rate * rate)`` samples: the pipeline's
+        waveform (the causal audio decoder gives ``4 L - 3`` mel hops for ``L`` latent frames, 30 ms short of the
+        clock at LTX-2's 16 kHz / hop 160) right-padded with silence, or trimmed, so that audio and video end together
+        when muxed and logged."""
         z = self.denormalize_video(state.components["video"].to(self.vae.device, torch.float32)).to(self.vae.dtype)
         timestep = None
         if self.vae.config.timestep_conditioning:  # the pipeline's decode_timestep 0, decode_noise_scale 0
@@ -483,6 +488,8 @@ class LTX2T2AVAdapter(Adapter):
         a = self.denormalize_audio(state.components["audio"].to(self.audio_vae.device, torch.float32))
         mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
         waveform = self.vocoder(mel.to(self.vocoder.dtype)).float().cpu()  # (B, channels, samples)
+        samples = round(self.duration * float(self.vocoder.config.output_sampling_rate))
+        waveform = nn.functional.pad(waveform[..., :samples], (0, max(samples - waveform.shape[-1], 0)))
         return [[v.permute(1, 0, 2, 3).contiguous(), w] for v, w in zip(video, waveform)]
 
     # -- generation ------------------------------------------------------------------------------

@@ -215,10 +215,12 @@ def test_decode_matches_the_pipeline(adapter, pipe, condition):
     for i, (frames, waveform) in enumerate(media):
         assert frames.dtype == torch.uint8 and frames.shape == (FRAMES, 3, SIZE, SIZE)
         torch.testing.assert_close(frames.float(), video[i].float() * 255, rtol=0, atol=1.0)
-        assert waveform.dtype == torch.float32 and waveform.shape == audio[i].shape
-        torch.testing.assert_close(waveform, audio[i].float(), rtol=1e-4, atol=1e-5)
-    # The vocoder writes (4 L - 3) mel hops of the clock's audio: 16 kHz, 160 samples a hop.
-    assert media[0][1].shape == (2, (4 * AUDIO_LATENTS - 3) * 160)
+        # The pipeline's waveform: (4 L - 3) mel hops of 160 samples; ff's lasts the clip's clock, padded with silence.
+        assert audio[i].shape == (2, (4 * AUDIO_LATENTS - 3) * 160)
+        assert waveform.dtype == torch.float32 and waveform.shape == (2, round(FRAMES / FPS * 16000))
+        n = audio[i].shape[1]
+        torch.testing.assert_close(waveform[:, :n], audio[i].float(), rtol=1e-4, atol=1e-5)
+        assert (waveform[:, n:] == 0).all()
 
 
 def test_lora_export_loads_through_load_lora_weights(t2av, adapter, condition, tmp_path):

@@ -1,0 +1,127 @@
+"""The LTX-2 audio codec (ff_ltx2.audio and LTX2T2AVAdapter.target_mel / encode_output): clock alignment (durations,
+trimming, padding, the manifest's logical sample rate), the one PyAV conversion, and the log-mel spectrogram against
+hand computations (Slaney filter areas, a numpy DFT of one frame)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ff_ltx2.audio import clock_window, log_mel, mel_filter_bank, to_model_rate
+from ltx2_geometry import ADAPTER_KWARGS, AUDIO_LATENTS, FPS, FRAMES, SIZE
+
+from ff_core.adapter import ConditionInput
+from ff_core.data.media import DecodedAudio
+
+
+def tone(freq: float, seconds: float, rate: int, channels: int = 1) -> torch.Tensor:
+    t = torch.arange(int(round(seconds * rate)), dtype=torch.float64) / rate
+    return (0.3 * torch.sin(2 * math.pi * freq * t)).float().repeat(channels, 1)
+
+
+def peak_hz(x: torch.Tensor, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(x[0].double().numpy()))
+    return float(np.argmax(spectrum) * rate / len(x[0]))
+
+
+# -- the clock window ------------------------------------------------------------------------------------------
+def test_clock_window_trims_to_the_clip_clock():
+    ramp = torch.arange(1000, dtype=torch.float32)[None]  # sample k holds k: the cut reads back from its values
+    cut = clock_window(ramp, 100.0, start=0.25, duration=1.125, tolerance=0.0, what="t")
+    assert cut.shape == (1, 112) and cut[0, 0] == 25 and cut[0, -1] == 25 + 111  # round(1.125 * 100) samples
+
+
+def test_a_clip_shorter_than_the_clock_is_rejected_not_stretched():
+    with pytest.raises(ValueError, match=r"media\[3\]\[1\]: the audio covers 1\.000 s .* needs 1\.125 s"):
+        clock_window(torch.zeros(1, 100), 100.0, start=0.0, duration=1.125, tolerance=0.05, what="media[3][1]")
+    # Within the tolerance (rounding of the source's length): accepted as it is, padded at the model rate.
+    assert clock_window(torch.zeros(1, 110), 100.0, 0.0, 1.125, tolerance=0.05, what="t").shape == (1, 110)
+
+
+def test_one_conversion_to_the_model_rate_and_channels():
+    x = tone(1000.0, 1.0, 22050)  # mono, 22.05 kHz
+    y = to_model_rate(x, 22050, 16000, 2, 16000)
+    assert y.shape == (2, 16000) and y.dtype == torch.float32
+    torch.testing.assert_close(y[0], y[1])  # mono duplicated
+    assert peak_hz(y, 16000) == pytest.approx(1000.0, abs=1.0)
+    # A declared (logical) clock of half the file's rate plays the same samples twice as slow: a 500 Hz tone.
+    assert peak_hz(to_model_rate(x, 11025, 16000, 2, 32000), 16000) == pytest.approx(500.0, abs=1.0)
+    # Stereo at the model rate already: untouched; right-padded with silence to the asked length.
+    z = to_model_rate(tone(440.0, 0.5, 16000, 2), 16000, 16000, 2, 9000)
+    torch.testing.assert_close(z[:, :8000], tone(440.0, 0.5, 16000, 2))
+    assert (z[:, 8000:] == 0).all()
+
+
+# -- the mel spectrogram -------------------------------------------------------------------------------------------
+def test_slaney_filters_have_unit_area_and_peak_at_their_centres():
+    """Slaney normalisation: triangle ``i`` spans ``f[i]..f[i+2]`` with height ``2 / (f[i+2] - f[i])``, area 1 (Hz)."""
+    rate, n_fft, n_mels = 16000, 1024, 16
+    bank = mel_filter_bank(n_fft // 2 + 1, n_mels, rate)
+    assert bank.shape == (n_fft // 2 + 1, n_mels) and (bank >= 0).all()
+    df = rate / n_fft
+    torch.testing.assert_close(bank.sum(0) * df, torch.ones(n_mels), rtol=0.1, atol=0)
+    # Centre of filter i: mel^-1 of the (i + 1)-th of n_mels + 2 points evenly spaced on the Slaney mel scale.
+    top = 1000 / (200 / 3) + math.log(8000 / 1000) / (math.log(6.4) / 27)  # 8 kHz in Slaney mels
+    for i in range(n_mels):
+        m = top * (i + 1) / (n_mels + 1)
+        hz = m * 200 / 3 if m < 15 else 1000 * math.exp((math.log(6.4) / 27) * (m - 15))
+        assert abs(int(bank[:, i].argmax()) * df - hz) <= df
+
+
+def test_log_mel_is_the_stft_of_each_frame_through_the_filters():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4000, generator=g) * 0.1
+    n_fft, hop, n_mels, rate = 256, 160, 16, 16000
+    mel = log_mel(x, sample_rate=rate, n_fft=n_fft, hop_length=hop, n_mels=n_mels)
+    assert mel.shape == (2, 1 + 4000 // hop, n_mels)
+    padded = np.pad(x.double().numpy(), ((0, 0), (n_fft // 2, n_fft // 2)), mode="reflect")
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)  # periodic Hann (torch.hann_window)
+    bank = mel_filter_bank(n_fft // 2 + 1, n_mels, rate).double().numpy()
+    for c, t in ((0, 0), (1, 7), (0, 25)):
+        frame = padded[c, t * hop : t * hop + n_fft] * window
+        expected = np.log(np.maximum(np.abs(np.fft.rfft(frame)) @ bank, 1e-5))
+        np.testing.assert_allclose(mel[c, t].double().numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+# -- the adapter's target codec ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def adapter(tiny_ltx2):
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    return LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **ADAPTER_KWARGS)
+
+
+def test_target_mel_is_aligned_to_the_audio_latents(adapter):
+    """A 1.5 s 22.05 kHz mono WAV becomes 4 L mel frames of the stereo 16 kHz clip clock, L the pipeline's
+    ``audio_num_frames``; a low and a high tone peak in different mel bins."""
+    low = adapter.target_mel(DecodedAudio(tone(220.0, 1.5, 22050), 22050), 0.0, "low")
+    high = adapter.target_mel(DecodedAudio(tone(880.0, 1.5, 22050), 22050), 0.0, "high")
+    assert low.shape == high.shape == (2, 4 * AUDIO_LATENTS, 16)
+    assert int(low.mean((0, 1)).argmax()) < int(high.mean((0, 1)).argmax())
+    with pytest.raises(ValueError, match="media\\[0\\]\\[1\\]: the audio covers 0\\.500 s"):
+        adapter.target_mel(DecodedAudio(tone(220.0, 0.5, 22050), 22050), 0.0, "media[0][1]")
+    # The manifest's sample_rate is a clock: 0.75 s of samples declared at half their rate cover the 1.125 s clip.
+    declared = DecodedAudio(tone(220.0, 0.75, 22050), 22050, declared_sample_rate=11025.0)
+    assert adapter.target_mel(declared, 0.0, "declared").shape == low.shape
+
+
+def test_encode_output_gives_both_streams_seeded_by_the_generator(adapter):
+    condition = adapter.prepare_condition(torch.utils.data.default_collate(adapter.preprocess([ConditionInput("a")])))
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    media = [[video, tone(220.0, FRAMES / FPS, 16000, 2)]]
+
+    def run(seed):
+        return adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(0), run(0), run(1)
+    assert list(a.components) == ["video", "audio"]
+    assert a.components["video"].shape == (1, 4, (FRAMES - 1) // 2 + 1, SIZE // 8, SIZE // 8)
+    assert a.components["audio"].shape == (1, 2, AUDIO_LATENTS, 4)
+    for name in a.components:
+        torch.testing.assert_close(a.components[name], b.components[name], rtol=0, atol=0)
+        assert not torch.equal(a.components[name], c.components[name])
+    with pytest.raises(ValueError, match=r"media\[0\]: ltx2_t2av trains on exact \(video, audio\) pairs"):
+        adapter.encode_output([[video]], condition)
