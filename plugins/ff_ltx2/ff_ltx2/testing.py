@@ -10,9 +10,9 @@
 Sizes (every number is the real model's structure scaled down):
 
 * video VAE: patch 2 and two down blocks (``spatial``, ``spatiotemporal``): 8x spatial, 2x temporal compression,
-  4 latent channels, non-trivial ``latents_mean`` / ``latents_std`` and ``scaling_factor`` so normalisation is
-  exercised. ``AutoencoderKLLTX2Video`` derives its ratios as ``patch * 2 ** (number of scaled blocks)`` for both
-  axes, which is wrong here (it would say 4x temporal): :func:`video_vae_compression` derives them from the block
+  4 latent channels, non-trivial ``latents_mean`` / ``latents_std`` (and, for ``t2av``, ``scaling_factor`` 0.8) so
+  normalisation is exercised. ``AutoencoderKLLTX2Video`` derives its ratios as ``patch * 2 ** (scaled blocks)`` for
+  both axes, which is wrong here (it would say 4x temporal): :func:`video_vae_compression` derives them from the block
   types and the factory passes them explicitly (``spatial_compression_ratio`` / ``temporal_compression_ratio``,
   stored in ``vae/config.json``), so diffusers' pipeline and ff agree on the latent grid.
 * audio VAE: stereo 16 kHz, mel hop 160, 16 mel bins, two down levels (4x on time and mel, as the real one),
@@ -118,7 +118,10 @@ def build_tiny_ltx2(
         decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
         downsample_type=("spatial", "spatiotemporal"), upsample_type=("spatiotemporal", "spatial"),
         upsample_residual=(False, False), upsample_factor=(1, 1), timestep_conditioning=False, patch_size=2,
-        patch_size_t=1, encoder_causal=True, decoder_causal=False, scaling_factor=0.8,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False,
+        # diffusers' LTX2ImageToVideoPipeline normalises its condition latent without scaling_factor (its T2V path and
+        # decoding use it); the released VAE has 1.0, where both agree. t2av exercises a non-trivial one.
+        scaling_factor=0.8 if variant == "t2av" else 1.0,
     )  # fmt: skip
     spatial, temporal = video_vae_compression(vae_cfg)
     vae = seeded(seed + 3, lambda: AutoencoderKLLTX2Video(
