@@ -6,8 +6,8 @@
 # (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml). For the Wan recipes (configs/wan/): tiny Wan2.1
 # T2V and I2V checkpoints (build/tiny-wan-t2v, build/tiny-wan-i2v) and moving-square MP4 datasets (build/wan-squares,
 # build/wan-squares-i2v with first frames, build/wan-squares-dpo preference pairs). For the LTX-2 recipes
-# (configs/ltx2/): a tiny LTX-2 text-to-audio+video checkpoint (build/tiny-ltx2-t2av) and MP4+WAV clip datasets
-# (build/ltx2-clips, build/ltx2-clips-dpo preference pairs).
+# (configs/ltx2/): tiny LTX-2 text/image-to-audio+video checkpoints (build/tiny-ltx2-t2av, build/tiny-ltx2-i2av) and
+# MP4+WAV clip datasets (build/ltx2-clips, build/ltx2-clips-dpo preference pairs, build/ltx2-clips-i2av first frames).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,6 +29,8 @@ pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]
 [ -f build/wan-squares-i2v/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-i2v --dataset --i2v --n 8
 [ -f build/wan-squares-dpo/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-dpo --dataset --preference --n 16
 [ -f build/tiny-ltx2-t2av/model_index.json ] || python -m ff_ltx2.testing --out build/tiny-ltx2-t2av --variant t2av
+[ -f build/tiny-ltx2-i2av/model_index.json ] || python -m ff_ltx2.testing --out build/tiny-ltx2-i2av --variant i2av
 [ -f build/ltx2-clips/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips --dataset --n 8
 [ -f build/ltx2-clips-dpo/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-dpo --dataset --preference --n 8
+[ -f build/ltx2-clips-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av --dataset --i2av --n 8
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"

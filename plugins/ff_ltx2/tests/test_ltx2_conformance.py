@@ -9,7 +9,7 @@ tests/test_ltx2_t2av.py runs the same comparisons with diffusers' pipeline on bo
 import math
 
 import torch
-from ff_ltx2 import LTX2T2AVAdapter
+from ff_ltx2 import LTX2I2AVAdapter, LTX2T2AVAdapter
 from ff_ltx2.testing import build_tiny_ltx2
 from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
@@ -33,3 +33,14 @@ class TestLTX2T2AVConformance(AdapterConformance):
             audio = (0.3 * torch.sin(2 * math.pi * 220.0 * (i + 1) * t)).repeat(2, 1)
             out.append([video, audio])
         return out
+
+
+class TestLTX2I2AVConformance(TestLTX2T2AVConformance):
+    """ltx2_i2av: the kit binds a random image to the required ``first_frame`` slot; the pinned first latent frame
+    (mask 0) must survive sampling and carry no gradient."""
+
+    adapter_cls = LTX2I2AVAdapter
+    adapter_kwargs = {**ADAPTER_KWARGS, "image_crf": 0}
+
+    def build_checkpoint(self, path):
+        return build_tiny_ltx2(path, variant="i2av")

@@ -51,6 +51,30 @@ def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
     assert lora.stat().st_size > 0
 
 
+def test_i2av_recipe_trains_with_pinned_first_frames(tiny_ltx2, tmp_path):
+    clips = write_av_clips(tmp_path / "clips", 2, i2av=True)
+    cli = fit("i2av_sft_tiny.yaml", tiny_ltx2("i2av"), [{"name": "clips", "dataset_dir": str(clips), "eval": {}}],
+              tmp_path / "run", "--data.per_device_batch_size", "2")
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert cli.model.adapter.io_contract.slots[0].name == "first_frame" and cli.model.adapter.image_crf == 33
+
+
+def test_i2av_records_without_a_first_frame_fail_before_weights_load(tiny_ltx2, clips, tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    from ff_ltx2 import LTX2I2AVAdapter
+
+    assert main(["data", "validate", "--model", "ltx2_i2av", str(clips)]) != 0
+    err = capsys.readouterr()
+    assert "train.jsonl:1: input.media: required slot 'first_frame' (image) is not bound" in err.out + err.err
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the dataset was validated")
+
+    monkeypatch.setattr(LTX2I2AVAdapter, "_components", classmethod(no_weights))
+    with pytest.raises(Exception, match="required slot 'first_frame'"):
+        fit("i2av_sft_tiny.yaml", tiny_ltx2("i2av"), [{"name": "clips", "dataset_dir": str(clips)}], tmp_path)
+
+
 def test_offline_dpo_recipe_trains_on_audio_video_pairs(tiny_ltx2, tmp_path):
     pairs = write_av_clips(tmp_path / "pairs", 2, preference=True)
     record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
