@@ -169,3 +169,27 @@ def test_sample_files_write_videos_as_mp4_when_asked(tmp_path):
         from ff_core.callbacks import SampleGrid
 
         SampleGrid(video_format="webm")
+
+
+def test_an_audio_output_after_a_video_is_muxed_as_its_soundtrack(tmp_path):
+    """An ordered (video, audio) sample (LTX-2, MiniMax H3): the MP4 carries the audio as an AAC track of the output's
+    rate and channels, lasting as long as the video; the WAV is written as well. The tone's pitch survives: the
+    decoded track's spectrum peaks at 440 Hz."""
+    import av
+
+    rate, fps, frames = 16000, 8.0, 9
+    audio = tone(2, n=round(frames / fps * rate), rate=rate)
+    sample = EvalSample(0, "a clip", [palette_video(t=frames, h=8, w=8), audio], ("video", "audio"), (fps, rate),
+                        video_format="mp4")  # fmt: skip
+    paths = write_sample_files([sample], tmp_path)
+    assert sorted(p.name for p in paths.values()) == ["00000.mp4", "00000_1.wav"]
+    with av.open(str(paths[(0, 0)])) as container:
+        video, sound = container.streams.video[0], container.streams.audio[0]
+        assert (sound.rate, sound.channels) == (rate, 2)
+        assert float(sound.duration * sound.time_base) == pytest.approx(frames / fps, abs=1e-3)
+        assert float(video.duration * video.time_base) == pytest.approx(frames / fps, abs=1e-3)
+        pcm = np.concatenate([f.to_ndarray() for f in container.decode(sound)], axis=1)
+    spectrum = np.abs(np.fft.rfft(pcm[0, 1024 : 1024 + rate // 2]))
+    assert np.argmax(spectrum) * 2 == pytest.approx(440, abs=2)  # half a second: 2 Hz per bin
+    with pytest.raises(ValueError, match="a soundtrack is float"):
+        video_to_mp4(palette_video(), audio=torch.zeros(3, 10))

@@ -3,7 +3,8 @@
 One :class:`EvalSample` per evaluation prompt (its index, prompt, decoded outputs and reward scores) goes to:
 
 * disk, always: ``<dir>/<index>[_<position>].png|gif|mp4|wav`` per output (video as an animated GIF, or an H.264 MP4
-  written with PyAV when the callback's ``video_format`` is ``mp4``; audio as 16-bit PCM WAV) -
+  written with PyAV when the callback's ``video_format`` is ``mp4``, with the audio output that follows it, if any,
+  muxed in as its AAC soundtrack; audio as 16-bit PCM WAV) -
   :func:`write_sample_files`;
 * TensorBoard (``TensorBoardLogger``): the grid image, each video as an animated GIF (the image summary TensorBoard
   plays; torch's ``add_video`` would need moviepy) and each audio clip (multi-channel WAV) - :func:`log_tensorboard`;
@@ -93,9 +94,14 @@ def check_video_format(value: str, owner: str) -> str:
     return value
 
 
-def video_to_mp4(video: Tensor, fps: float = DEFAULT_FPS) -> bytes:
+def video_to_mp4(video: Tensor, fps: float = DEFAULT_FPS, audio: Tensor | None = None,
+                 sample_rate: int = DEFAULT_SAMPLE_RATE) -> bytes:  # fmt: skip
     """An H.264 MP4 (yuv420p, PyAV) of a uint8 (T, 3, H, W) video at ``fps`` (a rational rate, so 23.976 stays
-    exact to the millisecond). yuv420p needs even sides: an odd last row / column is repeated."""
+    exact to the millisecond). yuv420p needs even sides: an odd last row / column is repeated.
+
+    With ``audio`` (float (C, N) in [-1, 1], 1 or 2 channels, at ``sample_rate``) the MP4 gets an AAC soundtrack
+    muxed beside the video, both starting at 0: a pipeline whose outputs are an ordered (video, audio) pair plays as
+    one file (the WAV is written too)."""
     from fractions import Fraction
 
     import av
@@ -103,6 +109,8 @@ def video_to_mp4(video: Tensor, fps: float = DEFAULT_FPS) -> bytes:
 
     if video.dtype != torch.uint8 or video.ndim != 4 or video.shape[1] != 3:
         raise ValueError(f"a video is uint8 (T, 3, H, W), got {video.dtype} {tuple(video.shape)}")
+    if audio is not None and (audio.ndim != 2 or not audio.is_floating_point() or audio.shape[0] not in (1, 2)):
+        raise ValueError(f"a soundtrack is float (C, N) with 1 or 2 channels, got {audio.dtype} {tuple(audio.shape)}")
     frames = video.permute(0, 2, 3, 1).contiguous().numpy()
     pad = ((0, 0), (0, frames.shape[1] % 2), (0, frames.shape[2] % 2), (0, 0))
     frames = np.pad(frames, pad, mode="edge")
@@ -112,9 +120,19 @@ def video_to_mp4(video: Tensor, fps: float = DEFAULT_FPS) -> bytes:
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.codec_context.options = {"crf": "18"}
+        sound = None
+        if audio is not None:
+            layout = "mono" if audio.shape[0] == 1 else "stereo"
+            sound = container.add_stream("aac", rate=int(sample_rate), layout=layout)
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:  # planar float samples; the encoder re-frames them into AAC's 1024-sample frames
+            pcm = np.ascontiguousarray(audio.detach().float().clamp(-1, 1).cpu().numpy())
+            chunk = av.AudioFrame.from_ndarray(pcm, format="fltp", layout=sound.layout.name)
+            chunk.sample_rate, chunk.pts = int(sample_rate), 0
+            container.mux(sound.encode(chunk))
+            container.mux(sound.encode())
     return buf.getvalue()
 
 
@@ -157,9 +175,14 @@ def encode_output(sample: EvalSample, position: int) -> bytes:
     kind, item = sample.output_types[position], sample.media[position]
     if kind == "image":
         return png_bytes(item)
+    if kind == "video" and sample.video_format == "mp4":
+        # An ordered (video, audio) pair (LTX-2, MiniMax H3): the audio output after the video is its soundtrack.
+        after = [p for p in range(position + 1, len(sample.media)) if sample.output_types[p] == "audio"]
+        audio = {"audio": sample.media[after[0]], "sample_rate": int(sample.rate(after[0], DEFAULT_SAMPLE_RATE))} \
+            if after else {}  # fmt: skip
+        return video_to_mp4(item, sample.rate(position, DEFAULT_FPS), **audio)
     if kind == "video":
-        encode = video_to_mp4 if sample.video_format == "mp4" else video_to_gif
-        return encode(item, sample.rate(position, DEFAULT_FPS))
+        return video_to_gif(item, sample.rate(position, DEFAULT_FPS))
     if kind == "audio":
         return audio_to_wav(item, int(sample.rate(position, DEFAULT_SAMPLE_RATE)))
     raise ValueError(f"unknown output kind {kind!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import wave
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,15 @@ def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
     samples = version / "samples" / "step_000002"
     import av
 
-    with av.open(str(samples / "00000.mp4")) as container:  # at the adapter's 8 fps
+    with av.open(str(samples / "00000.mp4")) as container:  # at the adapter's 8 fps, its audio muxed in
         assert float(container.streams.video[0].average_rate) == 8.0
+        sound = container.streams.audio[0]
+        assert (sound.rate, sound.channels) == (16000, 2)
+        assert float(sound.duration * sound.time_base) == pytest.approx(9 / 8, abs=1e-3)  # the clip's clock
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
+    with wave.open(str(samples / "00000_1.wav")) as w:  # the waveform also as a WAV, at the vocoder's rate
+        assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 2, 18000)
     lora = version / "checkpoints" / "last.lora" / "pytorch_lora_weights.safetensors"
     assert lora.stat().st_size > 0
 
