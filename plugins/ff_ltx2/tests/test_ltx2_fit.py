@@ -153,3 +153,16 @@ def test_records_breaking_the_pair_contract_fail_before_weights_load(tiny_ltx2, 
     with pytest.raises(Exception, match=message) as info:
         fit("sft_tiny.yaml", tiny_ltx2("t2av"), [{"name": "bad", "dataset_dir": str(bad)}], tmp_path / "run")
     assert "weights loaded" not in str(info.value)
+
+
+def test_the_full_size_recipe_parses_and_its_geometry_is_valid(tmp_path):
+    """configs/ltx2/ltx2_t2av.yaml is not run here; it parses, names the registered adapter and an LTX-2 clip geometry
+    (``(num_frames - 1) % 8 == 0``, a canvas in multiples of 32: the released VAE's compression)."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
+        "--config", str(CONFIGS / "ltx2_t2av.yaml"), "--trainer.accelerator", "cpu", "--trainer.precision", "32",
+        "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    assert cli.model.adapter_cls is LTX2T2AVAdapter
+    kwargs = cli.model.adapter_kwargs
+    assert (kwargs["num_frames"] - 1) % 8 == 0 and kwargs["height"] % 32 == 0 and kwargs["width"] % 32 == 0
