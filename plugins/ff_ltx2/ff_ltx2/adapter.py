@@ -131,7 +131,7 @@ class LTX2T2AVAdapter(Adapter):
             transformer: the ``LTX2VideoTransformer3DModel``.
             vae: the ``AutoencoderKLLTX2Video``.
             audio_vae: the ``AutoencoderKLLTX2Audio``.
-            vocoder: the ``LTX2Vocoder`` (mel spectrogram -> waveform).
+            vocoder: the ``LTX2Vocoder`` (mel spectrogram -> waveform; ``LTX2VocoderWithBWE`` for LTX-2.3).
             connectors: the ``LTX2TextConnectors``.
             text_encoder: the Gemma-3 text encoder.
             tokenizer: its tokenizer (padded on the left, as the pipeline does).
@@ -186,7 +186,19 @@ class LTX2T2AVAdapter(Adapter):
         from ff_core.pretrained import read_config
 
         index = read_config(path, "model_index.json")
-        text_cls = getattr(transformers, (index.get("text_encoder") or [None, "Gemma3ForConditionalGeneration"])[1])
+
+        def named(component: str, default: Any, library: Any) -> Any:
+            """The class ``model_index.json`` names for ``component`` (LTX-2.3 ships ``LTX2VocoderWithBWE``)."""
+            name = (index.get(component) or [None, None])[1]
+            found = getattr(library, name, None) if name else default
+            if not isinstance(found, type):
+                raise ValueError(f"{path}: model_index.json names an unknown {component} class {name!r}")
+            return found
+
+        import diffusers.pipelines.ltx2 as ltx2
+
+        text_cls = named("text_encoder", transformers.Gemma3ForConditionalGeneration, transformers)
+        vocoder_cls = named("vocoder", LTX2Vocoder, ltx2)
         kw = {"revision": revision}
         return {
             "transformer": LTX2VideoTransformer3DModel.from_pretrained(path, subfolder="transformer",
@@ -195,7 +207,7 @@ class LTX2T2AVAdapter(Adapter):
             "vae": AutoencoderKLLTX2Video.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32, **kw),
             "audio_vae": AutoencoderKLLTX2Audio.from_pretrained(path, subfolder="audio_vae",
                                                                 torch_dtype=torch.float32, **kw),
-            "vocoder": LTX2Vocoder.from_pretrained(path, subfolder="vocoder", torch_dtype=torch.float32, **kw),
+            "vocoder": vocoder_cls.from_pretrained(path, subfolder="vocoder", torch_dtype=torch.float32, **kw),
             "connectors": LTX2TextConnectors.from_pretrained(path, subfolder="connectors", torch_dtype=dt, **kw),
             "text_encoder": text_cls.from_pretrained(path, subfolder="text_encoder", dtype=dt, **kw),
             "tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
