@@ -268,6 +268,11 @@ class LTX2T2AVAdapter(Adapter):
     def denoiser(self) -> nn.Module:
         return self.transformer
 
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """The transformer's blocks (each one video + audio + cross-modal layer): the units FSDP2 shards one by one.
+        Named explicitly: ``LTX2VideoTransformer3DModel`` declares no ``_no_split_modules``."""
+        return {"transformer": list(self.transformer.transformer_blocks)}
+
     @property
     def output_rates(self) -> tuple[float, float]:
         """The generated video's frame rate and the vocoder's sample rate (samples are logged and muxed at them)."""
