@@ -30,7 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ff_core.objectives.base import LossOutput, Objective
-from ff_core.objectives.flow_matching import TimestepSampler, child_generator, monte_carlo_draws
+from ff_core.objectives.flow_matching import (
+    TimestepSampler,
+    check_component_weights,
+    child_generator,
+    monte_carlo_draws,
+)
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.objectives.sft import flow_matching_error
 
@@ -96,6 +101,7 @@ def preference_errors(
     condition: Condition,
     sigma: Tensor,
     noise: LatentState,
+    component_weights: dict[str, float] | None = None,
 ) -> PreferenceErrors:
     """Both arms' errors under the policy and the reference, all four at this one ``sigma`` and ``noise``.
 
@@ -103,11 +109,11 @@ def preference_errors(
     for its backward pass.
     """
     with torch.no_grad(), reference.active(adapter):
-        reference_chosen = flow_matching_error(adapter, chosen, condition, sigma, noise)
-        reference_rejected = flow_matching_error(adapter, rejected, condition, sigma, noise)
+        reference_chosen = flow_matching_error(adapter, chosen, condition, sigma, noise, component_weights)
+        reference_rejected = flow_matching_error(adapter, rejected, condition, sigma, noise, component_weights)
     return PreferenceErrors(
-        policy_chosen=flow_matching_error(adapter, chosen, condition, sigma, noise),
-        policy_rejected=flow_matching_error(adapter, rejected, condition, sigma, noise),
+        policy_chosen=flow_matching_error(adapter, chosen, condition, sigma, noise, component_weights),
+        policy_rejected=flow_matching_error(adapter, rejected, condition, sigma, noise, component_weights),
         reference_chosen=reference_chosen,
         reference_rejected=reference_rejected,
     )
@@ -125,6 +131,9 @@ class DPOObjective(Objective):
         reference_offload: full fine-tuning only: keep the frozen reference denoiser in CPU memory and stream its
             weights to the device layer by layer for each forward (accelerate ``cpu_offload``); ignored with LoRA,
             whose reference is the base with the LoRA disabled.
+        component_weights: how each candidate's error reduces over a multi-component latent state (video + audio):
+            ``None`` pools every latent element; a mapping averages each component's mean error with these weights
+            (as :class:`~ff_core.objectives.sft.SFTObjective`). The implicit rewards are ``-beta/2`` times that error.
     """
 
     trainer_type = "offline-dpo"
@@ -135,6 +144,7 @@ class DPOObjective(Objective):
         timesteps: TimestepSampler | None = None,
         num_train_timesteps: int = 1,
         reference_offload: bool = False,
+        component_weights: dict[str, float] | None = None,
     ) -> None:
         if not beta > 0:
             raise ValueError(f"model.objective.beta must be > 0, got {beta}")
@@ -144,6 +154,7 @@ class DPOObjective(Objective):
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
         self.reference_offload = reference_offload
+        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
         self.reference: ReferenceModel | None = None
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
@@ -184,7 +195,8 @@ class DPOObjective(Objective):
         _check_same_geometry(chosen, rejected)
         terms, errors, sigmas = [], [], []
         for sigma, noise in monte_carlo_draws(self.timesteps, adapter, chosen, self.num_train_timesteps, generator):
-            errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise))
+            errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise,
+                                            self.component_weights))
             terms.append(diffusion_dpo_loss(errors[-1], self.beta))
             sigmas.append(sigma)
         per_sample = torch.stack([t.loss for t in terms]).mean(0)

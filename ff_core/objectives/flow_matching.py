@@ -8,7 +8,8 @@ predicting the velocity ``v = eps - x0``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -182,23 +183,53 @@ def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
     return noise.float() - x0.float()
 
 
-def per_sample_squared_error(pred: LatentState, target: LatentState) -> Tensor:
-    """Mean squared error per sample in fp32, averaged over every active element of every component.
+def check_component_weights(weights: Mapping[str, float] | None, key: str) -> dict[str, float] | None:
+    """``weights`` as a plain dict, checked: finite, non-negative, not all zero. ``key`` names the config key."""
+    if weights is None:
+        return None
+    out = {str(k): float(v) for k, v in dict(weights).items()}
+    if not out or any(not math.isfinite(v) or v < 0 for v in out.values()) or not any(out.values()):
+        raise ValueError(f"{key} must map latent component names to finite weights >= 0, not all 0; got {out}")
+    return out
 
-    Components are pooled by element count, so a video + audio state weighs each latent element equally.
-    Masked-out elements (mask 0, pinned by a condition) contribute neither error nor count.
+
+def per_sample_squared_error(
+    pred: LatentState, target: LatentState, component_weights: Mapping[str, float] | None = None
+) -> Tensor:
+    """Mean squared error per sample in fp32, over every active element of every component.
+
+    Without ``component_weights`` components are pooled by element count, so a video + audio state weighs each latent
+    element equally (a stream with more latent elements weighs more). With them, each component's own mean over its
+    active elements is averaged with these weights, ``sum_k w_k e_k / sum_k w_k``: ``{video: 1, audio: 1}`` weighs the
+    streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the audio out of the loss (it is still
+    noised and denoised). Masked-out elements (mask 0, pinned by a condition) contribute neither error nor count.
+
+    Args:
+        pred: the predicted velocity.
+        target: the regression target.
+        component_weights: per component name its weight; every component of ``pred`` must be named.
     """
-    total, count = None, None
+    if component_weights is not None:
+        missing = sorted(set(pred.components) - set(component_weights))
+        extra = sorted(set(component_weights) - set(pred.components))
+        if missing or extra:
+            raise ValueError(f"model.objective.init_args.component_weights names {sorted(component_weights)}; the "
+                             f"latent components are {list(pred.components)}")  # fmt: skip
+    total, count, weighted = None, None, None
     for name, p in pred.components.items():
-        t = target.components[name]
-        err = (p.float() - t.float()) ** 2
-        mask = pred.masks.get(name, target.masks.get(name))
-        if mask is None:
-            mask = torch.ones_like(err)
-        else:
-            mask = mask.to(err.dtype).expand_as(err)
-        e = (err * mask).flatten(1).sum(1)
-        c = mask.flatten(1).sum(1)
+        e, c = _component_error(p, target.components[name], pred.masks.get(name, target.masks.get(name)))
+        if component_weights is not None:
+            term = float(component_weights[name]) * (e / c.clamp_min(1))
+            weighted = term if weighted is None else weighted + term
         total = e if total is None else total + e
         count = c if count is None else count + c
+    if component_weights is not None:
+        return weighted / sum(float(component_weights[name]) for name in pred.components)
     return total / count.clamp_min(1)
+
+
+def _component_error(p: Tensor, t: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per sample, the fp32 sum of squared errors over the active elements of one component, and their count."""
+    err = (p.float() - t.float()) ** 2
+    mask = torch.ones_like(err) if mask is None else mask.to(err.dtype).expand_as(err)
+    return (err * mask).flatten(1).sum(1), mask.flatten(1).sum(1)

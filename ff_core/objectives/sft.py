@@ -20,6 +20,7 @@ import torch
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     TimestepSampler,
+    check_component_weights,
     child_generator,
     monte_carlo_draws,
     noise_state,
@@ -37,15 +38,25 @@ class SFTObjective(Objective):
     Args:
         timesteps: how noise levels are drawn per sample (logit-normal with SD3 shift, or uniform).
         num_train_timesteps: independent Monte-Carlo (sigma, noise) terms averaged per microbatch.
+        component_weights: how a multi-component latent state's error reduces per sample
+            (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`): ``None`` pools every latent element of
+            every component; ``{video: 1.0, audio: 1.0}`` averages each component's mean error with these weights
+            (``audio: 0``: the audio stream is denoised but not trained on).
     """
 
     trainer_type = "sft"
 
-    def __init__(self, timesteps: TimestepSampler | None = None, num_train_timesteps: int = 1) -> None:
+    def __init__(
+        self,
+        timesteps: TimestepSampler | None = None,
+        num_train_timesteps: int = 1,
+        component_weights: dict[str, float] | None = None,
+    ) -> None:
         if num_train_timesteps < 1:
             raise ValueError(f"model.objective.num_train_timesteps must be >= 1, got {num_train_timesteps}")
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
+        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
 
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
@@ -67,7 +78,7 @@ class SFTObjective(Objective):
         """
         terms, sigmas = [], []
         for sigma, noise in monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator):
-            terms.append(flow_matching_error(adapter, clean, condition, sigma, noise))
+            terms.append(flow_matching_error(adapter, clean, condition, sigma, noise, self.component_weights))
             sigmas.append(sigma)
         per_sample = torch.stack(terms).mean(0)
         sigma = torch.stack(sigmas).detach()
@@ -76,13 +87,19 @@ class SFTObjective(Objective):
 
 
 def flow_matching_error(
-    adapter: Adapter, clean: LatentState, condition: Condition, sigma: torch.Tensor, noise: LatentState
+    adapter: Adapter,
+    clean: LatentState,
+    condition: Condition,
+    sigma: torch.Tensor,
+    noise: LatentState,
+    component_weights: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements.
+    """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements
+    (over components as ``component_weights`` says: :func:`~ff_core.objectives.flow_matching.per_sample_squared_error`).
 
     Elements the clean state's masks pin (mask 0, e.g. an I2AV first frame) enter the denoiser clean and are
     left out of the error.
     """
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
-    return per_sample_squared_error(adapter.velocity(noisy, sigma, condition), target)
+    return per_sample_squared_error(adapter.velocity(noisy, sigma, condition), target, component_weights)

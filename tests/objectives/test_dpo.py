@@ -244,3 +244,26 @@ def test_lora_reference_switches_the_lora_off_and_back_on_even_on_errors():
         "0.lora_A.default.weight": True, "0.lora_B.default.weight": True}  # fmt: skip
     with pytest.raises(ValueError, match="needs peft LoRA layers"):
         ReferenceModel(ToyAdapter(1.0), lora=True)
+
+
+def test_component_weights_set_how_each_candidate_error_reduces():
+    """Two streams, sigma 1 (x = eps): video x0 [0, 0], eps [1, 1]; audio x0 [0], eps [2]. Policy v = 2 x + 1: video
+    error (3 - 1)^2 = 4 per element, audio (5 - 2)^2 = 9; reference v = x + 1: video 1, audio 1. Pooled by element
+    count the policy's error is (4 + 4 + 9) / 3 = 17/3; with ``{video: 1, audio: 0}`` it is the video's 4 alone."""
+
+    class TwoStreams(ToyAdapter):
+        def velocity(self, state, sigma, condition):
+            return state.map(lambda x: self.net(x) + sigma.reshape(-1, *([1] * (x.ndim - 1))))
+
+    adapter = TwoStreams(1.0)
+    objective = DPOObjective(beta=0.5, component_weights={"video": 1.0, "audio": 0.0})
+    objective.configure_model(adapter, lora=False)
+    with torch.no_grad():
+        adapter.net.a.fill_(2.0)
+    clean = LatentState({"video": torch.zeros(1, 2), "audio": torch.zeros(1, 1)})
+    noise = LatentState({"video": torch.ones(1, 2), "audio": torch.full((1, 1), 2.0)})
+    sigma = torch.tensor([1.0])
+    pooled = preference_errors(adapter, objective.reference, clean, clean, {}, sigma, noise)
+    assert_close(pooled.policy_chosen, torch.tensor([17 / 3])) and assert_close(pooled.reference_chosen, torch.ones(1))
+    video = preference_errors(adapter, objective.reference, clean, clean, {}, sigma, noise, objective.component_weights)
+    assert_close(video.policy_chosen, torch.tensor([4.0])) and assert_close(video.reference_rejected, torch.ones(1))

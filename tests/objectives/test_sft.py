@@ -1,5 +1,6 @@
 """SFT loss against hand computations on fixed tensors (STYLE 6)."""
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -223,3 +224,38 @@ def test_a_micro_batch_loss_is_a_function_of_its_generator_alone(tiny_sd3, shape
             losses.append(module.objective.training_loss(adapter, batch, torch.Generator().manual_seed(seed)).loss)
     assert_close(losses[0], losses[1], rtol=0, atol=0)
     assert not torch.equal(losses[0], losses[2])
+
+
+def test_component_weights_average_each_component_mean():
+    """video error 1 on 3 elements, audio error 4 on 1 element: pooled 1.75; weights {video: 1, audio: 1} average the
+    component means (1 + 4) / 2 = 2.5; {video: 1, audio: 3}: (1 + 12) / 4 = 3.25; audio 0: the video's 1 alone.
+    Masks still apply inside a component: the masked video element (error 9) counts in neither."""
+    pred = LatentState({"video": torch.tensor([[1.0, 1.0, 1.0, 3.0]]), "audio": torch.full((1, 1), 2.0)},
+                       {"video": torch.tensor([[1.0, 1.0, 1.0, 0.0]])})  # fmt: skip
+    target = LatentState({"video": torch.zeros(1, 4), "audio": torch.zeros(1, 1)})
+    assert_close(per_sample_squared_error(pred, target), torch.tensor([1.75]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 1.0}), torch.tensor([2.5]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 3.0}), torch.tensor([3.25]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 0.0}), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"component_weights names \['video'\]; the latent components are"):
+        per_sample_squared_error(pred, target, {"video": 1.0})
+
+
+@pytest.mark.parametrize("weights", [{}, {"video": -1.0}, {"video": 0.0, "audio": 0.0}, {"video": float("nan")}])
+def test_component_weights_are_checked_where_the_objective_is_built(weights):
+    from ff_core.objectives import DPOObjective
+
+    for objective in (SFTObjective, DPOObjective):
+        with pytest.raises(ValueError, match="model.objective.component_weights must map latent component names"):
+            objective(component_weights=weights)
+
+
+def test_sft_loss_with_component_weights_by_hand():
+    """v = 2 x + sigma on a two-component state at sigma 1 (x = eps): video x0 0, eps 1 -> v 3, target 1, error 4;
+    audio x0 0, eps 2 -> v 5, target 2, error 9. {video: 1, audio: 0} trains on the video's 4 alone."""
+    clean = LatentState({"video": torch.zeros(1, 2), "audio": torch.zeros(1, 1)})
+    noise = LatentState({"video": torch.ones(1, 2), "audio": torch.full((1, 1), 2.0)})
+    sigma = torch.tensor([1.0])
+    assert_close(flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise), torch.tensor([17 / 3]))
+    got = flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise, {"video": 1.0, "audio": 0.0})
+    assert_close(got, torch.tensor([4.0]))

@@ -85,9 +85,12 @@ def test_offline_dpo_recipe_trains_on_audio_video_pairs(tiny_ltx2, tmp_path):
     pairs = write_av_clips(tmp_path / "pairs", 2, preference=True)
     record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
     assert [m["type"] for m in record["supervision"]["rejected"]["media"]] == ["video", "audio"]
+    # The two streams' mean errors weighed equally (docs/objectives.md, "Several latent components").
     cli = fit("offline_dpo_tiny.yaml", tiny_ltx2("t2av"), [{"name": "pairs", "dataset_dir": str(pairs), "eval": {}}],
-              tmp_path / "run", "--data.per_device_batch_size", "2")
+              tmp_path / "run", "--data.per_device_batch_size", "2", "--model.objective.init_args.component_weights",
+              json.dumps({"video": 1.0, "audio": 1.0}))  # fmt: skip
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert cli.model.objective.component_weights == {"video": 1.0, "audio": 1.0}
 
 
 def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path):
