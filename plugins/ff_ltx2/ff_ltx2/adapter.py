@@ -45,6 +45,11 @@ T2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT))
 # ltx2_i2av: the same pair, conditioned on the required first_frame image slot.
 I2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT), slots=(SlotSpec("first_frame", MediaType.IMAGE),))
 TEXT_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+# LoRA targets that leave the audio stream's own layers frozen (docs/ltx2.md, "Freezing the audio stream"): the video
+# self- and text-attention and the audio-to-video attention (video queries reading the audio), never audio_attn1 /
+# audio_attn2 / video_to_audio_attn. peft matches a target on a "." boundary, so "attn1.to_q" is not "audio_attn1".
+VIDEO_LORA_TARGETS: tuple[str, ...] = tuple(f"{m}.{p}" for m in ("attn1", "attn2", "audio_to_video_attn")
+                                            for p in ("to_q", "to_k", "to_v", "to_out.0"))  # fmt: skip
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:

@@ -251,3 +251,32 @@ def test_lora_export_loads_through_load_lora_weights(t2av, adapter, condition, t
     torch.testing.assert_close(ours.components["audio"], _audio(pipe, theirs[1]), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(ours.components["audio"], base.components["audio"], atol=1e-4)
     assert not torch.allclose(ours.components["video"], base.components["video"], atol=1e-4)
+
+
+def test_the_audio_stream_can_be_frozen(t2av, condition):
+    """docs/ltx2.md, "Freezing the audio stream": LoRA on VIDEO_LORA_TARGETS wraps no layer of the audio stream, and
+    with ``component_weights: {video: 1, audio: 0}`` the audio prediction's error is out of the loss: the audio
+    output projection (which feeds nothing but the audio prediction) gets an exactly zero gradient; pooled, it does
+    not. (The video prediction still reads the noisy audio through audio-to-video attention, as at inference.)"""
+    from ff_ltx2.adapter import VIDEO_LORA_TARGETS
+
+    from ff_core.module import LoRAConfig, apply_lora
+    from ff_core.objectives import SFTObjective
+
+    adapter = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+    apply_lora(adapter, LoRAConfig(rank=2, alpha=2, target_modules=list(VIDEO_LORA_TARGETS)))
+    wrapped = {n.split(".lora_")[0] for n, _ in adapter.named_parameters() if "lora_" in n}
+    assert wrapped and all(w.split(".")[3] in ("attn1", "attn2", "audio_to_video_attn") for w in wrapped), wrapped
+    adapter.transformer.audio_proj_out.requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    audio = (torch.sin(2 * torch.pi * 220 * torch.arange(18000) / 16000) * 0.5).repeat(2, 1)
+    one = {k: v[:1] for k, v in condition.items()}
+    clean = adapter.encode_output([[video, audio]], one, generator=torch.Generator().manual_seed(0))
+    for weights, frozen in (({"video": 1.0, "audio": 0.0}, True), (None, False)):
+        adapter.zero_grad(set_to_none=True)
+        objective = SFTObjective(component_weights=weights)
+        objective.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss.backward()
+        grad = adapter.transformer.audio_proj_out.weight.grad
+        assert (grad == 0).all() if frozen else grad.abs().sum() > 0
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_" in n)
