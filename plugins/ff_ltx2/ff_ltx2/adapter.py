@@ -390,9 +390,14 @@ class LTX2T2AVAdapter(Adapter):
     @property
     def audio_latent_frames(self) -> int:
         """``round(duration * sample_rate / mel_hop / 4)``: the pipeline's ``audio_num_frames``."""
+        return self.audio_frames_for(self.duration)
+
+    def audio_frames_for(self, seconds: float) -> int:
+        """Audio latent frames of a clip lasting ``seconds`` (``LTX2Pipeline``: ``round(duration *
+        audio_latents_per_second)``)."""
         cfg = self.audio_vae.config
         per_second = cfg.sample_rate / cfg.mel_hop_length / float(self.audio_vae.temporal_compression_ratio)
-        return round(self.duration * per_second)
+        return round(seconds * per_second)
 
     def latent_shapes(self, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The video (B, C, F', H', W') and audio (B, C_a, L, M') latent shapes of one generated clip."""
@@ -409,12 +414,13 @@ class LTX2T2AVAdapter(Adapter):
         return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=self.frame_rate), None)
 
     def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
-        """Video tokens ``F' h' w' / (p_t p^2)`` plus the clip's audio tokens (one per audio latent frame)."""
+        """Video tokens ``F' h' w' / (p_t p^2)`` plus the clip's audio tokens (one per audio latent frame of its
+        ``frames / fps`` seconds)."""
         p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
         frames = self.num_frames if geometry.num_frames is None else geometry.num_frames
         video = ((frames - 1) // self.temporal_stride + 1) // pt * (geometry.height // (self.spatial_stride * p)) * (
             geometry.width // (self.spatial_stride * p))
-        return video + self.audio_latent_frames
+        return video + self.audio_frames_for(frames / (geometry.fps or self.frame_rate))
 
     # -- target side -----------------------------------------------------------------------------
     def _videos(self, media: list[list[Any]]) -> tuple[Tensor, list[float]]:
