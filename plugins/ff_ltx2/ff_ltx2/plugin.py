@@ -8,7 +8,8 @@ from ff_core.hookspecs import hookimpl
 @hookimpl
 def ff_adapters():
     """The LTX-2 adapter classes; importing them loads no weights."""
-    from ff_ltx2.adapter import LTX2I2AVAdapter, LTX2T2AVAdapter
+    from ff_ltx2.adapter import LTX2T2AVAdapter
+    from ff_ltx2.i2av import LTX2I2AVAdapter
 
     return [LTX2T2AVAdapter, LTX2I2AVAdapter]
 

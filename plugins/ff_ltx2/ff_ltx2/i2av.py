@@ -1,0 +1,130 @@
+"""LTX-2 image-to-audio+video behind ff's stage methods: ``ltx2_i2av`` (``LTX2ImageToVideoPipeline``).
+
+Everything but the condition image is :class:`~ff_ltx2.adapter.LTX2T2AVAdapter`'s; the image's latent is pinned as the
+first latent frame of every video state (pipelines/ltx2/pipeline_ltx2_image2video.py, ``prepare_latents`` and the
+denoising loop's ``timestep * (1 - conditioning_mask)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ff_core.adapter import Condition, ConditionInput, LatentState
+from ff_core.contracts import PipelineIOContract
+from ff_core.data.geometry import MediaGeometry
+from ff_ltx2.adapter import I2AV_CONTRACT, LTX2T2AVAdapter
+
+
+class LTX2I2AVAdapter(LTX2T2AVAdapter):
+    """LTX-2 image-to-audio+video (``LTX2ImageToVideoPipeline``): the prompt and the required ``first_frame`` image.
+
+    The image is fitted to the canvas, optionally H.264 re-compressed first (the pipeline's ``image_crf``: the
+    compression LTX-2 was trained with), VAE-encoded with the posterior *mode* and normalised, once, in
+    :meth:`preprocess` (``first_frame_latent``, cached with the text). Every video state (training targets, initial
+    noise) carries it as its first latent frame with mask 0 there: the pinned tokens are never noised, not in the
+    loss, not stepped by the sampler, and the transformer sees them at timestep 0 (per-token video timesteps
+    ``t * mask``, the pipeline's ``timestep * (1 - conditioning_mask)``); the audio stream is generated whole.
+    """
+
+    name: ClassVar[str] = "ltx2_i2av"
+    io_contract: ClassVar[PipelineIOContract] = I2AV_CONTRACT
+
+    def __init__(self, *, image_crf: int | None = None, **kwargs: Any) -> None:
+        """
+        Args:
+            image_crf: H.264 CRF the condition image is re-compressed at before encoding (0: not re-compressed);
+                ``None``: the pipeline's default for the checkpoint's text encoder
+                (``resolve_default_image_crf``: 33 for LTX-2 with Gemma-3).
+            **kwargs: :class:`LTX2T2AVAdapter`'s arguments.
+        """
+        super().__init__(**kwargs)
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
+        self.image_crf = int(resolve_default_image_crf(self.text_encoder) if image_crf is None else image_crf)
+        if self.image_crf < 0:
+            raise ValueError(f"model.adapter_kwargs.image_crf must be >= 0, got {image_crf}")
+
+    @classmethod
+    def _extra_kwargs(cls, image_crf: int | None) -> dict[str, Any]:
+        return {"image_crf": image_crf}
+
+    def preprocess_identity(self) -> dict[str, Any]:
+        """Besides the text settings, the canvas and the re-compression: the condition latent is encoded at them."""
+        return {**super().preprocess_identity(), "height": self.height, "width": self.width,
+                "image_crf": self.image_crf}  # fmt: skip
+
+    def _first_frame(self, item: ConditionInput, index: int) -> Tensor:
+        """The ``first_frame`` image (uint8 (3, H, W) at the file's size), checked against the contract."""
+        bound = None
+        for k, media in enumerate(item.media):
+            where = f"inputs[{index}].media[{k}]"
+            if media.get("type") != "image":
+                raise ValueError(f"{where}: {self.name} takes one image, got {media.get('type')!r}")
+            if media.get("slot", "first_frame") != "first_frame":
+                raise ValueError(f"{where}: slot {media.get('slot')!r} is not accepted (slots: ['first_frame'])")
+            if bound is not None:
+                raise ValueError(f"{where}: slot 'first_frame' bound twice")
+            bound = media["data"]
+        if bound is None:
+            raise ValueError(f"inputs[{index}]: {self.name} requires the 'first_frame' image slot")
+        return bound
+
+    @torch.no_grad()
+    def condition_latent(self, image: Tensor) -> Tensor:
+        """``LTX2ImageToVideoPipeline``'s first-frame latent of one image, (C, 1, h, w): CRF re-compression at the
+        file's size, fitted to the canvas, [-1, 1], VAE posterior mode, normalised."""
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+
+        from ff_core.data.geometry import fit_image
+
+        if self.image_crf:
+            array = apply_image_conditioning_crf(image.permute(1, 2, 0).contiguous().numpy(), self.image_crf)
+            image = torch.from_numpy(array).permute(2, 0, 1)
+        image = fit_image(image, MediaGeometry(self.height, self.width))
+        x = (image.float() / 127.5 - 1)[None, :, None].to(self.vae.device, self.vae.dtype)  # (1, 3, 1, H, W)
+        z = self.vae.encode(x).latent_dist.mode()
+        return self.normalize_video(z.float())[0]
+
+    @torch.no_grad()
+    def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
+        images = [self._first_frame(item, i) for i, item in enumerate(inputs)]
+        rows = self._text_rows(inputs)
+        for row, image in zip(rows, images):
+            row["first_frame_latent"] = self.condition_latent(image).cpu().clone()
+        return rows
+
+    def _pinned(self, video: Tensor, condition: Condition) -> tuple[Tensor, Tensor]:
+        """``video`` with its first latent frame replaced by the condition's, and the mask (0 there, 1 elsewhere)."""
+        cond = condition["first_frame_latent"].to(video.device, video.dtype)
+        if cond.shape[0] != video.shape[0] or tuple(cond.shape[1:]) != (video.shape[1], 1, *video.shape[3:]):
+            raise ValueError(f"first_frame_latent {tuple(cond.shape)} does not fit video latents "
+                             f"{tuple(video.shape)}: {self.name} encodes its condition image at "
+                             f"{self.height}x{self.width} (adapter_kwargs); train and sample at it")  # fmt: skip
+        mask = torch.ones(1, 1, video.shape[2], 1, 1, device=video.device, dtype=video.dtype)
+        mask[:, :, 0] = 0
+        return torch.cat([cond, video[:, :, 1:]], dim=2), mask
+
+    @torch.no_grad()
+    def encode_output(
+        self, media: list[list[Any]], condition: Condition, generator: torch.Generator | None = None
+    ) -> LatentState:
+        state = super().encode_output(media, condition, generator)
+        video, mask = self._pinned(state.components["video"], condition)
+        return LatentState({"video": video, "audio": state.components["audio"]}, {"video": mask})
+
+    def _initial_state(self, video: Tensor, audio: Tensor, condition: Condition) -> LatentState:
+        video, mask = self._pinned(video, condition)
+        return LatentState({"video": video, "audio": audio}, {"video": mask})
+
+    def _timesteps(self, t: Tensor, state: LatentState) -> tuple[Tensor, Tensor]:
+        """Video: per token ``t * mask`` (B, tokens), 0 on the pinned first latent frame; audio: (B,)."""
+        video = state.components["video"]
+        mask = state.masks.get("video")
+        if mask is None:
+            return t, t
+        b, _, f, h, w = video.shape
+        tokens = self.pack_video(mask.to(t.device, torch.float32).expand(b, 1, f, h, w))[..., 0]  # (B, tokens)
+        return t[:, None] * tokens, t
