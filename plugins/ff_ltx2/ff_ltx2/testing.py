@@ -29,7 +29,7 @@ Sizes (every number is the real model's structure scaled down):
 caption names the colour and the pitch.
 
 CLI: ``python -m ff_ltx2.testing --out DIR [--variant t2av]``; ``--dataset [--i2av] [--preference] [--n 8]``
-writes the dataset instead.
+writes the dataset instead (``--dataset --i2av --prompts``: :func:`write_av_prompts`, prompt + first-frame rows).
 """
 
 from __future__ import annotations
@@ -248,6 +248,28 @@ def write_av_clips(
     return root
 
 
+def write_av_prompts(root: str | Path, n: int = 4) -> Path:
+    """A prompt dataset for ``ltx2_i2av`` rollouts (GRPO) and evaluation: ``train.jsonl`` / ``test.jsonl`` rows
+    ``{"prompt", "image"}`` (the legacy image column binds the ``first_frame`` slot), first frames under ``images/``.
+
+    Args:
+        root: the dataset folder (created).
+        n: training rows (evaluation: the first two).
+    """
+    from PIL import Image
+
+    root = Path(root)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        colour, pitch = list(COLOURS)[i % len(COLOURS)], list(PITCHES)[i % len(PITCHES)]
+        Image.fromarray(av_clip(colour, pitch, 1, 8.0, 16000)[0][0]).save(root / "images" / f"{i:03d}.png")
+        rows.append({"prompt": f"a {colour} square with a {pitch} tone", "image": f"{i:03d}.png"})
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    return root
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_ltx2.testing", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
@@ -257,7 +279,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--i2av", action="store_true", help="with --dataset: bind each clip's first frame (first_frame)")
     p.add_argument("--preference", action="store_true", help="with --dataset: preference pairs (the other pitch)")
     p.add_argument("--n", type=int, default=8, help="with --dataset: number of clips")
+    p.add_argument("--prompts", action="store_true", help="with --dataset --i2av: prompt + first-frame rows only")
     a = p.parse_args(argv)
+    if a.dataset and a.prompts:
+        out = write_av_prompts(a.out, a.n)
+        print(f"wrote {a.n} prompt + first-frame rows to {out}")
+        return
     if a.dataset:
         out = write_av_clips(a.out, a.n, i2av=a.i2av, preference=a.preference)
         print(f"wrote {a.n} audio+video clips to {out}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ff_ltx2.testing import write_av_clips
+from ff_ltx2.testing import write_av_clips, write_av_prompts
 
 from ff_core.cli import main
 from ff_core.data.datamodule import FlowDataModule
@@ -102,6 +102,25 @@ def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path)
     (prompts / "test.txt").write_text("a green square\n")
     cli = fit("grpo_tiny.yaml", tiny_ltx2("t2av"), [{"name": "prompts", "dataset_dir": str(prompts), "eval": {}}],
               tmp_path / "run", "--model.objective.init_args.num_steps", "3", "--model.objective.init_args.sampler",
+              json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2], "num_sde_steps": None}),
+              "--model.objective.init_args.prompts_per_step", "2", "--model.objective.init_args.group_size", "2",
+              "--model.objective.init_args.micro_batch_size", "4", "--data.eval_batch_size", "1")  # fmt: skip
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
+    assert float(metrics["train/ratio_first_max_dev"]) == 0.0
+
+
+def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path):
+    """ltx2_i2av through the other two objectives: DPO pairs sharing a first frame, GRPO rollouts from prompt +
+    first-frame rows (the pinned frame never stepped, its log-prob elements excluded: ratio exactly 1 first)."""
+    pairs = write_av_clips(tmp_path / "pairs", 2, i2av=True, preference=True)
+    cli = fit("i2av_offline_dpo_tiny.yaml", tiny_ltx2("i2av"), [{"name": "pairs", "dataset_dir": str(pairs),
+              "eval": {}}], tmp_path / "dpo", "--data.per_device_batch_size", "2")  # fmt: skip
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    prompts = write_av_prompts(tmp_path / "prompts", 2)
+    cli = fit("i2av_grpo_tiny.yaml", tiny_ltx2("i2av"), [{"name": "prompts", "dataset_dir": str(prompts),
+              "eval": {}}], tmp_path / "grpo", "--model.objective.init_args.num_steps", "3",
+              "--model.objective.init_args.sampler",
               json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2], "num_sde_steps": None}),
               "--model.objective.init_args.prompts_per_step", "2", "--model.objective.init_args.group_size", "2",
               "--model.objective.init_args.micro_batch_size", "4", "--data.eval_batch_size", "1")  # fmt: skip
