@@ -70,6 +70,20 @@ def is_permutation(ours: Tensor, theirs: Tensor, *, atol: float) -> bool:
 
 
 # -- crossing between the adapter's latents and the pipeline's ----------------------------------------------------
+Latents = Tensor | dict[str, Tensor]
+"""A pipeline's latents: one tensor (``latents``), or several ``__call__`` arguments by name
+(:attr:`LatentLayout.step_tensors`)."""
+
+
+def _clone(latents: Latents) -> Latents:
+    return {k: v.clone() for k, v in latents.items()} if isinstance(latents, dict) else latents.clone()
+
+
+def first_latents(latents: Latents) -> Tensor:
+    """The first stream of pipeline latents (the one whose schedule the sampling steps through)."""
+    return next(iter(latents.values())) if isinstance(latents, dict) else latents
+
+
 @dataclass(frozen=True)
 class LatentLayout:
     """How the pipeline's latents map to the adapter's :class:`~ff_core.adapter.LatentState` and back.
@@ -79,22 +93,38 @@ class LatentLayout:
     functions (``FluxPipeline._pack_latents`` / ``_unpack_latents``), never the adapter's, so a wrong permutation in
     the adapter cannot hide on both sides.
 
+    A pipeline with several latent streams (LTX-2: video ``latents`` and ``audio_latents``) names every ``__call__``
+    argument that carries one in :attr:`step_tensors`; its latents are then a dict by those names, recorded from the
+    step callback each step (its ``_callback_tensor_inputs`` must list them), and a pipeline whose ``__call__`` takes
+    them in another form than its callback shows (LTX-2: unpacked and denormalised in, packed and normalised out)
+    gives that form with :attr:`to_pipeline_call`.
+
     Attributes:
-        to_pipeline: ``(pipe, state) -> latents`` in the pipeline's layout.
+        to_pipeline: ``(pipe, state) -> latents`` in the pipeline's layout (as its step callback shows them).
         from_pipeline: ``(pipe, latents, like) -> LatentState`` shaped like ``like`` (the adapter's initial state).
+        step_tensors: the pipeline's latent arguments, recorded at every step (default: its one ``latents``).
+        to_pipeline_call: ``(pipe, state) -> latents`` as ``__call__`` takes them; ``None``: :attr:`to_pipeline`'s.
     """
 
-    to_pipeline: Callable[[Any, LatentState], Tensor] | None = None
-    from_pipeline: Callable[[Any, Tensor, LatentState], LatentState] | None = None
+    to_pipeline: Callable[[Any, LatentState], Latents] | None = None
+    from_pipeline: Callable[[Any, Latents, LatentState], LatentState] | None = None
+    step_tensors: tuple[str, ...] = ("latents",)
+    to_pipeline_call: Callable[[Any, LatentState], Latents] | None = None
 
-    def pipeline_latents(self, pipe: Any, state: LatentState) -> Tensor:
+    def pipeline_latents(self, pipe: Any, state: LatentState) -> Latents:
         if self.to_pipeline is not None:
             return self.to_pipeline(pipe, state)
         if len(state.components) != 1:
             raise NotImplementedError("several latent components: give the kit a LatentLayout (reference_layout)")
         return next(iter(state.components.values()))
 
-    def adapter_state(self, pipe: Any, latents: Tensor, like: LatentState) -> LatentState:
+    def call_latents(self, pipe: Any, state: LatentState) -> Latents:
+        """The latents ``state`` is passed to the pipeline's ``__call__`` as."""
+        if self.to_pipeline_call is not None:
+            return self.to_pipeline_call(pipe, state)
+        return self.pipeline_latents(pipe, state)
+
+    def adapter_state(self, pipe: Any, latents: Latents, like: LatentState) -> LatentState:
         """The adapter's state for pipeline ``latents``; pinned elements (mask 0) are ``like``'s."""
         if self.from_pipeline is not None:
             state = self.from_pipeline(pipe, latents, like)
@@ -121,35 +151,49 @@ class PipelineRun:
         output: the pipeline's output (decoded media).
     """
 
-    latents: list[Tensor] = field(default_factory=list)
+    latents: list[Latents] = field(default_factory=list)
     sigmas: Tensor | None = None
     tensors: dict[str, Tensor] = field(default_factory=dict)
     calls: list[tuple[str, nn.Module, tuple, dict]] = field(default_factory=list)
     output: Any = None
 
-    def velocity(self, k: int) -> Tensor:
-        """The pipeline's velocity at step ``k`` (guidance included): its Euler update over the sigma step."""
-        return (self.latents[k + 1] - self.latents[k]) / float(self.sigmas[k + 1] - self.sigmas[k])
+    def velocity(self, k: int) -> Latents:
+        """The pipeline's velocity at step ``k`` (guidance included): its Euler update over the sigma step (per stream
+        when it has several, all on the recorded sigmas: its streams share one schedule)."""
+        step = float(self.sigmas[k + 1] - self.sigmas[k])
+        after, before = self.latents[k + 1], self.latents[k]
+        if isinstance(after, dict):
+            return {name: (after[name] - before[name]) / step for name in after}
+        return (after - before) / step
 
 
 @torch.no_grad()
-def run_pipeline(pipe: Any, latents: Tensor, *, steps: int, denoisers: Sequence[str], **kwargs: Any) -> PipelineRun:
+def run_pipeline(pipe: Any, latents: Latents, *, steps: int, denoisers: Sequence[str],
+                 call_latents: Latents | None = None, **kwargs: Any) -> PipelineRun:  # fmt: skip
     """Call ``pipe`` from ``latents`` for ``steps`` Euler steps, recording a :class:`PipelineRun`.
 
     Args:
         pipe: the diffusers pipeline.
-        latents: initial latents in the pipeline's layout.
+        latents: initial latents in the pipeline's layout (as its step callback shows them): one tensor, or a dict by
+            the ``__call__`` arguments that carry them (several streams), each recorded at every step.
         steps: ``num_inference_steps``.
         denoisers: the pipeline components whose calls are recorded (the adapter's ``denoisers()`` names).
+        call_latents: the same latents as ``__call__`` takes them, when that differs (``None``: ``latents``).
         kwargs: every other ``__call__`` argument (prompts, guidance, geometry, ``output_type``, ...).
     """
-    run = PipelineRun(latents=[latents.clone()])
+    run = PipelineRun(latents=[_clone(latents)])
+    names = list(latents) if isinstance(latents, dict) else ["latents"]
     inputs = [k for k in getattr(pipe, "_callback_tensor_inputs", ["latents"])]
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise AssertionError(f"{type(pipe).__name__}'s step callback does not expose {missing} "
+                             f"(_callback_tensor_inputs: {inputs}): the kit cannot record those latents")  # fmt: skip
 
     def on_step(pipeline, i, t, tensors):
-        run.latents.append(tensors["latents"].clone())
+        step = {n: tensors[n].clone() for n in names}
+        run.latents.append(step if isinstance(latents, dict) else step["latents"])
         if i == 0:
-            run.tensors = {k: v.clone() for k, v in tensors.items() if k != "latents" and isinstance(v, Tensor)}
+            run.tensors = {k: v.clone() for k, v in tensors.items() if k not in names and isinstance(v, Tensor)}
         run.sigmas = pipeline.scheduler.sigmas.clone()
         return {}
 
@@ -162,7 +206,9 @@ def run_pipeline(pipe: Any, latents: Tensor, *, steps: int, denoisers: Sequence[
 
             handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     try:
-        run.output = pipe(latents=latents, num_inference_steps=steps, callback_on_step_end=on_step,
+        given = _clone(latents if call_latents is None else call_latents)
+        given = given if isinstance(given, dict) else {"latents": given}
+        run.output = pipe(**given, num_inference_steps=steps, callback_on_step_end=on_step,
                           callback_on_step_end_tensor_inputs=inputs, **kwargs)  # fmt: skip
     finally:
         for handle in handles:
@@ -186,7 +232,8 @@ def diagnose_velocity(
     if is_permutation(ours, reference, atol=atol):
         return ("The adapter's velocity holds the reference's values in another order: a wrong latent packing/"
                 "unpacking permutation of the right shape?")  # fmt: skip
-    if len(run.calls) == len(run.latents) - 1:  # one denoiser call per step (no CFG batch): re-run step k's
+    # One denoiser call per step (no CFG batch) and one latent stream: re-run step k's call with a rescaled timestep.
+    if len(run.calls) == len(run.latents) - 1 and len(layout.step_tensors) == 1:
         name, module, args, kwargs = run.calls[k]
         if "timestep" in kwargs and isinstance(kwargs["timestep"], Tensor):
             t = kwargs["timestep"]

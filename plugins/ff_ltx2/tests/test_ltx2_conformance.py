@@ -1,27 +1,67 @@
-"""ltx2_t2av against ff's adapter conformance kit: the plumbing checks every plugin runs (metadata without weights,
-registration, stage shapes for both latent streams, seeding, schedule, what trains, the condition cache key,
-releasing the text encoder and connectors, the LoRA file format).
+"""ltx2_t2av and ltx2_i2av against ff's adapter conformance kit: the plumbing checks every plugin runs and the maths
+checks against diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline (prompt encoding through the connectors, the
+sampling sigmas, the denoiser at each sigma, sampling with and without CFG, decoding, the LoRA export) on both
+latent streams.
 
-The kit's maths checks read the pipeline's latents from its step callback, which ``LTX2Pipeline`` gives for the video
-stream only (``_callback_tensor_inputs`` has no ``audio_latents``), so they are off here (no ``reference_pipeline``);
-tests/test_ltx2_t2av.py runs the same comparisons with diffusers' pipeline on both streams."""
+The kit records the pipeline's ``latents`` and ``audio_latents`` after every step (``LatentLayout.step_tensors``);
+``LTX2Pipeline`` hands its step callback any of its locals named in ``_callback_tensor_inputs``, which lists only
+``latents``, so :meth:`TestLTX2T2AVConformance.load_reference_pipeline` adds ``audio_latents`` to that list on the
+instance. Latents cross with the pipeline's own functions: packed and normalised as the callback shows them,
+unpacked and denormalised as ``__call__`` takes them."""
 
 import math
 
 import torch
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 from ff_ltx2 import LTX2I2AVAdapter, LTX2T2AVAdapter
 from ff_ltx2.testing import build_tiny_ltx2
-from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
+from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
+from PIL import Image
 
+from ff_core.adapter import LatentState
 from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.reference import LatentLayout
+
+
+def _patches(pipe):
+    return pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+
+
+def to_step(pipe, state: LatentState) -> dict:
+    """The adapter's (unpacked, normalised) state as the pipeline's step callback shows it: packed tokens."""
+    p, pt = _patches(pipe)
+    return {"latents": pipe._pack_latents(state.components["video"], p, pt),
+            "audio_latents": pipe._pack_audio_latents(state.components["audio"])}  # fmt: skip
+
+
+def to_call(pipe, state: LatentState) -> dict:
+    """The state as ``__call__`` takes it: unpacked and denormalised (``prepare_latents`` normalises and packs)."""
+    video, audio = state.components["video"], state.components["audio"]
+    vae, audio_vae = pipe.vae, pipe.audio_vae
+    video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    packed = pipe._denormalize_audio_latents(pipe._pack_audio_latents(audio), audio_vae.latents_mean,
+                                             audio_vae.latents_std)  # fmt: skip
+    return {"latents": video, "audio_latents": pipe._unpack_audio_latents(packed, audio.shape[2], audio.shape[3])}
+
+
+def from_step(pipe, latents: dict, like: LatentState) -> LatentState:
+    p, pt = _patches(pipe)
+    v, a = like.components["video"], like.components["audio"]
+    video = pipe._unpack_latents(latents["latents"], v.shape[2] // pt, v.shape[3] // p, v.shape[4] // p, p, pt)
+    return LatentState({"video": video, "audio": pipe._unpack_audio_latents(latents["audio_latents"], a.shape[2],
+                                                                            a.shape[3])})  # fmt: skip
 
 
 class TestLTX2T2AVConformance(AdapterConformance):
     adapter_cls = LTX2T2AVAdapter
     adapter_kwargs = ADAPTER_KWARGS
+    reference_pipeline = LTX2Pipeline
+    reference_layout = LatentLayout(to_pipeline=to_step, from_pipeline=from_step,
+                                    step_tensors=("latents", "audio_latents"), to_pipeline_call=to_call)  # fmt: skip
+    variant = "t2av"
 
     def build_checkpoint(self, path):
-        return build_tiny_ltx2(path, variant="t2av")
+        return build_tiny_ltx2(path, variant=self.variant)
 
     def make_targets(self, adapter, n):
         """(video, audio) pairs: random frames, and a 16 kHz stereo tone lasting the clip."""
@@ -34,13 +74,64 @@ class TestLTX2T2AVConformance(AdapterConformance):
             out.append([video, audio])
         return out
 
+    def load_reference_pipeline(self, pretrained):
+        pipe = self.reference_pipeline.from_pretrained(pretrained)
+        pipe._callback_tensor_inputs = [*type(pipe)._callback_tensor_inputs, "audio_latents"]  # its own local
+        return pipe
+
+    def reference_guidance_kwargs(self, guidance_scale):
+        """Plain CFG at the same scale on both streams, the pipeline's extra guidance terms off (docs/ltx2.md)."""
+        return {"guidance_scale": guidance_scale, "audio_guidance_scale": guidance_scale, **PLAIN_GUIDANCE}
+
+    def reference_call_kwargs(self, adapter, inputs):
+        return {**super().reference_call_kwargs(adapter, inputs), "frame_rate": adapter.frame_rate,
+                "max_sequence_length": adapter.max_sequence_length}  # fmt: skip
+
+    def reference_condition(self, pipe, adapter, inputs, run):
+        """``encode_prompt`` then the connectors, for the prompts and the negative prompts."""
+        with torch.no_grad():
+            pe, pm, ne, nm = pipe.encode_prompt([c.prompt for c in inputs], [c.negative_prompt or "" for c in inputs],
+                                                max_sequence_length=adapter.max_sequence_length, device="cpu")
+            out = {}
+            for prefix, (embeds, mask) in (("", (pe, pm)), ("negative_", (ne, nm))):
+                video, audio, connector_mask = pipe.connectors(embeds, mask, padding_side="left")
+                out.update({f"{prefix}video_prompt_embeds": video, f"{prefix}audio_prompt_embeds": audio,
+                            f"{prefix}prompt_attention_mask": connector_mask})  # fmt: skip
+        return out
+
+    def reference_media(self, adapter, output):
+        """Frames in uint8 units; the waveform right-padded with silence to the clip's clock, as ff decodes it."""
+        frames, audio = output.frames, output.audio
+        samples = round(adapter.duration * float(adapter.vocoder.config.output_sampling_rate))
+        audio = torch.nn.functional.pad(audio.float(), (0, samples - audio.shape[-1]))
+        return [[f.float() * 255, a] for f, a in zip(frames, audio)]
+
 
 class TestLTX2I2AVConformance(TestLTX2T2AVConformance):
-    """ltx2_i2av: the kit binds a random image to the required ``first_frame`` slot; the pinned first latent frame
-    (mask 0) must survive sampling and carry no gradient."""
+    """ltx2_i2av: the kit binds a random image to the required ``first_frame`` slot; the pipeline gets it as
+    ``image`` (and the state's pinned first latent frame through its latents, as in a two-stage run)."""
 
     adapter_cls = LTX2I2AVAdapter
     adapter_kwargs = {**ADAPTER_KWARGS, "image_crf": 0}
+    reference_pipeline = LTX2ImageToVideoPipeline
+    variant = "i2av"
 
-    def build_checkpoint(self, path):
-        return build_tiny_ltx2(path, variant="i2av")
+    def reference_call_kwargs(self, adapter, inputs):
+        (image, *_) = [m["data"] for m in inputs[0].media]
+        return {**super().reference_call_kwargs(adapter, inputs), "image_crf": 0,
+                "image": Image.fromarray(image.permute(1, 2, 0).numpy())}  # fmt: skip
+
+    def reference_condition(self, pipe, adapter, inputs, run):
+        """Besides the text: ``prepare_latents``' first latent frame of each bound image."""
+        out = super().reference_condition(pipe, adapter, inputs, run)
+        latents = []
+        with torch.no_grad():
+            for item in inputs:
+                image = pipe.video_processor.preprocess(Image.fromarray(item.media[0]["data"].permute(1, 2, 0).numpy()),
+                                                        height=SIZE, width=SIZE)  # fmt: skip
+                packed, _ = pipe.prepare_latents(image, 1, 4, SIZE, SIZE, FRAMES, 0.0, torch.float32, "cpu",
+                                                 torch.Generator().manual_seed(0), None)  # fmt: skip
+                p, pt = _patches(pipe)
+                video = pipe._unpack_latents(packed, (FRAMES - 1) // 2 + 1, SIZE // 8, SIZE // 8, p, pt)
+                latents.append(video[:, :, :1])
+        return {**out, "first_frame_latent": torch.cat(latents)}
