@@ -2,9 +2,9 @@
 connectors, the denoiser call at every step, a sampling run with and without CFG, decoding to frames and waveform),
 the video VAE's compression ratios, and the LoRA export loaded by the pipeline.
 
-The conformance kit's reference checks read the pipeline's latents from its step callback, which LTX2Pipeline gives
-for the video stream only; these tests record the transformer's own inputs instead (a forward pre-hook), so both
-streams are compared, each unpacked with the pipeline's own ``_unpack_latents`` / ``_unpack_audio_latents``."""
+Besides the conformance kit's maths checks (test_ltx2_conformance.py), these record the transformer's own inputs at
+every step (a forward pre-hook) and compare both streams at 1e-6, each unpacked with the pipeline's own
+``_unpack_latents`` / ``_unpack_audio_latents``."""
 
 from __future__ import annotations
 
