@@ -27,6 +27,13 @@ from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
+from ff_core.sharding import (
+    ShardingConfig,
+    clean_name,
+    data_parallel_mesh,
+    full_parameters,
+    fully_shard_networks,
+)
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -80,7 +87,7 @@ class SamplingConfig:
 
 
 # Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default.
-torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig])
+torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig, ShardingConfig])
 
 
 class FlowModule(L.LightningModule):
@@ -96,7 +103,13 @@ class FlowModule(L.LightningModule):
         lora: train a LoRA of the denoiser instead of all its weights.
         sampling: validation sampling options.
         gradient_checkpointing: recompute the denoiser's activations in the backward pass (less memory, ~30 %
-            more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``.
+            more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``. Works under every
+            strategy (FSDP2 included: it recomputes inside each sharded block).
+        sharding: FSDP2 settings (mixed precision, resharding, CPU offload; :class:`~ff_core.sharding.ShardingConfig`)
+            of the trained networks under Lightning's ``ModelParallelStrategy``, which needs this module to shard:
+            ``configure_model`` shards them over the strategy's data-parallel mesh whether this is set or not
+            (``None``: FSDP2's defaults, the parameters' own dtype). Refused under any other strategy (FSDP1's and
+            DeepSpeed's precision and offload are the strategy's own arguments). docs/scaling.md.
         noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``
             (0 without one). Each micro-batch draws from a generator seeded by (this seed, data-parallel rank,
             optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
@@ -121,6 +134,7 @@ class FlowModule(L.LightningModule):
         lora: LoRAConfig | None = None,
         sampling: SamplingConfig | None = None,
         gradient_checkpointing: bool = False,
+        sharding: ShardingConfig | None = None,
         noise_seed: int | None = None,
         eval_rewards: list[dict[str, Any]] | None = None,
     ) -> None:
@@ -138,6 +152,7 @@ class FlowModule(L.LightningModule):
         self.lora = lora
         self.sampling = sampling or SamplingConfig()
         self.gradient_checkpointing = gradient_checkpointing
+        self.sharding = sharding
         self.noise_seed = noise_seed
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
@@ -175,6 +190,8 @@ class FlowModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:
             self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
+        if self._trainer is not None:
+            self._check_strategy(self._trainer.strategy)
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -184,6 +201,23 @@ class FlowModule(L.LightningModule):
             training.check_outputs(list(self.output_types), self.adapter_cls.name)
             if datamodule is not None:
                 training.check_records(getattr(datamodule, "train_records", ()))
+
+    def _check_strategy(self, strategy: Any) -> None:
+        """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+        if isinstance(strategy, ModelParallelStrategy):
+            data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
+        elif self.sharding is not None:
+            raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
+                              f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
+                              "trainer.strategy arguments; drop model.sharding")  # fmt: skip
+        if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+            # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
+            # built there (text encoders and VAE too), although they run outside the engine's forward.
+            raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 is not supported (it partitions the frozen text "
+                              "encoders and VAE as they load); use ZeRO-2 (deepspeed_stage_2) or FSDP2 "
+                              "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
 
     def _build_eval_rewards(self) -> Rewards | None:
         key = "model.eval_rewards"
@@ -232,11 +266,28 @@ class FlowModule(L.LightningModule):
                 network.enable_gradient_checkpointing()
         # Before any step changes a weight: offline DPO copies the denoiser here as its reference (full fine-tuning).
         self.objective_modules = self.objective.configure_model(adapter, lora=self.lora is not None)
+        # Frozen components leave the module tree: no strategy shards or checkpoints them (Adapter.detach_frozen).
+        adapter.detach_frozen()
         # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
         self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
         self._prepare_conditions(adapter)
+        if self._trainer is not None:
+            # Outside the tree, a strategy that places modules one by one (FSDP1) would leave them on the CPU.
+            adapter.frozen_to(self._trainer.strategy.root_device)
+            self._shard(adapter)
+
+    def _shard(self, adapter: Adapter) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: shard the trained networks block by block over the data-parallel
+        mesh (:func:`~ff_core.sharding.fully_shard_networks`). The strategy itself shards nothing: it hands the mesh
+        to ``configure_model`` and expects the module to do it; unsharded, the ranks would train without any gradient
+        reduction and silently diverge."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = self._trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
 
     def _prepare_conditions(self, adapter: Adapter) -> None:
         """Open (or build) the data module's condition caches now, between loading and the strategy's placement of
@@ -272,15 +323,19 @@ class FlowModule(L.LightningModule):
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
         whole, buffers included."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        # named_parameters() carries the names wrappers insert (FSDP1's _fsdp_wrapped_module., activation
+        # checkpointing's _checkpoint_wrapped_module.); state dicts do not.
+        trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
         if self.lora is not None:
             return trainable
         networks = {id(m) for m in self.adapter.denoisers().values()}
-        prefixes = tuple(f"{n}." for n, m in self.named_modules() if id(m) in networks)
+        prefixes = tuple(f"{clean_name(n)}." for n, m in self.named_modules() if id(m) in networks)
         return trainable | {k for k in state_dict if k.startswith(prefixes)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
+        if "state_dict" not in checkpoint:  # ModelParallelStrategy loaded the tensors itself, into the shards
+            return
         missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
             raise KeyError(
@@ -461,10 +516,9 @@ def lora_config(adapter: Adapter) -> LoraConfig:
 
 
 def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:
-    """peft's state dict of the denoiser's LoRA layers (keys without the adapter name)."""
-    from peft.utils import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(adapter.denoiser)
+    """peft's state dict of the denoiser's LoRA layers (keys without the adapter name), whole on every rank (see
+    :func:`lora_state_dicts`)."""
+    return lora_state_dicts(adapter)[next(iter(adapter.denoisers()))]
 
 
 def lora_configs(adapter: Adapter) -> dict[str, LoraConfig]:
@@ -473,8 +527,10 @@ def lora_configs(adapter: Adapter) -> dict[str, LoraConfig]:
 
 
 def lora_state_dicts(adapter: Adapter) -> dict[str, dict[str, torch.Tensor]]:
-    """:func:`lora_state_dict` of every trained network, keyed as ``adapter.denoisers()`` (what
-    :meth:`~ff_core.adapter.Adapter.save_loras` writes)."""
+    """peft's state dict of every trained network's LoRA layers, keyed as ``adapter.denoisers()`` (what
+    :meth:`~ff_core.adapter.Adapter.save_loras` writes). The tensors are whole: FSDP2 shards are all-gathered, so
+    every rank must call it; under FSDP1 call it inside :func:`ff_core.sharding.summoned`."""
     from peft.utils import get_peft_model_state_dict
 
-    return {name: get_peft_model_state_dict(network) for name, network in adapter.denoisers().items()}
+    return {name: get_peft_model_state_dict(network, state_dict=full_parameters(network, lambda n: "lora_" in n))
+            for name, network in adapter.denoisers().items()}  # fmt: skip
