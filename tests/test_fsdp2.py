@@ -1,6 +1,6 @@
 """FSDP2 (Lightning's ModelParallelStrategy) through `ff fit` on 2 CPU processes (gloo), against DDP (issue 13).
 
-Runs of the real console entry, each a subprocess (as in tests/test_ddp_resume.py: never DDP inside pytest):
+Runs of the real console entry, both ranks started at once as torchrun would (never DDP inside pytest):
 
 * D: configs/sd3/sft_tiny.yaml (LoRA) under DDP, 2 ranks x 2 samples, 6 steps;
 * A: configs/sd3/sft_tiny_fsdp2.yaml (the same recipe under FSDP2), SIGKILLed once its step-2 checkpoint is written;
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ff_core.callbacks import read_sample_log
 from ff_core.sharding import local_numel
-from tests.test_ddp_resume import LAUNCHER_VARS, finish, free_port
+from tests.test_ddp_resume import LAUNCHER_VARS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
@@ -63,7 +63,9 @@ class ShardReport(L.Callback):
 
 
 def ff_fit(recipe: Path, tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str,
-           ddp: bool = False) -> subprocess.Popen:
+           ddp: bool = False) -> list[subprocess.Popen]:
+    """Start both ranks of `ff fit` at once, as torchrun or SLURM would (LOCAL_RANK set: Lightning launches nothing),
+    each in its own process group: the two import in parallel instead of rank 1 after rank 0."""
     callbacks = [
         {"class_path": "ff_core.callbacks.FlowCheckpoint",
          "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "save_last": True, "dirpath": str(root / "ckpt")}},
@@ -82,15 +84,41 @@ def ff_fit(recipe: Path, tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
-    log = (root / "ff_fit.log").open("w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+               WORLD_SIZE="2", NODE_RANK="0", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    procs = []
+    for rank in (0, 1):
+        log = (root / f"ff_fit.rank{rank}.log").open("w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+    return procs
 
 
-def run(*args, **kwargs) -> None:
+def log_tail(root: Path) -> str:
+    return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(root.glob("ff_fit.rank*.log")))
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait(runs: dict[Path, list[subprocess.Popen]]) -> None:
+    """Wait for every run (root -> its ranks); each must exit 0."""
+    try:
+        for root, procs in runs.items():
+            codes = [proc.wait(timeout=300) for proc in procs]
+            assert codes == [0, 0], log_tail(root)
+    finally:
+        for procs in runs.values():
+            kill(procs)
+
+
+def start(*args, **kwargs) -> dict[Path, list[subprocess.Popen]]:
     root = args[3]
     root.mkdir()
-    finish(ff_fit(*args, **kwargs), root)
+    return {root: ff_fit(*args, **kwargs)}
 
 
 def rows(root: Path, rank: int, max_step: int | None = None) -> list[dict]:
@@ -110,27 +138,28 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp2")
     ddp, killed, resumed = base / "D", base / "A", base / "B"
     timings = {}
-    start = time.monotonic()
-    run(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, MAX_STEPS, ddp=True)
-    timings["ddp"] = time.monotonic() - start
-
-    start = time.monotonic()
+    begin = time.monotonic()
+    # D and A run side by side: each of the 4 processes is mostly importing or waiting on the other rank.
+    reference = start(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, MAX_STEPS, ddp=True)
     killed.mkdir()
-    proc = ff_fit(FSDP2_RECIPE, tiny_sd3, shapes_dir, killed, 1000)
+    procs = ff_fit(FSDP2_RECIPE, tiny_sd3, shapes_dir, killed, 1000)
     ckpt = None
-    while ckpt is None:
-        assert proc.poll() is None, (killed / "ff_fit.log").read_text()[-4000:]
-        assert time.monotonic() - start < 300, "no step-2 checkpoint within 300 s"
-        done = [p for p in (killed / "ckpt").glob(f"*step={KILL_AT}.ckpt") if p.with_suffix(".lora").is_dir()]
-        ckpt = done[0] if done else None
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    timings["killed"] = time.monotonic() - start
+    try:
+        while ckpt is None:
+            assert all(proc.poll() is None for proc in procs), log_tail(killed)
+            assert time.monotonic() - begin < 300, "no step-2 checkpoint within 300 s"
+            done = [p for p in (killed / "ckpt").glob(f"*step={KILL_AT}.ckpt") if p.with_suffix(".lora").is_dir()]
+            ckpt = done[0] if done else None
+            time.sleep(0.05)
+    finally:
+        kill(procs)
+    timings["killed"] = time.monotonic() - begin
+    wait(reference)
+    timings["ddp"] = time.monotonic() - begin
 
-    start = time.monotonic()
-    run(FSDP2_RECIPE, tiny_sd3, shapes_dir, resumed, MAX_STEPS, "--ckpt_path", str(ckpt))
-    timings["resumed"] = time.monotonic() - start
+    begin = time.monotonic()
+    wait(start(FSDP2_RECIPE, tiny_sd3, shapes_dir, resumed, MAX_STEPS, "--ckpt_path", str(ckpt)))
+    timings["resumed"] = time.monotonic() - begin
     print(f"FSDP2 LoRA run timings (s): {timings}")
     return ddp, killed, resumed, ckpt
 
@@ -139,10 +168,10 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
 def full_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp2_full")
     ddp, fsdp2 = base / "DF", base / "F"
-    start = time.monotonic()
-    run(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, FULL_STEPS, "--model.lora", "null", ddp=True)
-    run(FSDP2_RECIPE, tiny_sd3, shapes_dir, fsdp2, FULL_STEPS, "--model.lora", "null")
-    print(f"full fine-tuning runs (s): {time.monotonic() - start:.1f}")
+    begin = time.monotonic()
+    wait({**start(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, FULL_STEPS, "--model.lora", "null", ddp=True),
+          **start(FSDP2_RECIPE, tiny_sd3, shapes_dir, fsdp2, FULL_STEPS, "--model.lora", "null")})
+    print(f"full fine-tuning runs, side by side (s): {time.monotonic() - begin:.1f}")
     return ddp, fsdp2
 
 
