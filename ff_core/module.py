@@ -190,8 +190,9 @@ class FlowModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:
             self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
-        if self._trainer is not None:
-            self._check_strategy(self._trainer.strategy)
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if strategy is not None:
+            self._check_strategy(strategy)
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -212,6 +213,11 @@ class FlowModule(L.LightningModule):
             raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
                               f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
                               "trainer.strategy arguments; drop model.sharding")  # fmt: skip
+        if isinstance(strategy, DeepSpeedStrategy) and not strategy.exclude_frozen_parameters:
+            # DeepSpeed writes its engine's parameters, not the filtered state dict on_save_checkpoint returns.
+            raise ConfigError("trainer.strategy", "DeepSpeedStrategy: set init_args exclude_frozen_parameters: true, "
+                              "so that its checkpoints hold what trains only (the LoRA, or the denoiser), as under "
+                              "every other strategy")  # fmt: skip
         if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
             # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
             # built there (text encoders and VAE too), although they run outside the engine's forward.
@@ -283,11 +289,21 @@ class FlowModule(L.LightningModule):
         mesh (:func:`~ff_core.sharding.fully_shard_networks`). The strategy itself shards nothing: it hands the mesh
         to ``configure_model`` and expects the module to do it; unsharded, the ranks would train without any gradient
         reduction and silently diverge."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
         strategy = self._trainer.strategy
         if isinstance(strategy, ModelParallelStrategy):
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
+        elif isinstance(strategy, FSDPStrategy):
+            # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
+            # a policy it would flatten the whole denoiser into one unit (gathered whole for every forward), so each
+            # of the adapter's blocks becomes a unit unless the recipe names a policy. (Lightning keeps its default
+            # use_orig_params=True, which a LoRA needs: frozen and trained tensors share the flat parameters.)
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            kinds = {type(block) for blocks in adapter.sharding_blocks().values() for block in blocks}
+            if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
+                strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
 
     def _prepare_conditions(self, adapter: Adapter) -> None:
         """Open (or build) the data module's condition caches now, between loading and the strategy's placement of
@@ -532,5 +548,10 @@ def lora_state_dicts(adapter: Adapter) -> dict[str, dict[str, torch.Tensor]]:
     every rank must call it; under FSDP1 call it inside :func:`ff_core.sharding.summoned`."""
     from peft.utils import get_peft_model_state_dict
 
-    return {name: get_peft_model_state_dict(network, state_dict=full_parameters(network, lambda n: "lora_" in n))
-            for name, network in adapter.denoisers().items()}  # fmt: skip
+    out = {}
+    for name, network in adapter.denoisers().items():
+        # peft finds its layers by named_modules() names, wrapper components (FSDP1, activation checkpointing)
+        # included: it selects from the parameters under those names; the export keys are the plain ones.
+        state = get_peft_model_state_dict(network, state_dict=full_parameters(network, lambda n: "lora_" in n))
+        out[name] = {clean_name(k): v for k, v in state.items()}
+    return out

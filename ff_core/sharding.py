@@ -152,12 +152,12 @@ def summoned(root: nn.Module | None) -> Iterator[None]:
 
 
 def full_parameters(network: nn.Module, keep: Callable[[str], bool] = lambda name: True) -> dict[str, Tensor]:
-    """The parameters of ``network`` whose state-dict name passes ``keep``, whole, by that name (wrapper names
-    removed), detached. Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under FSDP1.
+    """The parameters of ``network`` whose name passes ``keep``, whole and detached, by their ``named_parameters()``
+    name (wrapper components included: peft finds its layers by those names; :func:`clean_name` them for a state
+    dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under FSDP1.
 
     Args:
         network: a trained network (``Adapter.denoisers()``).
         keep: which names to read (gathering only what is needed: a LoRA's tensors, not the base weights).
     """
-    named = ((clean_name(n), p) for n, p in network.named_parameters())
-    return {name: full_tensor(p.detach()) for name, p in named if keep(name)}
+    return {name: full_tensor(p.detach()) for name, p in network.named_parameters() if keep(name)}
