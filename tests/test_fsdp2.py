@@ -241,3 +241,26 @@ def test_fsdp2_full_fine_tuning_trains_as_ddp(full_runs):
     final = weights(fsdp2)
     assert final and all(k.startswith("adapter.transformer.") for k in final)  # the whole denoiser, nothing frozen
     assert_same_weights(final, weights(ddp))
+
+
+def test_fsdp2_checkpoint_loads_on_a_single_device(lora_runs, tiny_sd3):
+    """The gathered FSDP2 checkpoint is an ordinary Lightning checkpoint: a single-device module takes its weights and
+    its optimiser state (keyed by parameter index, shapes of the whole parameters) as Lightning's restore does."""
+    from ff_core.module import FlowModule, LoRAConfig
+
+    _, _, _, ckpt = lora_runs
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    lora = LoRAConfig(rank=8, alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])  # the recipe's
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=lora)
+    module.configure_model()
+    module.on_load_checkpoint(saved)  # raises when a trained tensor is missing
+    module.load_state_dict(saved["state_dict"], strict=False)
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), saved["state_dict"][name]), name
+    optimizer = module.configure_optimizers()
+    optimizer.load_state_dict(saved["optimizer_states"][0])
+    params = optimizer.param_groups[0]["params"]
+    assert len(optimizer.state) == len(params)
+    for p in params:
+        assert optimizer.state[p]["exp_avg"].shape == p.shape and int(optimizer.state[p]["step"]) == KILL_AT
