@@ -166,6 +166,7 @@ class FlowModule(L.LightningModule):
         self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
+        self.register_state_dict_post_hook(_keep_trained)
 
     @property
     def automatic_optimization(self) -> bool:
@@ -487,6 +488,19 @@ class FlowModule(L.LightningModule):
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _keep_trained(module: FlowModule, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``FlowModule.state_dict()`` holds what a checkpoint holds (:meth:`FlowModule._checkpoint_keys`): every strategy
+    builds its checkpoint from it (torch.distributed.checkpoint's ``get_model_state_dict`` under FSDP2), and a sharded
+    FSDP2 checkpoint is loaded into the keys it returns, so a frozen LoRA base it held would be looked for in the
+    checkpoint. Only a top-level state dict is filtered: as a submodule (inside FSDP1's root unit) names carry the
+    wrapper's prefix, and ``on_save_checkpoint`` filters the result."""
+    if prefix or module.adapter is None:
+        return
+    keep = module._checkpoint_keys(state_dict)
+    for key in [k for k in state_dict if k not in keep]:
+        del state_dict[key]
 
 
 def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> int:

@@ -3,7 +3,8 @@
 Runs of the real console entry, both ranks started at once as torchrun would (never DDP inside pytest):
 
 * D: configs/sd3/sft_tiny.yaml (LoRA) under DDP, 2 ranks x 2 samples, 6 steps;
-* A: configs/sd3/sft_tiny_fsdp2.yaml (the same recipe under FSDP2), SIGKILLed once its step-2 checkpoint is written;
+* A: configs/sd3/sft_tiny_fsdp2.yaml (the same recipe under FSDP2, sharded checkpoints), SIGKILLed once its step-2
+  checkpoint is written;
 * B: A resumed from that checkpoint to step 6;
 * DF / F: full fine-tuning (``--model.lora null``) under DDP and FSDP2, 3 steps.
 
@@ -40,6 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 DDP_RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
 FSDP2_RECIPE = REPO / "configs" / "sd3" / "sft_tiny_fsdp2.yaml"
 KILL_AT, MAX_STEPS, FULL_STEPS = 2, 6, 3
+# The LoRA runs write sharded checkpoints (one file per rank, nothing gathered); full fine-tuning the recipe's
+# gathered file.
+SHARDED = ("--trainer.strategy.init_args.save_distributed_checkpoint", "true")
 
 
 class ShardReport(L.Callback):
@@ -130,7 +134,15 @@ def report(root: Path, rank: int) -> dict:
 
 
 def weights(root: Path, name: str = "last") -> dict[str, torch.Tensor]:
-    return torch.load(root / "ckpt" / f"{name}.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    """A checkpoint's model tensors: a file, or a sharded FSDP2 folder read whole (torch's dcp_to_torch_save)."""
+    path = root / "ckpt" / f"{name}.ckpt"
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole = path.with_suffix(".whole.pt")
+        dcp_to_torch_save(path, whole)
+        path = whole
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +154,7 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     # D and A run side by side: each of the 4 processes is mostly importing or waiting on the other rank.
     reference = start(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, MAX_STEPS, ddp=True)
     killed.mkdir()
-    procs = ff_fit(FSDP2_RECIPE, tiny_sd3, shapes_dir, killed, 1000)
+    procs = ff_fit(FSDP2_RECIPE, tiny_sd3, shapes_dir, killed, 1000, *SHARDED)
     ckpt = None
     try:
         while ckpt is None:
@@ -158,7 +170,7 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     timings["ddp"] = time.monotonic() - begin
 
     begin = time.monotonic()
-    wait(start(FSDP2_RECIPE, tiny_sd3, shapes_dir, resumed, MAX_STEPS, "--ckpt_path", str(ckpt)))
+    wait(start(FSDP2_RECIPE, tiny_sd3, shapes_dir, resumed, MAX_STEPS, "--ckpt_path", str(ckpt), *SHARDED))
     timings["resumed"] = time.monotonic() - begin
     print(f"FSDP2 LoRA run timings (s): {timings}")
     return ddp, killed, resumed, ckpt
@@ -203,13 +215,15 @@ def test_fsdp2_lora_killed_and_resumed_trains_as_ddp(lora_runs, rank):
 
 
 def test_fsdp2_lora_ends_with_ddp_weights_and_exports_the_whole_lora(lora_runs):
-    """Gathered checkpoints (the LoRA only) and the diffusers export beside them equal DDP's: at the kill point and
-    at the end of the resumed run. An export of local shards would hold half-size tensors."""
+    """Sharded checkpoints (one shard file per rank, the LoRA only) and the diffusers export beside them, gathered
+    from the shards, equal DDP's: at the kill point and at the end of the resumed run. An export of local shards would
+    hold half-size tensors."""
     ddp, killed, resumed, ckpt = lora_runs
+    assert ckpt.is_dir() and sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     final, reference = weights(resumed), weights(ddp)
     assert final and all("lora_" in k for k in final)
     assert_same_weights(final, reference)
-    assert_same_weights(torch.load(ckpt, weights_only=False)["state_dict"], weights(ddp, ckpt.stem))
+    assert_same_weights(weights(killed, ckpt.stem), weights(ddp, ckpt.stem))
     for ours, theirs in ((ckpt.with_suffix(".lora"), ddp / "ckpt" / f"{ckpt.stem}.lora"),
                          (resumed / "ckpt" / "last.lora", ddp / "ckpt" / "last.lora")):
         assert_same_weights(load_file(ours / "pytorch_lora_weights.safetensors"),
@@ -243,15 +257,14 @@ def test_fsdp2_full_fine_tuning_trains_as_ddp(full_runs):
     assert_same_weights(final, weights(ddp))
 
 
-def test_fsdp2_checkpoint_loads_on_a_single_device(lora_runs, tiny_sd3):
+def test_fsdp2_checkpoint_loads_on_a_single_device(full_runs, tiny_sd3):
     """The gathered FSDP2 checkpoint is an ordinary Lightning checkpoint: a single-device module takes its weights and
     its optimiser state (keyed by parameter index, shapes of the whole parameters) as Lightning's restore does."""
-    from ff_core.module import FlowModule, LoRAConfig
+    from ff_core.module import FlowModule
 
-    _, _, _, ckpt = lora_runs
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    lora = LoRAConfig(rank=8, alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])  # the recipe's
-    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=lora)
+    _, fsdp2 = full_runs
+    saved = torch.load(fsdp2 / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=None)
     module.configure_model()
     module.on_load_checkpoint(saved)  # raises when a trained tensor is missing
     module.load_state_dict(saved["state_dict"], strict=False)
@@ -263,4 +276,4 @@ def test_fsdp2_checkpoint_loads_on_a_single_device(lora_runs, tiny_sd3):
     params = optimizer.param_groups[0]["params"]
     assert len(optimizer.state) == len(params)
     for p in params:
-        assert optimizer.state[p]["exp_avg"].shape == p.shape and int(optimizer.state[p]["step"]) == KILL_AT
+        assert optimizer.state[p]["exp_avg"].shape == p.shape and int(optimizer.state[p]["step"]) == saved["global_step"]
