@@ -206,8 +206,12 @@ class FlowModule(L.LightningModule):
 
     def _check_strategy(self, strategy: Any) -> None:
         """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+        sharding = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
+        if sharding and not self.objective.sharded_training:
+            raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on one device or under DDP "
+                              f"(trainer.strategy: ddp), not under {type(strategy).__name__}")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
             data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:

@@ -151,6 +151,14 @@ def test_a_tensor_parallel_mesh_is_refused_before_weights_load(fake_world, tiny_
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ConfigError, match="model.sharding"):
         module.setup("validate")
+    # GRPO all-reduces its own gradients (a DDP wrapper's job it switches off): refused under sharding strategies.
+    from ff_core.objectives import GRPOObjective
+
+    grpo = GRPOObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=grpo)
+    module.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="GRPOObjective runs on one device or under DDP"):
+        module.setup("validate")
 
 
 STRATEGY_RECIPES = {
