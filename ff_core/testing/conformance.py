@@ -93,6 +93,17 @@ class AdapterConformance:
     def test_denoiser_is_a_submodule(self, adapter):
         assert any(m is adapter.denoiser for m in adapter.modules())
 
+    def test_sharding_blocks_are_repeated_blocks_of_each_network(self, adapter):
+        """FSDP2's units (docs/scaling.md): for every trained network, distinct submodules of it, all of one class;
+        empty would shard the network whole (correct, but gathered whole for every forward)."""
+        blocks = adapter.sharding_blocks()
+        assert set(blocks) <= set(adapter.denoisers())
+        for name, network in adapter.denoisers().items():
+            found = blocks.get(name, [])
+            inside = {id(m) for m in network.modules() if m is not network}
+            assert found and all(id(b) in inside for b in found), name
+            assert len({id(b) for b in found}) == len(found) and len({type(b) for b in found}) == 1, name
+
     def test_preprocess_gives_per_sample_cpu_tensors(self, adapter):
         out = adapter.preprocess([ConditionInput(p) for p in self.prompts])
         assert len(out) == len(self.prompts)
