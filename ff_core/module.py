@@ -297,6 +297,14 @@ class FlowModule(L.LightningModule):
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
         strategy = self._trainer.strategy
+        networks = adapter.denoisers()
+        if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)) and len(networks) > 1:
+            # Each sharded network all-gathers in its own forward, and an adapter may route each sample to one
+            # network (Wan2.2's experts by noise level): ranks whose samples pick different networks would wait on
+            # different collectives.
+            raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(networks)} networks "
+                              f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
+                              "a step); use DDP or DeepSpeed ZeRO-2")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
         elif isinstance(strategy, FSDPStrategy):

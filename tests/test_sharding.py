@@ -13,7 +13,6 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from ff_core.data.dataflow import DataParallelCoords
@@ -94,21 +93,6 @@ def test_sharding_config_names_a_bad_dtype():
         ShardingConfig(param_dtype="bf17")
     kwargs = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32").fsdp_kwargs()
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
-
-
-@pytest.fixture
-def fake_world():
-    """A 2-rank process group without processes (torch's fake backend), for device meshes in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(rank: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def trainer_with_mesh(dp: int, tp: int):
