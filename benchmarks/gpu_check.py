@@ -54,7 +54,7 @@ def cases() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def run_recipe(recipe: str, strategy: str, extra: list[str], steps: int, timeout: float) -> dict:
+def run_recipe(recipe: str, strategy: str, extra: list[str], steps: int, timeout: float, accelerator: str) -> dict:
     if strategy == "deepspeed":
         try:
             import deepspeed  # noqa: F401
@@ -63,7 +63,7 @@ def run_recipe(recipe: str, strategy: str, extra: list[str], steps: int, timeout
     with tempfile.TemporaryDirectory(prefix="ff-gpu-check-") as root:
         callbacks = [{"class_path": "ff_core.callbacks.SampleLog",
                       "init_args": {"dirpath": f"{root}/ids", "outputs": ["loss"]}}]  # fmt: skip
-        cmd = [sys.executable, "-m", "ff_core.cli", "fit", "--config", recipe, "--trainer.accelerator", "gpu",
+        cmd = [sys.executable, "-m", "ff_core.cli", "fit", "--config", recipe, "--trainer.accelerator", accelerator,
                "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
                "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", root,
@@ -136,25 +136,30 @@ def main() -> None:
     parser.add_argument("--throughput-steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU")
     parser.add_argument("--skip-recipes", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--accelerator", default="gpu", help="cpu: smoke-test the recipe runs without a GPU")
     a = parser.parse_args()
     lines = ["| recipe | strategy | status | wall s | last loss |", "|---|---|---|---|---|"]
     if not a.skip_recipes:
         for recipe, strategy, extra in cases():
-            r = run_recipe(recipe, strategy, extra, a.steps, a.timeout)
+            r = run_recipe(recipe, strategy, extra, a.steps, a.timeout, a.accelerator)
             loss = f"{r['loss']:.4f} (step {r['steps']})" if "loss" in r else ""
             lines.append(f"| `{recipe}` | {strategy} | {r['status']} | {r.get('seconds', 0):.1f} | {loss} |")
             print(lines[-1], flush=True)
-    t = throughput(a.batch, a.throughput_steps, a.peak_tflops)
-    mfu = f"{100 * t['mfu']:.1f} %" if t["mfu"] is not None else "n/a (give --peak-tflops)"
-    lines += ["", "| throughput: SD3.5-medium-sized random transformer, bf16, 1024 px | value |", "|---|---|",
-              f"| device | {t['device']} |", f"| parameters | {t['params'] / 1e9:.2f} B |",
-              f"| batch (images) | {t['batch']} |", f"| forward + backward step | {t['step_s'] * 1000:.0f} ms |",
-              f"| image tokens / s | {t['tokens_per_s']:.0f} |", f"| model TFLOP/s | {t['tflops']:.0f} |",
-              f"| MFU | {mfu} |", f"| peak memory | {t['peak_mem_gib']:.1f} GiB |"]  # fmt: skip
+    if not a.skip_throughput:
+        lines += throughput_table(throughput(a.batch, a.throughput_steps, a.peak_tflops))
     text = "\n".join(lines) + "\n"
     Path(a.out).write_text(text)
     print(text)
 
+
+def throughput_table(t: dict) -> list[str]:
+    mfu = f"{100 * t['mfu']:.1f} %" if t["mfu"] is not None else "n/a (give --peak-tflops)"
+    return ["", "| throughput: SD3.5-medium-sized random transformer, bf16, 1024 px | value |", "|---|---|",
+            f"| device | {t['device']} |", f"| parameters | {t['params'] / 1e9:.2f} B |",
+            f"| batch (images) | {t['batch']} |", f"| forward + backward step | {t['step_s'] * 1000:.0f} ms |",
+            f"| image tokens / s | {t['tokens_per_s']:.0f} |", f"| model TFLOP/s | {t['tflops']:.0f} |",
+            f"| MFU | {mfu} |", f"| peak memory | {t['peak_mem_gib']:.1f} GiB |"]  # fmt: skip
 
 if __name__ == "__main__":
     main()
