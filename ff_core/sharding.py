@@ -54,7 +54,9 @@ class ShardingConfig:
         reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3 style, least memory);
             ``False`` keeps them until the backward (ZeRO-2 style, one all-gather fewer per block).
         cpu_offload: keep the parameter shards, their gradients and the optimiser state on the CPU (FSDP2's
-            ``CPUOffloadPolicy``): much less accelerator memory, slower steps.
+            ``CPUOffloadPolicy``): much less accelerator memory, slower steps. Only meaningful on GPUs, and not yet
+            run there (Lightning's strategy moves the module to the device after ``configure_model``; check that
+            the shards stay on the CPU before relying on it).
     """
 
     param_dtype: str | None = None
