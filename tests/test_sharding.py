@@ -167,3 +167,22 @@ def test_strategy_recipes_parse(recipe, capsys):
     printed = capsys.readouterr().out
     strategy, setting = STRATEGY_RECIPES[recipe]
     assert f"class_path: lightning.pytorch.strategies.{strategy}" in printed and setting in printed
+
+
+def test_fsdp1_wraps_each_adapter_block(tiny_sd3):
+    """Under FSDPStrategy ff makes each of the adapter's blocks an FSDP unit (FSDP1 itself needs a GPU: here the
+    policy the strategy will wrap with is checked, on a strategy that has not wrapped anything yet)."""
+    from types import SimpleNamespace
+
+    from diffusers.models.attention import JointTransformerBlock
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="full")
+    strategy.parallel_devices = [torch.device("cpu")]
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    module._trainer = SimpleNamespace(strategy=strategy, datamodule=None)
+    module.configure_model()
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {JointTransformerBlock}
+    assert strategy.kwargs["use_orig_params"] is True  # Lightning's default, which a LoRA needs
