@@ -10,11 +10,15 @@ Runs of the real console entry, both ranks started at once as torchrun would (ne
 
 FSDP2 must train exactly what DDP trains: the same samples and noise per rank and step, the same per-rank losses and
 the same final weights (within float tolerance: reduce-scatter sums in another order than all-reduce), each rank
-storing half of every trained parameter. A ModelParallelStrategy whose configure_model never shards (the defect this
-guards against) leaves every parameter whole on each rank and reduces no gradient: the ranks' weights drift apart
-from step 1 and rank 0's losses leave DDP's. The resumed run continues the killed one exactly (its samples, noise,
+storing half of every trained parameter. The resumed run continues the killed one exactly (its samples, noise,
 losses and final weights are the uninterrupted DDP run's), and the LoRA exported beside each checkpoint is the whole
 LoRA, gathered from the shards, equal to DDP's.
+
+The defects these guard against, each checked by reverting its fix: a configure_model that never shards (each rank
+then held all 8192 trained elements, reduced no gradient, rank 1's step-2 loss left DDP's by 1e-4, and the resume
+failed in Lightning's loader: "Could not find a distributed model"); a LoRA export of the local shards (the first
+FSDP2 checkpoint crashed writing DTensors); a sharded checkpoint holding only the LoRA while the module's state dict
+named the frozen base too (the resume failed: "Missing key in checkpoint state_dict").
 """
 
 from __future__ import annotations
