@@ -224,6 +224,28 @@ class Adapter(nn.Module):
         visit(self)
         return found
 
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """The repeated blocks of every trained network, keyed as :meth:`denoisers`: the units FSDP2 shards one by one
+        (``model.sharding``, :func:`ff_core.sharding.fully_shard_networks`), so that only one block's parameters are
+        gathered at a time. The network itself is sharded last, as the root of what remains (embeddings, norms).
+
+        Default: the outermost submodules whose class is named in the network's diffusers ``_no_split_modules``
+        (``JointTransformerBlock`` for SD3, ``WanTransformerBlock`` for Wan); a network without it gets no blocks (it
+        is sharded whole: correct, but all of it is gathered at once). Override it to name the blocks explicitly.
+        """
+        out: dict[str, list[nn.Module]] = {}
+        for name, network in self.denoisers().items():
+            kinds = set(getattr(network, "_no_split_modules", None) or ())
+            blocks: list[nn.Module] = []
+            inside: set[int] = set()
+            for module in network.modules():
+                if module is network or id(module) in inside or type(module).__name__ not in kinds:
+                    continue
+                blocks.append(module)
+                inside.update(id(m) for m in module.modules())
+            out[name] = blocks
+        return out
+
     # -- what training touches -------------------------------------------------------------------
     @property
     def denoiser(self) -> nn.Module:
@@ -269,15 +291,50 @@ class Adapter(nn.Module):
         return list(self.preprocessing_components)
 
     def frozen_to(self, device: torch.device | str) -> None:
-        """Move every component outside the :meth:`trained_networks` to ``device``.
+        """Move every component outside the :meth:`trained_networks` (detached ones included) to ``device``.
 
         Conditions are preprocessed on the accelerator before the strategy places the model (``configure_model``);
         the trained networks are left where they are, for the strategy to place (or shard) them.
         """
         trained = {id(m) for m in self.trained_networks()}
-        for child in self.children():
+        for child in [*self.children(), *self.detached_modules().values()]:
             if not any(id(m) in trained for m in child.modules()):
                 child.to(device)
+
+    # -- frozen components outside the module tree -------------------------------------------------
+    _detached: tuple[str, ...] = ()
+
+    def detach_frozen(self) -> list[str]:
+        """Take every direct child holding no trained network (VAE, text encoders, ...) out of the module tree, and
+        return their names. They stay attributes (``self.vae`` works as before) but are no longer submodules: they
+        are not in ``parameters()`` or ``state_dict()``, so a sharding strategy that wraps the whole LightningModule
+        (FSDP1's root unit, DeepSpeed's engine) never shards them (they run outside any forward it wraps: while
+        preprocessing, encoding targets, decoding samples) and checkpoints never hold them. ``to()`` / ``cuda()`` /
+        ``half()`` still reach them (:meth:`_apply`), so a strategy that places the model places them too.
+
+        ``FlowModule.configure_model`` calls it once the trained parameters are chosen (it reads
+        :meth:`trained_networks`). Assigning a module to a detached name registers it again.
+        """
+        trained = {id(m) for m in self.trained_networks()}
+        names = [name for name, child in self._modules.items()
+                 if child is not None and not any(id(m) in trained for m in child.modules())]  # fmt: skip
+        for name in names:
+            object.__setattr__(self, name, self._modules.pop(name))  # a plain attribute: nn.Module skips it
+        self._detached = (*self._detached, *names)
+        return names
+
+    def detached_modules(self) -> dict[str, nn.Module]:
+        """The components :meth:`detach_frozen` took out of the module tree and still held (released ones are gone)."""
+        found = {name: self.__dict__.get(name) for name in self._detached}
+        return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Adapter:
+        # nn.Module.to / cuda / half / float all end here: detached components follow the adapter's device and dtype.
+        super()._apply(fn, recurse)
+        if recurse:
+            for module in self.detached_modules().values():
+                module._apply(fn)
+        return self
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
         """Realise a collated batch of preprocessed conditions once, on the module's device."""

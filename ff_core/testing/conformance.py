@@ -505,6 +505,17 @@ class AdapterConformance:
     def test_denoiser_is_a_submodule(self, adapter):
         assert any(m is adapter.denoiser for m in adapter.modules())
 
+    def test_sharding_blocks_are_repeated_blocks_of_each_network(self, adapter):
+        """FSDP2's units (docs/scaling.md): for every trained network, distinct submodules of it, all of one class;
+        empty would shard the network whole (correct, but gathered whole for every forward)."""
+        blocks = adapter.sharding_blocks()
+        assert set(blocks) <= set(adapter.denoisers())
+        for name, network in adapter.denoisers().items():
+            found = blocks.get(name, [])
+            inside = {id(m) for m in network.modules() if m is not network}
+            assert found and all(id(b) in inside for b in found), name
+            assert len({id(b) for b in found}) == len(found) and len({type(b) for b in found}) == 1, name
+
     def test_preprocess_gives_per_sample_cpu_tensors(self, adapter, inputs):
         out = adapter.preprocess(inputs)
         assert len(out) == len(inputs) and out[0]
@@ -707,5 +718,8 @@ def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
 def frozen_in_train_mode(adapter: Adapter) -> list[str]:
     """Names of the leaf modules outside every trained network (``denoisers()``) that are in train mode."""
     inside = {id(m) for network in adapter.denoisers().values() for m in network.modules()}
-    return [name for name, m in adapter.named_modules()
+    # Components taken out of the module tree (Adapter.detach_frozen, under a sharding strategy) still run.
+    named = [*adapter.named_modules(), *((f"{detached}.{name}".rstrip("."), m)
+             for detached, module in adapter.detached_modules().items() for name, m in module.named_modules())]
+    return [name for name, m in named
             if name and id(m) not in inside and not list(m.children()) and m.training]  # fmt: skip

@@ -140,6 +140,10 @@ class SD3Adapter(Adapter):
     def denoiser(self) -> nn.Module:
         return self.transformer
 
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """The MMDiT's joint transformer blocks: FSDP2's units (docs/scaling.md)."""
+        return {"transformer": list(self.transformer.transformer_blocks)}
+
     # -- condition side --------------------------------------------------------------------------
     def preprocess_identity(self) -> dict[str, Any]:
         """Checkpoint, revision and dtype (``source``, set by :meth:`from_pretrained`) and the token lengths: the
