@@ -24,7 +24,8 @@ the path tested. Two groups of checks:
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
   encoding, the sampling sigmas, one denoiser call at each sigma, a full sampling run (with and without CFG), the
-  decoding, and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
+  decoding, the encoding (the VAE's posterior sample from the same generator, normalised as the pipeline's latents
+  are), and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
   differed, where, and what it looks like.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
@@ -88,7 +89,11 @@ class AdapterConformance:
         velocity_atol: tolerance of one denoiser call (and relative tolerance, times 10).
         sample_atol: tolerance of the final latents of a full sampling run.
         media_atol: tolerance of decoded media in uint8 units (rounding: 1).
-        roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE.
+        encode_atol: tolerance of the clean latents ``encode_output`` gives against the pipeline VAE's posterior
+            sample (same generator), normalised as the pipeline's latents are (:meth:`reference_encode`).
+        roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE: coarse (a
+            wrong pixel range, no decode), since a briefly trained tiny VAE reconstructs loosely (the SD3 one: about
+            29 and 41 on the two held-out shapes); the latent normalisation is :meth:`check_encoding`'s to catch.
     """
 
     adapter_cls: ClassVar[type[Adapter]]
@@ -103,7 +108,8 @@ class AdapterConformance:
     velocity_atol: ClassVar[float] = 1e-4
     sample_atol: ClassVar[float] = 1e-3
     media_atol: ClassVar[float] = 1.0
-    roundtrip_tolerance: ClassVar[float] = 48.0
+    encode_atol: ClassVar[float] = 1e-4
+    roundtrip_tolerance: ClassVar[float] = 64.0
     seed: ClassVar[int] = 7
 
     # -- to provide ---------------------------------------------------------------------------------------
@@ -180,6 +186,17 @@ class AdapterConformance:
         """Reference tensors for keys of the adapter's prepared condition (default: the tensors the pipeline hands its
         step callback, ``prompt_embeds`` and the like, at guidance 1). Add condition-media encodings here."""
         return dict(run.tensors)
+
+    def reference_encode(self, pipe: Any, adapter: Adapter, targets: list[list[Tensor]],
+                         generator: torch.Generator) -> Tensor:  # fmt: skip
+        """The clean latents of ``targets`` as the pipeline's own code normalises them, in the adapter's (unpacked)
+        layout: a posterior sample of ``pipe.vae`` drawn from ``generator`` (:func:`vae_posterior_sample`), then
+        ``(z - shift_factor) * scaling_factor`` from the VAE's config, the inverse of what the pipeline's decoding
+        applies (SD3, FLUX.1: ``latents / scaling_factor + shift_factor``). Override for another normalisation (Wan:
+        ``(z - latents_mean) / latents_std``)."""
+        z = vae_posterior_sample(pipe.vae, targets, generator)
+        config = pipe.vae.config
+        return (z - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
     def reference_media(self, adapter: Adapter, output: Any) -> list[list[Tensor]]:
         """The pipeline's decoded output (``output_type="pt"``) as ff media per sample, float in uint8 units."""
@@ -315,6 +332,22 @@ class AdapterConformance:
                                  "normalisation (shift / scaling factors, latents_mean / latents_std) and the pixel "
                                  "range.")  # fmt: skip
 
+    def check_encoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`) with a seeded generator gives the latents
+        the pipeline's VAE samples from the same generator, normalised as the pipeline's latents are
+        (:meth:`reference_encode`). No trained VAE needed: a random one with a non-identity normalisation tells an
+        ``encode_output`` that skips it (the decoding check sees only ``decode``'s side)."""
+        targets = self.make_targets(adapter, len(case.inputs))
+        with torch.no_grad():
+            ours = adapter.encode_output(targets, case.condition, generator=torch.Generator().manual_seed(self.seed))
+            theirs = self.reference_encode(pipe, adapter, targets, torch.Generator().manual_seed(self.seed))
+        check_close("encode_output's clean latents", state_tensor(ours).float().cpu(), theirs.float().cpu(),
+                    atol=self.encode_atol, rtol=self.encode_atol, mask=first_mask(ours),
+                    hint=f"The posterior sample was {type(pipe).__name__}'s VAE's from the same generator, so the "
+                         "latent normalisation differs: check encode_output applies the VAE's (shift / scaling "
+                         "factors, latents_mean / latents_std) as decode inverts it, and the pixel range "
+                         "[-1, 1].")  # fmt: skip
+
     def check_cfg(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
         """A contract that accepts negative prompts has a negative branch, and CFG on changes the velocity."""
         if not adapter.io_contract.uses_cfg:
@@ -414,6 +447,7 @@ class AdapterConformance:
                 "denoiser": lambda: self.check_denoiser(adapter, pipe, case),
                 "sampling": lambda: self.check_sampling(adapter, pipe, case),
                 "decoding": lambda: self.check_decoding(adapter, pipe, case),
+                "encoding": lambda: self.check_encoding(adapter, pipe, case),
             })  # fmt: skip
             if adapter.io_contract.uses_cfg:
                 checks["sampling_with_cfg"] = lambda: self.check_sampling(
@@ -470,6 +504,9 @@ class AdapterConformance:
 
     def test_reference_decoding(self, adapter, reference, reference_case):
         self.check_decoding(adapter, reference, reference_case)
+
+    def test_reference_encoding(self, adapter, reference, reference_case):
+        self.check_encoding(adapter, reference, reference_case)
 
     def test_reference_lora_loads_through_load_lora_weights(self, pretrained, reference, inputs, tmp_path):
         self.check_lora_in_pipeline(pretrained, inputs, tmp_path / "lora")
@@ -702,6 +739,16 @@ class ReferenceCase:
 def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
     """The adapter's prepared condition of ``inputs`` (preprocess, collate, prepare_condition)."""
     return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
+
+
+def vae_posterior_sample(vae: Any, media: list[list[Tensor]], generator: torch.Generator) -> Tensor:
+    """``vae.encode(x).latent_dist.sample(generator)`` of each sample's first output as one batch: uint8 images
+    (3, H, W) or videos (F, 3, H, W, ff's media layout; the VAE takes (B, 3, F, H, W)), scaled to [-1, 1]."""
+    x = torch.stack([outputs[0] for outputs in media]).float() / 127.5 - 1
+    if x.ndim == 5:
+        x = x.permute(0, 2, 1, 3, 4)
+    param = next(vae.parameters())
+    return vae.encode(x.to(param.device, param.dtype)).latent_dist.sample(generator=generator)
 
 
 def frozen_in_train_mode(adapter: Adapter) -> list[str]:
