@@ -127,7 +127,9 @@ def test_sample_ode_uses_the_schedule_of_the_noise_it_draws():
 
 # -- training noise levels on the adapter's table ----------------------------------------------------------------
 def test_default_training_table_is_the_shifted_scheduler_grid():
-    """``i / 1000`` for ``i = 1000 .. 1`` shifted by ``exp(mu)``, as ``FlowMatchEulerDiscreteScheduler`` builds it."""
+    """The default: ``i / 1000`` for ``i = 1000 .. 1`` shifted by the adapter's ``timestep_shift`` for the latent
+    size (here ``exp(mu)``); a diffusers scheduler with ``use_dynamic_shifting`` builds its own table unshifted, so
+    such a family returns ``scheduler_sigma_table`` (test_scheduler_table_of_a_dynamic_shift_is_unshifted)."""
     adapter = GuidedAdapter()
     state = LatentState({"latent": torch.zeros(1, 2, 8, 8)})
     table = adapter.training_sigmas(state)
@@ -135,6 +137,20 @@ def test_default_training_table_is_the_shifted_scheduler_grid():
     assert table.shape == (1000,)
     assert_close(table[[0, 499, 999]], torch.tensor([1.0, s * 0.501 / (1 + (s - 1) * 0.501),
                                                      s * 0.001 / (1 + (s - 1) * 0.001)]))  # fmt: skip
+
+
+def test_scheduler_table_of_a_dynamic_shift_is_unshifted():
+    """diffusers applies ``mu`` only in ``set_timesteps``: the built table is ``i / 1000``; a static shift shifts it.
+    Read from a fresh copy: the live scheduler's ``sigmas`` are the last sampling grid."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ff_core.adapter import scheduler_sigma_table
+
+    levels = torch.arange(1000, 0, -1, dtype=torch.float32) / 1000
+    dynamic = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    dynamic.set_timesteps(4, mu=0.8)
+    assert_close(scheduler_sigma_table(dynamic), levels)
+    assert_close(scheduler_sigma_table(FlowMatchEulerDiscreteScheduler(shift=3.0)), shift_sigma(levels, 3.0))
 
 
 def test_adapter_schedule_picks_table_levels_by_index():

@@ -23,7 +23,7 @@ the path tested. Two groups of checks:
   family's trained tiny VAE round-trips within :attr:`~AdapterConformance.roundtrip_tolerance`.
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
-  encoding, the sampling sigmas, one denoiser call at each sigma, a full sampling run (with and without CFG), the
+  encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full sampling run (with and without CFG), the
   decoding, the encoding (the VAE's posterior sample from the same generator, normalised as the pipeline's latents
   are), and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
   differed, where, and what it looks like.
@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
@@ -198,6 +198,12 @@ class AdapterConformance:
         config = pipe.vae.config
         return (z - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
+    def reference_training_sigmas(self, pipe: Any) -> Tensor | None:
+        """The table of training noise levels diffusers' training scripts index for this family
+        (``noise_scheduler_copy.sigmas[indices]``): the pipeline scheduler's as built from its config
+        (:func:`~ff_core.adapter.scheduler_sigma_table`); ``None`` skips the check."""
+        return scheduler_sigma_table(pipe.scheduler)
+
     def reference_media(self, adapter: Adapter, output: Any) -> list[list[Tensor]]:
         """The pipeline's decoded output (``output_type="pt"``) as ff media per sample, float in uint8 units."""
         (media, *_) = output.to_tuple() if hasattr(output, "to_tuple") else output
@@ -287,6 +293,19 @@ class AdapterConformance:
                     ours.float().cpu(), case.run.sigmas, atol=1e-5,
                     hint=f"{type(pipe).__name__}'s scheduler steps through "
                          f"{[round(float(s), 4) for s in case.run.sigmas]}: check the schedule's shift.")  # fmt: skip
+
+    def check_training_sigmas(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """``timesteps.schedule: adapter``: the adapter's training table (``training_sigmas``) is the one the
+        family's reference training indexes (:meth:`reference_training_sigmas`)."""
+        theirs = self.reference_training_sigmas(pipe)
+        if theirs is None:
+            return
+        ours = adapter.training_sigmas(case.init).detach().float().cpu()
+        check_close(f"training_sigmas() ({len(ours)} levels, {[round(float(s), 4) for s in ours[:3]]}, ...)", ours,
+                    theirs.float().cpu(), atol=1e-5,
+                    hint=f"{type(pipe).__name__}'s scheduler, built from its config, holds "
+                         f"{[round(float(s), 4) for s in theirs[:3]]}, ...: a scheduler with use_dynamic_shifting "
+                         "keeps its table unshifted (return ff_core.adapter.scheduler_sigma_table(scheduler)).")  # fmt: skip
 
     def check_denoiser(self, adapter: Adapter, pipe: Any, case: ReferenceCase, what: str = "") -> None:
         """One denoiser call at each sigma of the run: ``velocity`` at the pipeline's latents and sigma equals the
@@ -444,6 +463,7 @@ class AdapterConformance:
             checks.update({
                 "prompt_encoding": lambda: self.check_condition(adapter, pipe, case),
                 "sampling_sigmas": lambda: self.check_sigmas(adapter, pipe, case),
+                "training_sigmas": lambda: self.check_training_sigmas(adapter, pipe, case),
                 "denoiser": lambda: self.check_denoiser(adapter, pipe, case),
                 "sampling": lambda: self.check_sampling(adapter, pipe, case),
                 "decoding": lambda: self.check_decoding(adapter, pipe, case),
@@ -489,6 +509,9 @@ class AdapterConformance:
 
     def test_reference_sampling_sigmas(self, adapter, reference, reference_case):
         self.check_sigmas(adapter, reference, reference_case)
+
+    def test_reference_training_sigmas(self, adapter, reference, reference_case):
+        self.check_training_sigmas(adapter, reference, reference_case)
 
     def test_reference_denoiser_at_each_sigma(self, adapter, reference, reference_case):
         self.check_denoiser(adapter, reference, reference_case)
