@@ -23,10 +23,10 @@ the path tested. Two groups of checks:
   family's trained tiny VAE round-trips within :attr:`~AdapterConformance.roundtrip_tolerance`.
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
-  encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full sampling run (with and without CFG), the
-  decoding, the encoding (the VAE's posterior sample from the same generator, normalised as the pipeline's latents
-  are), and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
-  differed, where, and what it looks like.
+  encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full
+  sampling run (with and without CFG), the decoding, the encoding (the VAE's posterior sample from the same
+  generator, normalised as the pipeline's latents are), and the LoRA export loaded through ``load_lora_weights``
+  are compared with tolerances. A failure says what differed, where, and what it looks like.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
 prompts when the contract takes them, an image per required image slot), batches no larger than its
@@ -305,7 +305,8 @@ class AdapterConformance:
                     theirs.float().cpu(), atol=1e-5,
                     hint=f"{type(pipe).__name__}'s scheduler, built from its config, holds "
                          f"{[round(float(s), 4) for s in theirs[:3]]}, ...: a scheduler with use_dynamic_shifting "
-                         "keeps its table unshifted (return ff_core.adapter.scheduler_sigma_table(scheduler)).")  # fmt: skip
+                         "keeps its table unshifted (return ff_core.adapter.scheduler_sigma_table(scheduler))."
+                    )  # fmt: skip
 
     def check_denoiser(self, adapter: Adapter, pipe: Any, case: ReferenceCase, what: str = "") -> None:
         """One denoiser call at each sigma of the run: ``velocity`` at the pipeline's latents and sigma equals the

@@ -311,7 +311,8 @@ class FluxAdapter(Adapter):
     def training_sigmas(self, state: LatentState | None = None) -> Tensor:
         """The table train_dreambooth_lora_flux.py indexes: the scheduler's levels as built
         (:func:`~ff_core.adapter.scheduler_sigma_table`): shifted by a static ``shift``, unshifted ``i / 1000``
-        with ``use_dynamic_shifting`` (FLUX.1: the resolution-dependent ``mu`` applies only when sampling), whatever ``state``'s size."""
+        with ``use_dynamic_shifting`` (FLUX.1: the resolution-dependent ``mu`` applies only when sampling), whatever
+        ``state``'s size."""
         return scheduler_sigma_table(self.scheduler)
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
