@@ -154,18 +154,32 @@ def test_scheduler_table_of_a_dynamic_shift_is_unshifted():
 
 
 def test_adapter_schedule_picks_table_levels_by_index():
-    """``schedule: adapter`` with uniform ``u``: sigma = ``table[floor(u * N)]`` (diffusers' training scripts)."""
+    """``schedule: adapter`` with uniform ``u``: sigma = level ``floor(u * N)`` of the table sorted ascending."""
     adapter = GuidedAdapter()
     clean = LatentState({"latent": torch.zeros(5, 2, 8, 8)})
     sampler = TimestepSampler("uniform", schedule="adapter")
     (sigma, _), = monte_carlo_draws(sampler, adapter, clean, 1, torch.Generator().manual_seed(0))
     u = torch.rand(5, generator=torch.Generator().manual_seed(0))
     table = adapter.training_sigmas(clean)
-    assert_close(sigma, table[(u * 1000).long()])
+    assert_close(sigma, table.flip(0)[(u * 1000).long()])
     continuous, = monte_carlo_draws(TimestepSampler("uniform"), adapter, clean, 1, torch.Generator().manual_seed(0))
     assert_close(continuous[0], shift_sigma(u, math.exp(0.459375)))  # the default: continuous, the adapter's shift
     with pytest.raises(ValueError, match="schedule='adapter'.*holds its own shift"):
         TimestepSampler(shift=3.0, schedule="adapter")
+
+
+def test_logit_mean_means_noisier_on_both_schedules():
+    """``logit_mean`` 2 puts the mass at high noise whether sigma is the draw (``continuous``) or indexes the
+    adapter's table (``adapter``): the table is indexed ascending, the same direction."""
+    adapter = GuidedAdapter()
+    clean = LatentState({"latent": torch.zeros(4000, 2, 8, 8)})
+    means = {}
+    for schedule in ("continuous", "adapter"):
+        sampler = TimestepSampler(logit_mean=2.0, shift=None if schedule == "adapter" else 1.0, schedule=schedule)
+        (sigma, _), = monte_carlo_draws(sampler, adapter, clean, 1, torch.Generator().manual_seed(0))
+        means[schedule] = float(sigma.mean())
+    # E[sigmoid(n)], n ~ N(2, 1), is about 0.84; the table is shifted by exp(0.459375) (about 1.6): noisier still.
+    assert 0.8 < means["continuous"] < 0.88 and 0.85 < means["adapter"] < 0.95, means
 
 
 def test_a_sampling_sigmas_override_without_state_still_samples():
