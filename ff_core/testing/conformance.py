@@ -24,9 +24,10 @@ the path tested. Two groups of checks:
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
   encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full
-  sampling run (with and without CFG), the decoding, the encoding (the VAE's posterior sample from the same
-  generator, normalised as the pipeline's latents are), and the LoRA export loaded through ``load_lora_weights``
-  are compared with tolerances. A failure says what differed, where, and what it looks like.
+  sampling run (with and without CFG; at another embedded guidance), the decoding, the encoding (the VAE's
+  posterior sample from the same generator, normalised as the pipeline's latents are), and the LoRA export loaded
+  through ``load_lora_weights`` are compared with tolerances. A failure says what
+  differed, where, and what it looks like.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
 prompts when the contract takes them, an image per required image slot), batches no larger than its
@@ -85,6 +86,8 @@ class AdapterConformance:
         reference_layout: how the pipeline's latents map to the adapter's state (default: the same tensor).
         reference_steps: sampling steps of the reference runs.
         reference_guidance: the CFG scale of the guided reference run.
+        reference_embedded_guidance: the distilled-guidance scale of the embedded-guidance run (adapters with
+            ``embedded_guidance``; one more than the adapter's default when it equals it).
         condition_atol: tolerance of the prompt encoding against the pipeline's.
         velocity_atol: tolerance of one denoiser call (and relative tolerance, times 10).
         sample_atol: tolerance of the final latents of a full sampling run.
@@ -104,6 +107,7 @@ class AdapterConformance:
     reference_layout: ClassVar[LatentLayout] = LatentLayout()
     reference_steps: ClassVar[int] = 3
     reference_guidance: ClassVar[float] = 4.0
+    reference_embedded_guidance: ClassVar[float] = 1.5
     condition_atol: ClassVar[float] = 1e-5
     velocity_atol: ClassVar[float] = 1e-4
     sample_atol: ClassVar[float] = 1e-3
@@ -180,6 +184,11 @@ class AdapterConformance:
         """The pipeline's CFG argument for ``guidance_scale`` (default ``guidance_scale``; FLUX.1: ``true_cfg_scale``
         with its embedded guidance beside it)."""
         return {"guidance_scale": guidance_scale}
+
+    def reference_embedded_guidance_kwargs(self, scale: float) -> dict[str, Any]:
+        """The pipeline's argument for the distilled-guidance scale ``scale`` (default ``guidance_scale``, as
+        ``FluxPipeline``'s)."""
+        return {"guidance_scale": scale}
 
     def reference_condition(self, pipe: Any, adapter: Adapter, inputs: list[ConditionInput],
                             run: PipelineRun) -> dict[str, Tensor]:  # fmt: skip
@@ -262,19 +271,23 @@ class AdapterConformance:
         return cls().run_reference(adapter, reference, inputs, guidance_scale=1.0)
 
     # -- the maths checks, callable on any adapter (the kit's own tests feed it broken ones) ---------------------
-    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *,
-                      guidance_scale: float) -> ReferenceCase:  # fmt: skip
-        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it."""
+    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *, guidance_scale: float,
+                      embedded_guidance: float | None = None) -> ReferenceCase:  # fmt: skip
+        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it (with
+        the distilled-guidance scale ``embedded_guidance``, :meth:`reference_embedded_guidance_kwargs`; ``None``:
+        the pipeline's default)."""
         condition = prepare(adapter, inputs)
         init = adapter.initial_noise(condition, torch.Generator().manual_seed(self.seed))
         kwargs = {"prompt": [c.prompt for c in inputs], "output_type": "pt",
                   "generator": torch.Generator().manual_seed(self.seed),
                   **self.reference_guidance_kwargs(guidance_scale), **self.reference_call_kwargs(adapter, inputs)}
+        if embedded_guidance is not None:
+            kwargs.update(self.reference_embedded_guidance_kwargs(embedded_guidance))
         if adapter.io_contract.uses_cfg:
             kwargs["negative_prompt"] = [c.negative_prompt or "" for c in inputs]
         run = run_pipeline(pipe, self.reference_layout.pipeline_latents(pipe, init).clone(),
                            steps=self.reference_steps, denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
-        return ReferenceCase(inputs, condition, init, run, guidance_scale)
+        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance)
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Prompt encoding: the prepared condition against the pipeline's tensors of the same name."""
@@ -330,15 +343,35 @@ class AdapterConformance:
         """A full sampling run from the same seed: the adapter's final latents are the pipeline's."""
         generator = torch.Generator().manual_seed(self.seed)
         final = adapter.sample(case.condition, num_steps=self.reference_steps, guidance_scale=case.guidance_scale,
-                               generator=generator)  # fmt: skip
+                               generator=generator, embedded_guidance=case.embedded_guidance)  # fmt: skip
         theirs = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
-        hint = ""
+        hint, what = "", ""
         if case.guidance_scale != 1 and adapter.unconditional(case.condition) is None:
             hint = "The adapter has no negative branch (unconditional() is None): CFG was skipped."
+        if case.embedded_guidance is not None:
+            what = f" and embedded guidance {case.embedded_guidance:g}"
+            default = adapter.sample(case.condition, num_steps=self.reference_steps,
+                                     guidance_scale=case.guidance_scale,
+                                     generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
+            if all(torch.equal(t, default.components[n]) for n, t in final.components.items()):
+                hint = (f"The adapter's result is the one at its default embedded guidance "
+                        f"({adapter.embedded_guidance:g}): velocity ignores the condition's embedded guidance "
+                        "(with_embedded_guidance sets condition['embedded_guidance']).")  # fmt: skip
         for name, tensor in final.components.items():
             check_close(f"the final {name!r} latents of {self.reference_steps}-step sampling at guidance "
-                        f"{case.guidance_scale:g}", tensor, theirs.components[name], atol=self.sample_atol,
+                        f"{case.guidance_scale:g}{what}", tensor, theirs.components[name], atol=self.sample_atol,
                         rtol=self.sample_atol, mask=case.init.masks.get(name), hint=hint)  # fmt: skip
+
+    def check_embedded_guidance(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Embedded (distilled) guidance, for an adapter with a default (:attr:`Adapter.embedded_guidance`): sampling
+        with ``embedded_guidance=g`` at a scale other than the default (:attr:`reference_embedded_guidance`) gives
+        the pipeline's final latents at that scale (:meth:`reference_embedded_guidance_kwargs`)."""
+        if adapter.embedded_guidance is None:
+            return
+        scale = self.reference_embedded_guidance
+        scale = scale + 1 if scale == adapter.embedded_guidance else scale
+        self.check_sampling(adapter, pipe, self.run_reference(adapter, pipe, case.inputs, guidance_scale=1.0,
+                                                              embedded_guidance=scale))  # fmt: skip
 
     def check_decoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Decoding the pipeline's final latents gives the pipeline's media (to uint8 rounding)."""
@@ -469,6 +502,7 @@ class AdapterConformance:
                 "sampling": lambda: self.check_sampling(adapter, pipe, case),
                 "decoding": lambda: self.check_decoding(adapter, pipe, case),
                 "encoding": lambda: self.check_encoding(adapter, pipe, case),
+                "embedded_guidance": lambda: self.check_embedded_guidance(adapter, pipe, case),
             })  # fmt: skip
             if adapter.io_contract.uses_cfg:
                 checks["sampling_with_cfg"] = lambda: self.check_sampling(
@@ -525,6 +559,11 @@ class AdapterConformance:
             pytest.skip(f"{self.adapter_cls.__name__}'s contract takes no negative prompt (no CFG)")
         self.check_sampling(adapter, reference,
                             self.run_reference(adapter, reference, inputs, guidance_scale=self.reference_guidance))
+
+    def test_reference_embedded_guidance(self, adapter, reference, reference_case):
+        if adapter.embedded_guidance is None:
+            pytest.skip(f"{self.adapter_cls.__name__} on this checkpoint has no embedded guidance")
+        self.check_embedded_guidance(adapter, reference, reference_case)
 
     def test_reference_decoding(self, adapter, reference, reference_case):
         self.check_decoding(adapter, reference, reference_case)
@@ -752,12 +791,13 @@ class ReferenceCase:
         init: the adapter's initial noise (seeded), the run's initial latents.
         run: the recorded pipeline run.
         guidance_scale: the CFG scale of the run.
+        embedded_guidance: its distilled-guidance scale; ``None``: the pipeline's and the adapter's defaults.
     """
 
     def __init__(self, inputs: list[ConditionInput], condition: Condition, init: LatentState, run: PipelineRun,
-                 guidance_scale: float) -> None:  # fmt: skip
+                 guidance_scale: float, embedded_guidance: float | None = None) -> None:  # fmt: skip
         self.inputs, self.condition, self.init, self.run = inputs, condition, init, run
-        self.guidance_scale = guidance_scale
+        self.guidance_scale, self.embedded_guidance = guidance_scale, embedded_guidance
 
 
 def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:

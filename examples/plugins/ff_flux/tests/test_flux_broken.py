@@ -44,9 +44,20 @@ class WrongUnpackPermutation(FluxAdapter):
         return LatentState({"latent": wrong}, dict(state.masks))
 
 
+class EmbeddedGuidanceIgnored(FluxAdapter):
+    """Feeds the transformer its default distilled guidance whatever the condition asks
+    (``model.sampling.embedded_guidance`` silently unused)."""
+
+    def velocity(self, state, sigma, condition):
+        return super().velocity(state, sigma, {k: v for k, v in condition.items() if k != "embedded_guidance"})
+
+
 BROKEN = {
     "timestep x1000 twice": (TimestepTimes1000, "denoiser", r"timestep x1000 .* scaled by num_train_timesteps twice"),
     "VAE shift/scale ignored": (VAENormalisationIgnored, "decoding", r"decoded output 0 of sample 0 .* differs"),
+    "embedded guidance ignored": (EmbeddedGuidanceIgnored, "embedded_guidance",
+                                  r"embedded guidance 1\.5 differs .* velocity ignores the condition's embedded "
+                                  r"guidance"),
     "wrong unpack permutation": (WrongUnpackPermutation, "denoiser",
                                  r"values in another order: a wrong latent packing/unpacking permutation"),
 }  # fmt: skip

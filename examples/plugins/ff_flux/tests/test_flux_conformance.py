@@ -42,7 +42,8 @@ class FluxKit(AdapterConformance):
 
     def reference_guidance_kwargs(self, guidance_scale):
         """ff's CFG is FluxPipeline's ``true_cfg_scale``; its ``guidance_scale`` is the embedded guidance, left at the
-        default both sides share (3.5)."""
+        default both sides share (3.5) but in the embedded-guidance check (the kit's default
+        ``reference_embedded_guidance_kwargs``: ``guidance_scale``)."""
         return {"true_cfg_scale": guidance_scale}
 
 
