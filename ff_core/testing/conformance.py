@@ -290,7 +290,9 @@ class AdapterConformance:
         return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance)
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
-        """Prompt encoding: the prepared condition against the pipeline's tensors of the same name."""
+        """Prompt encoding: the prepared condition against the pipeline's tensors of the same name
+        (:meth:`reference_condition`); with negative prompts, the negative branch (``unconditional``) against the
+        pipeline's tensors for the negative prompts (a second run that takes them as its prompts)."""
         reference = self.reference_condition(pipe, adapter, case.inputs, case.run)
         common = sorted(set(case.condition) & set(reference))
         assert common, (f"no key of the prepared condition {sorted(case.condition)} is among the pipeline's reference "
@@ -298,6 +300,17 @@ class AdapterConformance:
         problems = condition_differences(case.condition, reference, atol=self.condition_atol, rtol=1e-4)
         assert not problems, (f"prompt encoding differs from {type(pipe).__name__}'s (compared {common}): "
                               + "; ".join(problems))  # fmt: skip
+        negative = adapter.unconditional(case.condition) if adapter.io_contract.uses_cfg else None
+        if negative is None:
+            return
+        inputs = [ConditionInput(c.negative_prompt or "", c.negative_prompt, c.media) for c in case.inputs]
+        run = self.run_reference(adapter, pipe, inputs, guidance_scale=1.0).run
+        reference = self.reference_condition(pipe, adapter, inputs, run)
+        common = sorted(set(negative) & set(reference))
+        problems = condition_differences(negative, reference, atol=self.condition_atol, rtol=1e-4)
+        assert common and not problems, (
+            f"the negative branch (unconditional(condition), compared {common}) differs from "
+            f"{type(pipe).__name__}'s encoding of the negative prompts: " + "; ".join(problems or ["no common key"]))
 
     def check_sigmas(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """The sampling schedule: the adapter's noise levels are the pipeline scheduler's."""
