@@ -129,8 +129,10 @@ class Adapter(nn.Module):
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
         interface_version: the ff adapter-interface version (``major.minor``, :data:`ff_core.ADAPTER_INTERFACE_VERSION`)
-            the adapter is written for; ff refuses it when ff-core's differs in major or is an older minor. ``None``:
-            the plugin's ``ff_adapter_interface_version`` hook, if any, declares it (else undeclared, not checked).
+            the adapter is written for, a string (``"1.1"``); ff refuses it when ff-core's differs in major or is an
+            older minor. Read from the class or a base class of the same top-level package (a base from another
+            plugin declares that plugin's version); ``None``: the plugin's ``ff_adapter_interface_version`` hook
+            declares it, else it is undeclared and checked as ``"1.0"`` (:data:`ff_core.plugins.UNDECLARED_INTERFACE`).
         condition_collation: how each condition key collates when its per-sample tensors may differ in shape
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
