@@ -2,6 +2,7 @@
 passes the conformance kit, trains a step through `ff fit`, and uninstalls cleanly; plus the names it derives and the
 ``FF_PLUGINS`` variable that loads a plugin module that is not installed."""
 
+import importlib.metadata
 import importlib.util
 import os
 import site
@@ -87,10 +88,35 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> str:
     return out.stdout
 
 
+def backend_problem() -> str | None:
+    """Why this environment cannot build the generated plugin offline (``--no-build-isolation`` takes the build
+    backend from here: setuptools >= 68, the [test] extra), or ``None``."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return "setuptools is not installed: pip install -e '.[test]' (setuptools>=68)"
+    major = int(version.split(".")[0])
+    return None if major >= 68 else f"setuptools {version} < 68: pip install -e '.[test]' (setuptools>=68)"
+
+
+def test_the_test_extra_names_the_build_backend_of_the_generated_plugin():
+    """The offline build of the generated plugin needs setuptools here; the [test] extra must bring it, at a version
+    the generated pyproject's build-system accepts."""
+    import tomllib
+
+    from ff_core.scaffold import TEMPLATE_DIR
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    template = (TEMPLATE_DIR / "pyproject.toml.tmpl").read_text().partition("[project]")[0]  # placeholders below
+    generated = tomllib.loads(template)["build-system"]["requires"]
+    assert "setuptools>=68" in extra and generated == ["setuptools>=68"], (extra, generated)
+
+
 def test_generated_plugin_installs_passes_the_kit_trains_and_uninstalls(tmp_path, shapes_dir):
     """The acceptance test of issue 14: a throwaway venv that sees this environment's packages through a ``.pth``
     (nothing is installed where the tests run), ``pip install --no-deps --no-build-isolation`` of the generated folder,
     ``ff plugins`` lists it, its conformance tests pass, ``ff fit`` trains one step, ``pip uninstall`` removes it."""
+    assert backend_problem() is None, backend_problem()
     plugin = new_plugin("toy-fam", tmp_path / "src")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], dict(os.environ))
