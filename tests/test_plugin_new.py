@@ -58,6 +58,32 @@ def test_the_skeleton_declares_the_entry_point_ff_reads(tmp_path):
         compile(path.read_text(), str(path), "exec")  # every placeholder substituted into valid Python
 
 
+def test_the_tiny_builder_saves_through_the_reference_pipeline_once_one_is_named(tmp_path, monkeypatch):
+    """As generated (``reference_pipeline = None``) the checkpoint is the bare components; with a pipeline class it is
+    saved through the pipeline, so its ``from_pretrained`` (the kit's maths checks) loads it."""
+    from diffusers import DiffusionPipeline
+
+    class TinyPipeline(DiffusionPipeline):
+        def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                  scheduler=scheduler)  # fmt: skip
+
+    new_plugin("toy-pipe", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "ff_toy_pipe"))
+    monkeypatch.syspath_prepend(str(tmp_path / "ff_toy_pipe" / "tests"))
+    from ff_toy_pipe.adapter import ToyPipeAdapter
+    from test_toy_pipe_conformance import TestToyPipeAdapterConformance as Kit
+
+    bare = Kit().build_checkpoint(tmp_path / "bare")
+    assert not (bare / "model_index.json").exists() and ToyPipeAdapter.from_pretrained(bare, resolution=32)
+    monkeypatch.setattr(Kit, "reference_pipeline", TinyPipeline)
+    saved = Kit().build_checkpoint(tmp_path / "saved")
+    pipe = TinyPipeline.from_pretrained(saved)
+    assert type(pipe.transformer).__name__ == "SD3Transformer2DModel" and pipe.tokenizer is not None
+    assert ToyPipeAdapter.from_pretrained(saved, resolution=32)
+
+
 def test_ff_plugins_env_loads_a_module_that_is_not_installed(tmp_path, monkeypatch):
     (tmp_path / "toy_env_plugin.py").write_text(textwrap.dedent('''
         from ff_core.adapter import Adapter
