@@ -65,6 +65,21 @@ def test_trained_vae_is_built_once_per_cache_folder(tmp_path):
     assert len(list((tmp_path / "c").iterdir())) == 2 and not torch.equal(next(a.parameters()), next(d.parameters()))
 
 
+def test_tone_wavs_are_rounded_16_bit_pcm_as_media_logging_writes(tmp_path):
+    """One WAV writer (``audio_to_wav``): samples ``round(x * 32767)``, not truncated."""
+    import wave
+
+    import numpy as np
+
+    root = write_tiny_dataset(tmp_path / "tones", "audio", n=1)
+    with wave.open(str(root / "audio" / "00000.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    t = np.arange(8000) / 16000
+    tone = torch.from_numpy(0.25 * np.sin(2 * np.pi * 220.0 * t)).float()  # "a low tone": the first record
+    assert np.array_equal(pcm, (tone * 32767).round().to(torch.int16).numpy())
+
+
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
 def test_tiny_datasets_are_valid_v2_datasets_of_each_output_kind(kind, tmp_path):
     from ff_core.data.media import decode_media
