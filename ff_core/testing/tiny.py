@@ -284,10 +284,29 @@ def build_tiny_image_vae(
         shift, scale = latent_statistics(vae, images)
         vae.register_to_config(shift_factor=shift, scaling_factor=scale)
         if folder is not None:
-            vae.save_pretrained(folder)
+            _save_atomically(vae, folder)
     if folder is not None:
         _VAE_CACHE[str(folder)] = vae
     return _copy(vae.eval())
+
+
+def _save_atomically(vae, folder: Path) -> None:
+    """``save_pretrained`` into a temporary folder beside ``folder``, then publish it whole (a build interrupted
+    mid-save leaves no ``config.json`` without weights for the next session to load)."""
+    import shutil
+    import tempfile
+
+    from ff_core.atomic import replace_dir
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
+        vae.save_pretrained(tmp)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _copy(vae):

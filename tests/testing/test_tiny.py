@@ -65,6 +65,32 @@ def test_trained_vae_is_built_once_per_cache_folder(tmp_path):
     assert len(list((tmp_path / "c").iterdir())) == 2 and not torch.equal(next(a.parameters()), next(d.parameters()))
 
 
+def test_an_interrupted_vae_cache_save_leaves_no_folder(tmp_path, monkeypatch):
+    """The cache folder appears whole or not at all: a save that dies after ``config.json`` leaves nothing a later
+    session would load half-written; the next build trains and publishes it."""
+    from diffusers import AutoencoderKL
+
+    from ff_core.testing import tiny
+
+    images = write_tiny_dataset(tmp_path / "shapes", "image", n=4) / "images"
+    kwargs = dict(seed=5, train_dir=images, steps=1, batch_size=2, block_out_channels=(8, 8), cache_dir=tmp_path / "c")
+    save = AutoencoderKL.save_pretrained
+
+    def dies_after_the_config(self, folder, **kw):
+        self.save_config(folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AutoencoderKL, "save_pretrained", dies_after_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_image_vae(**kwargs)
+    assert list((tmp_path / "c").iterdir()) == []
+    monkeypatch.setattr(AutoencoderKL, "save_pretrained", save)
+    tiny._VAE_CACHE.clear()
+    build_tiny_image_vae(**kwargs)
+    (folder,) = (tmp_path / "c").iterdir()
+    assert (folder / "config.json").is_file() and (folder / "diffusion_pytorch_model.safetensors").is_file()
+
+
 def test_tone_wavs_are_rounded_16_bit_pcm_as_media_logging_writes(tmp_path):
     """One WAV writer (``audio_to_wav``): samples ``round(x * 32767)``, not truncated."""
     import wave
