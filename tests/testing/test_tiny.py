@@ -1,7 +1,5 @@
 """The shared tiny builders (ff_core.testing.tiny): offline tokenizers, the cached trained tiny VAE, tiny datasets."""
 
-import time
-
 import pytest
 import torch
 
@@ -51,12 +49,15 @@ def test_trained_vae_is_built_once_per_cache_folder(tmp_path):
     a = build_tiny_image_vae(**kwargs)
     assert a.config.shift_factor != 0 and a.config.scaling_factor != 1  # set from the latent statistics
     (folder,) = (tmp_path / "c").iterdir()
-    t0 = time.perf_counter()
-    b = build_tiny_image_vae(**kwargs)  # from this process' memory
-    assert time.perf_counter() - t0 < 1
-    assert b is not a and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    from diffusers import AutoencoderKL
+
     from ff_core.testing import tiny
 
+    with pytest.MonkeyPatch.context() as mp:  # from this process' memory: neither trained nor read again
+        mp.setattr(tiny, "train_vae", lambda *a, **k: pytest.fail("the cached VAE was trained again"))
+        mp.setattr(AutoencoderKL, "from_pretrained", lambda *a, **k: pytest.fail("the cached VAE was read again"))
+        b = build_tiny_image_vae(**kwargs)
+    assert b is not a and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     tiny._VAE_CACHE.clear()  # a new session: loaded back from the folder, not retrained
     c = build_tiny_image_vae(**kwargs)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
