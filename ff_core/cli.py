@@ -107,7 +107,8 @@ def _plugins_new(args: list[str]) -> int:
     from ff_core.scaffold import new_plugin
 
     parser = argparse.ArgumentParser(prog="ff plugins new", description=PLUGINS_NEW_HELP + ".")
-    parser.add_argument("name", help="the family's name: lowercase letters, digits, dashes (my-family)")
+    parser.add_argument("name", help="the family's name: lowercase letters, digits, single dashes or underscores "
+                                     "(my-family)")
     parser.add_argument("--dir", default=".", help="folder to create the plugin in (default: the current one)")
     a = parser.parse_args(args)
     try:

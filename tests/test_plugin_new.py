@@ -29,10 +29,29 @@ def test_names_derive_from_the_family_name():
     assert names.interface_version == ff_core.ADAPTER_INTERFACE_VERSION
 
 
-@pytest.mark.parametrize("bad", ["My-Family", "2fam", "fam--ily", "fam_ily", "fam-", ""])
+def test_underscores_join_parts_as_adapter_names_do():
+    """Adapter names use dashes and underscores (``sd3-5``, ``wan2_t2v``, docs/plugins.md "Conventions")."""
+    names = PluginNames.from_name("wan2_t2v")
+    assert (names.adapter_name, names.dist, names.package, names.module, names.class_name) == (
+        "wan2_t2v", "ff-wan2_t2v", "ff_wan2_t2v", "wan2_t2v", "Wan2T2vAdapter")
+
+
+
+def test_a_skeleton_with_an_underscore_name_is_valid(tmp_path):
+    import tomllib
+
+    folder = new_plugin("toy_fam", tmp_path)
+    pyproject = tomllib.loads((folder / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"][ENTRY_POINT_GROUP] == {"toy_fam": "ff_toy_fam.plugin"}
+    for path in folder.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")
+    assert 'name: ClassVar[str] = "toy_fam"' in (folder / "ff_toy_fam" / "adapter.py").read_text()
+
+
+@pytest.mark.parametrize("bad", ["My-Family", "2fam", "fam--ily", "fam__ily", "fam-_ily", "_fam", "fam_", "fam-", ""])
 def test_a_bad_name_is_refused_with_exit_2(bad, tmp_path, capsys):
     assert main(["plugins", "new", bad, "--dir", str(tmp_path)]) == 2
-    assert "lowercase letters, digits and single dashes" in capsys.readouterr().err
+    assert "lowercase letters, digits and single dashes or underscores" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
