@@ -42,6 +42,18 @@ Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
 
 
+def scheduler_sigma_table(scheduler: Any) -> Tensor:
+    """The noise levels a diffusers scheduler holds when built (``sigmas``, float32): the table diffusers' training
+    scripts index (``noise_scheduler_copy.sigmas[indices]``). Read from a fresh copy built from its config, since
+    sampling's ``set_timesteps`` replaces the live scheduler's ``sigmas`` with the inference grid. With
+    ``use_dynamic_shifting`` they are unshifted (``i / 1000``); else shifted by the config's ``shift``.
+
+    Args:
+        scheduler: a diffusers scheduler with a ``sigmas`` table (``FlowMatchEulerDiscreteScheduler``).
+    """
+    return type(scheduler).from_config(scheduler.config).sigmas.float().clone()
+
+
 @dataclass
 class ConditionInput:
     """The input side of one sample, before preprocessing.
@@ -117,8 +129,10 @@ class Adapter(nn.Module):
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
         interface_version: the ff adapter-interface version (``major.minor``, :data:`ff_core.ADAPTER_INTERFACE_VERSION`)
-            the adapter is written for; ff refuses it when ff-core's differs in major or is an older minor. ``None``:
-            the plugin's ``ff_adapter_interface_version`` hook, if any, declares it (else undeclared, not checked).
+            the adapter is written for, a string (``"1.1"``); ff refuses it when ff-core's differs in major or is an
+            older minor. Read from the class or a base class of the same top-level package (a base from another
+            plugin declares that plugin's version); ``None``: the plugin's ``ff_adapter_interface_version`` hook
+            declares it, else it is undeclared and checked as ``"1.0"`` (:data:`ff_core.plugins.UNDECLARED_INTERFACE`).
         condition_collation: how each condition key collates when its per-sample tensors may differ in shape
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
@@ -462,10 +476,12 @@ class Adapter(nn.Module):
         0, for latents shaped like ``state`` (``model.objective.timesteps.schedule: adapter``,
         :class:`~ff_core.objectives.flow_matching.TimestepSampler`).
 
-        diffusers' training scripts draw ``u`` (logit-normal or uniform) and take ``scheduler.sigmas[(u * N).long()]``
-        from the scheduler's ``N = num_train_timesteps`` levels. Default: those levels, ``i / 1000`` for
-        ``i = 1000 .. 1``, shifted by :meth:`timestep_shift` for ``state``. A family overrides it to use its
-        scheduler's own table.
+        diffusers' training scripts draw ``u`` (logit-normal or uniform) and take ``sigmas[(u * N).long()]`` from a
+        copy of the scheduler made at load time, its ``N = num_train_timesteps`` levels. Default: ``i / 1000`` for
+        ``i = 1000 .. 1``, shifted by :meth:`timestep_shift` for ``state``: the table of a
+        ``FlowMatchEulerDiscreteScheduler`` with a static ``shift``. A scheduler with ``use_dynamic_shifting``
+        (FLUX.1) builds its table unshifted (the resolution-dependent ``mu`` applies only in ``set_timesteps``), so
+        a family with a diffusers scheduler returns :func:`scheduler_sigma_table` of it instead.
 
         Args:
             state: the batch's clean latents (a resolution-dependent shift reads their size); ``None``: the
