@@ -96,3 +96,20 @@ def shapes_latents_dir(tmp_path_factory, tiny_sd3, shapes_dir):
                    "--data.datasets", datasets])
     assert status == 0
     return out
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(rank)``: this process as ``rank`` of a 2-rank process group without processes (torch's fake
+    backend), for device meshes in one process (tests/test_sharding.py); destroyed after the test."""
+    import torch.distributed
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(rank: int) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        torch.distributed.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
+
+    yield init
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -42,6 +42,18 @@ Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
 
 
+def scheduler_sigma_table(scheduler: Any) -> Tensor:
+    """The noise levels a diffusers scheduler holds when built (``sigmas``, float32): the table diffusers' training
+    scripts index (``noise_scheduler_copy.sigmas[indices]``). Read from a fresh copy built from its config, since
+    sampling's ``set_timesteps`` replaces the live scheduler's ``sigmas`` with the inference grid. With
+    ``use_dynamic_shifting`` they are unshifted (``i / 1000``); else shifted by the config's ``shift``.
+
+    Args:
+        scheduler: a diffusers scheduler with a ``sigmas`` table (``FlowMatchEulerDiscreteScheduler``).
+    """
+    return type(scheduler).from_config(scheduler.config).sigmas.float().clone()
+
+
 @dataclass
 class ConditionInput:
     """The input side of one sample, before preprocessing.
@@ -117,8 +129,10 @@ class Adapter(nn.Module):
             latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
             from shards. Read without weights, so a dataset is checked before the model loads.
         interface_version: the ff adapter-interface version (``major.minor``, :data:`ff_core.ADAPTER_INTERFACE_VERSION`)
-            the adapter is written for; ff refuses it when ff-core's differs in major or is an older minor. ``None``:
-            the plugin's ``ff_adapter_interface_version`` hook, if any, declares it (else undeclared, not checked).
+            the adapter is written for, a string (``"1.1"``); ff refuses it when ff-core's differs in major or is an
+            older minor. Read from the class or a base class of the same top-level package (a base from another
+            plugin declares that plugin's version); ``None``: the plugin's ``ff_adapter_interface_version`` hook
+            declares it, else it is undeclared and checked as ``"1.0"`` (:data:`ff_core.plugins.UNDECLARED_INTERFACE`).
         condition_collation: how each condition key collates when its per-sample tensors may differ in shape
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
@@ -224,6 +238,28 @@ class Adapter(nn.Module):
         visit(self)
         return found
 
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """The repeated blocks of every trained network, keyed as :meth:`denoisers`: the units FSDP2 shards one by one
+        (``model.sharding``, :func:`ff_core.sharding.fully_shard_networks`), so that only one block's parameters are
+        gathered at a time. The network itself is sharded last, as the root of what remains (embeddings, norms).
+
+        Default: the outermost submodules whose class is named in the network's diffusers ``_no_split_modules``
+        (``JointTransformerBlock`` for SD3, ``WanTransformerBlock`` for Wan); a network without it gets no blocks (it
+        is sharded whole: correct, but all of it is gathered at once). Override it to name the blocks explicitly.
+        """
+        out: dict[str, list[nn.Module]] = {}
+        for name, network in self.denoisers().items():
+            kinds = set(getattr(network, "_no_split_modules", None) or ())
+            blocks: list[nn.Module] = []
+            inside: set[int] = set()
+            for module in network.modules():
+                if module is network or id(module) in inside or type(module).__name__ not in kinds:
+                    continue
+                blocks.append(module)
+                inside.update(id(m) for m in module.modules())
+            out[name] = blocks
+        return out
+
     # -- what training touches -------------------------------------------------------------------
     @property
     def denoiser(self) -> nn.Module:
@@ -269,15 +305,50 @@ class Adapter(nn.Module):
         return list(self.preprocessing_components)
 
     def frozen_to(self, device: torch.device | str) -> None:
-        """Move every component outside the :meth:`trained_networks` to ``device``.
+        """Move every component outside the :meth:`trained_networks` (detached ones included) to ``device``.
 
         Conditions are preprocessed on the accelerator before the strategy places the model (``configure_model``);
         the trained networks are left where they are, for the strategy to place (or shard) them.
         """
         trained = {id(m) for m in self.trained_networks()}
-        for child in self.children():
+        for child in [*self.children(), *self.detached_modules().values()]:
             if not any(id(m) in trained for m in child.modules()):
                 child.to(device)
+
+    # -- frozen components outside the module tree -------------------------------------------------
+    _detached: tuple[str, ...] = ()
+
+    def detach_frozen(self) -> list[str]:
+        """Take every direct child holding no trained network (VAE, text encoders, ...) out of the module tree, and
+        return their names. They stay attributes (``self.vae`` works as before) but are no longer submodules: they
+        are not in ``parameters()`` or ``state_dict()``, so a sharding strategy that wraps the whole LightningModule
+        (FSDP1's root unit, DeepSpeed's engine) never shards them (they run outside any forward it wraps: while
+        preprocessing, encoding targets, decoding samples) and checkpoints never hold them. ``to()`` / ``cuda()`` /
+        ``half()`` still reach them (:meth:`_apply`), so a strategy that places the model places them too.
+
+        ``FlowModule.configure_model`` calls it once the trained parameters are chosen (it reads
+        :meth:`trained_networks`). Assigning a module to a detached name registers it again.
+        """
+        trained = {id(m) for m in self.trained_networks()}
+        names = [name for name, child in self._modules.items()
+                 if child is not None and not any(id(m) in trained for m in child.modules())]  # fmt: skip
+        for name in names:
+            object.__setattr__(self, name, self._modules.pop(name))  # a plain attribute: nn.Module skips it
+        self._detached = (*self._detached, *names)
+        return names
+
+    def detached_modules(self) -> dict[str, nn.Module]:
+        """The components :meth:`detach_frozen` took out of the module tree and still held (released ones are gone)."""
+        found = {name: self.__dict__.get(name) for name in self._detached}
+        return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Adapter:
+        # nn.Module.to / cuda / half / float all end here: detached components follow the adapter's device and dtype.
+        super()._apply(fn, recurse)
+        if recurse:
+            for module in self.detached_modules().values():
+                module._apply(fn)
+        return self
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
         """Realise a collated batch of preprocessed conditions once, on the module's device."""
@@ -405,10 +476,12 @@ class Adapter(nn.Module):
         0, for latents shaped like ``state`` (``model.objective.timesteps.schedule: adapter``,
         :class:`~ff_core.objectives.flow_matching.TimestepSampler`).
 
-        diffusers' training scripts draw ``u`` (logit-normal or uniform) and take ``scheduler.sigmas[(u * N).long()]``
-        from the scheduler's ``N = num_train_timesteps`` levels. Default: those levels, ``i / 1000`` for
-        ``i = 1000 .. 1``, shifted by :meth:`timestep_shift` for ``state``. A family overrides it to use its
-        scheduler's own table.
+        diffusers' training scripts draw ``u`` (logit-normal or uniform) and take ``sigmas[(u * N).long()]`` from a
+        copy of the scheduler made at load time, its ``N = num_train_timesteps`` levels. Default: ``i / 1000`` for
+        ``i = 1000 .. 1``, shifted by :meth:`timestep_shift` for ``state``: the table of a
+        ``FlowMatchEulerDiscreteScheduler`` with a static ``shift``. A scheduler with ``use_dynamic_shifting``
+        (FLUX.1) builds its table unshifted (the resolution-dependent ``mu`` applies only in ``set_timesteps``), so
+        a family with a diffusers scheduler returns :func:`scheduler_sigma_table` of it instead.
 
         Args:
             state: the batch's clean latents (a resolution-dependent shift reads their size); ``None``: the

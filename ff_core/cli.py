@@ -69,7 +69,7 @@ def _print_usage() -> int:
 def print_plugins(stream: TextIO | None = None) -> int:
     """``ff plugins``: each adapter with its distribution, version, IO contract and the adapter-interface version it
     targets; each reward; then failures (an incompatible interface version among them)."""
-    from ff_core.plugins import get_registry
+    from ff_core.plugins import UNDECLARED_INTERFACE, get_registry
 
     out = stream or sys.stdout
     registry = get_registry()
@@ -77,7 +77,7 @@ def print_plugins(stream: TextIO | None = None) -> int:
     if not adapters:
         print("no adapters installed (install a model plugin such as ff-sd3)", file=out)
     for info in sorted(adapters.values(), key=lambda a: a.name):
-        interface = f"  (adapter interface {info.interface})" if info.interface else ""
+        interface = f"  (adapter interface {info.interface or f'undeclared, assumed {UNDECLARED_INTERFACE}'})"
         print(f"{info.name}  [{info.distribution} {info.version}]  {info.summary}{interface}", file=out)
     for info in sorted(registry.rewards().values(), key=lambda r: r.name):
         print(f"reward {info.name}  [{info.distribution} {info.version}]  {info.summary}", file=out)
@@ -107,7 +107,8 @@ def _plugins_new(args: list[str]) -> int:
     from ff_core.scaffold import new_plugin
 
     parser = argparse.ArgumentParser(prog="ff plugins new", description=PLUGINS_NEW_HELP + ".")
-    parser.add_argument("name", help="the family's name: lowercase letters, digits, dashes (my-family)")
+    parser.add_argument("name", help="the family's name: lowercase letters, digits, single dashes or underscores "
+                                     "(my-family)")
     parser.add_argument("--dir", default=".", help="folder to create the plugin in (default: the current one)")
     a = parser.parse_args(args)
     try:

@@ -27,6 +27,13 @@ from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
+from ff_core.sharding import (
+    ShardingConfig,
+    clean_name,
+    data_parallel_mesh,
+    full_parameters,
+    fully_shard_networks,
+)
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -84,7 +91,7 @@ class SamplingConfig:
 
 
 # Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default.
-torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig])
+torch.serialization.add_safe_globals([LoRAConfig, SamplingConfig, ShardingConfig])
 
 
 class FlowModule(L.LightningModule):
@@ -100,7 +107,13 @@ class FlowModule(L.LightningModule):
         lora: train a LoRA of the denoiser instead of all its weights.
         sampling: validation sampling options.
         gradient_checkpointing: recompute the denoiser's activations in the backward pass (less memory, ~30 %
-            more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``.
+            more compute); needs a denoiser with diffusers' ``enable_gradient_checkpointing``. Works under every
+            strategy (FSDP2 included: it recomputes inside each sharded block).
+        sharding: FSDP2 settings (mixed precision, resharding, CPU offload; :class:`~ff_core.sharding.ShardingConfig`)
+            of the trained networks under Lightning's ``ModelParallelStrategy``, which needs this module to shard:
+            ``configure_model`` shards them over the strategy's data-parallel mesh whether this is set or not
+            (``None``: FSDP2's defaults, the parameters' own dtype). Refused under any other strategy (FSDP1's and
+            DeepSpeed's precision and offload are the strategy's own arguments). docs/scaling.md.
         noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``
             (0 without one). Each micro-batch draws from a generator seeded by (this seed, data-parallel rank,
             optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
@@ -125,6 +138,7 @@ class FlowModule(L.LightningModule):
         lora: LoRAConfig | None = None,
         sampling: SamplingConfig | None = None,
         gradient_checkpointing: bool = False,
+        sharding: ShardingConfig | None = None,
         noise_seed: int | None = None,
         eval_rewards: list[dict[str, Any]] | None = None,
     ) -> None:
@@ -142,6 +156,7 @@ class FlowModule(L.LightningModule):
         self.lora = lora
         self.sampling = sampling or SamplingConfig()
         self.gradient_checkpointing = gradient_checkpointing
+        self.sharding = sharding
         self.noise_seed = noise_seed
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
@@ -155,6 +170,7 @@ class FlowModule(L.LightningModule):
         self.objective_modules: torch.nn.Module | None = None  # what the objective keeps (offline DPO's reference)
         # Checkpoints hold what trains (the LoRA, or the whole denoiser); frozen parts reload from the base folder.
         self.strict_loading = False
+        self.register_state_dict_post_hook(_keep_trained)
 
     @property
     def automatic_optimization(self) -> bool:
@@ -179,6 +195,9 @@ class FlowModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:
             self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if strategy is not None:
+            self._check_strategy(strategy)
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -188,6 +207,32 @@ class FlowModule(L.LightningModule):
             training.check_outputs(list(self.output_types), self.adapter_cls.name)
             if datamodule is not None:
                 training.check_records(getattr(datamodule, "train_records", ()))
+
+    def _check_strategy(self, strategy: Any) -> None:
+        """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        sharding = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
+        if sharding and not self.objective.sharded_training:
+            raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on one device or under DDP "
+                              f"(trainer.strategy: ddp), not under {type(strategy).__name__}")  # fmt: skip
+        if isinstance(strategy, ModelParallelStrategy):
+            data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
+        elif self.sharding is not None:
+            raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
+                              f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
+                              "trainer.strategy arguments; drop model.sharding")  # fmt: skip
+        if isinstance(strategy, DeepSpeedStrategy) and not strategy.exclude_frozen_parameters:
+            # DeepSpeed writes its engine's parameters, not the filtered state dict on_save_checkpoint returns.
+            raise ConfigError("trainer.strategy", "DeepSpeedStrategy: set init_args exclude_frozen_parameters: true, "
+                              "so that its checkpoints hold what trains only (the LoRA, or the denoiser), as under "
+                              "every other strategy")  # fmt: skip
+        if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+            # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
+            # built there (text encoders and VAE too), although they run outside the engine's forward.
+            raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 is not supported (it partitions the frozen text "
+                              "encoders and VAE as they load); use ZeRO-2 (deepspeed_stage_2) or FSDP2 "
+                              "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
 
     def _build_eval_rewards(self) -> Rewards | None:
         key = "model.eval_rewards"
@@ -237,11 +282,46 @@ class FlowModule(L.LightningModule):
                 network.enable_gradient_checkpointing()
         # Before any step changes a weight: offline DPO copies the denoiser here as its reference (full fine-tuning).
         self.objective_modules = self.objective.configure_model(adapter, lora=self.lora is not None)
+        # Frozen components leave the module tree: no strategy shards or checkpoints them (Adapter.detach_frozen).
+        adapter.detach_frozen()
         # from_pretrained returns eval-mode modules; take this module's mode (train right after construction).
         self.adapter = adapter.train(self.training)
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         log.info("%s: %d trainable parameters", adapter.name, trainable)
         self._prepare_conditions(adapter)
+        if self._trainer is not None:
+            # Outside the tree, a strategy that places modules one by one (FSDP1) would leave them on the CPU.
+            adapter.frozen_to(self._trainer.strategy.root_device)
+            self._shard(adapter)
+
+    def _shard(self, adapter: Adapter) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: shard the trained networks block by block over the data-parallel
+        mesh (:func:`~ff_core.sharding.fully_shard_networks`). The strategy itself shards nothing: it hands the mesh
+        to ``configure_model`` and expects the module to do it; unsharded, the ranks would train without any gradient
+        reduction and silently diverge."""
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = self._trainer.strategy
+        networks = adapter.denoisers()
+        if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)) and len(networks) > 1:
+            # Each sharded network all-gathers in its own forward, and an adapter may route each sample to one
+            # network (Wan2.2's experts by noise level): ranks whose samples pick different networks would wait on
+            # different collectives.
+            raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(networks)} networks "
+                              f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
+                              "a step); use DDP or DeepSpeed ZeRO-2")  # fmt: skip
+        if isinstance(strategy, ModelParallelStrategy):
+            fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
+        elif isinstance(strategy, FSDPStrategy):
+            # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
+            # a policy it would flatten the whole denoiser into one unit (gathered whole for every forward), so each
+            # of the adapter's blocks becomes a unit unless the recipe names a policy. (Lightning keeps its default
+            # use_orig_params=True, which a LoRA needs: frozen and trained tensors share the flat parameters.)
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            kinds = {type(block) for blocks in adapter.sharding_blocks().values() for block in blocks}
+            if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
+                strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it
@@ -288,15 +368,19 @@ class FlowModule(L.LightningModule):
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
         whole, buffers included."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        # named_parameters() carries the names wrappers insert (FSDP1's _fsdp_wrapped_module., activation
+        # checkpointing's _checkpoint_wrapped_module.); state dicts do not.
+        trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
         if self.lora is not None:
             return trainable
         networks = {id(m) for m in self.adapter.denoisers().values()}
-        prefixes = tuple(f"{n}." for n, m in self.named_modules() if id(m) in networks)
+        prefixes = tuple(f"{clean_name(n)}." for n, m in self.named_modules() if id(m) in networks)
         return trainable | {k for k in state_dict if k.startswith(prefixes)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
+        if "state_dict" not in checkpoint:  # ModelParallelStrategy loaded the tensors itself, into the shards
+            return
         missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
             raise KeyError(
@@ -435,6 +519,19 @@ class FlowModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def _keep_trained(module: FlowModule, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``FlowModule.state_dict()`` holds what a checkpoint holds (:meth:`FlowModule._checkpoint_keys`): every strategy
+    builds its checkpoint from it (torch.distributed.checkpoint's ``get_model_state_dict`` under FSDP2), and a sharded
+    FSDP2 checkpoint is loaded into the keys it returns, so a frozen LoRA base it held would be looked for in the
+    checkpoint. Only a top-level state dict is filtered: as a submodule (inside FSDP1's root unit) names carry the
+    wrapper's prefix, and ``on_save_checkpoint`` filters the result."""
+    if prefix or module.adapter is None:
+        return
+    keep = module._checkpoint_keys(state_dict)
+    for key in [k for k in state_dict if k not in keep]:
+        del state_dict[key]
+
+
 def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> int:
     """The seed of one micro-batch's training noise: a function of these four numbers only.
 
@@ -478,10 +575,9 @@ def lora_config(adapter: Adapter) -> LoraConfig:
 
 
 def lora_state_dict(adapter: Adapter) -> dict[str, torch.Tensor]:
-    """peft's state dict of the denoiser's LoRA layers (keys without the adapter name)."""
-    from peft.utils import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(adapter.denoiser)
+    """peft's state dict of the denoiser's LoRA layers (keys without the adapter name), whole on every rank (see
+    :func:`lora_state_dicts`)."""
+    return lora_state_dicts(adapter)[next(iter(adapter.denoisers()))]
 
 
 def lora_configs(adapter: Adapter) -> dict[str, LoraConfig]:
@@ -490,8 +586,15 @@ def lora_configs(adapter: Adapter) -> dict[str, LoraConfig]:
 
 
 def lora_state_dicts(adapter: Adapter) -> dict[str, dict[str, torch.Tensor]]:
-    """:func:`lora_state_dict` of every trained network, keyed as ``adapter.denoisers()`` (what
-    :meth:`~ff_core.adapter.Adapter.save_loras` writes)."""
+    """peft's state dict of every trained network's LoRA layers, keyed as ``adapter.denoisers()`` (what
+    :meth:`~ff_core.adapter.Adapter.save_loras` writes). The tensors are whole: FSDP2 shards are all-gathered, so
+    every rank must call it; under FSDP1 call it inside :func:`ff_core.sharding.summoned`."""
     from peft.utils import get_peft_model_state_dict
 
-    return {name: get_peft_model_state_dict(network) for name, network in adapter.denoisers().items()}
+    out = {}
+    for name, network in adapter.denoisers().items():
+        # peft finds its layers by named_modules() names, wrapper components (FSDP1, activation checkpointing)
+        # included: it selects from the parameters under those names; the export keys are the plain ones.
+        state = get_peft_model_state_dict(network, state_dict=full_parameters(network, lambda n: "lora_" in n))
+        out[name] = {clean_name(k): v for k, v in state.items()}
+    return out

@@ -40,7 +40,8 @@ class AdapterInfo:
     distribution: str
     version: str
     interface: str | None = None
-    """The adapter-interface version the adapter targets (``None``: undeclared)."""
+    """The adapter-interface version the adapter targets (``None``: undeclared, checked as
+    :data:`UNDECLARED_INTERFACE`)."""
 
     @property
     def summary(self) -> str:
@@ -138,7 +139,7 @@ class PluginRegistry:
         self, classes: list[type[Adapter]], plugin: str, dist: str, version: str, target: str | None = None
     ) -> None:
         for cls in classes:
-            declared = getattr(cls, "interface_version", None) or target
+            declared = declared_interface(cls, target)
             who = f"plugin {plugin!r} ({dist} {version})"
             problem = _check_adapter_class(cls) or interface_problem(declared, who, cls)
             if problem is None and cls.name in self._adapters:
@@ -215,7 +216,7 @@ def load_dotted_adapter(path: str) -> type[Adapter]:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise KeyError(f"cannot import adapter {path!r}: {exc}") from exc
-    problem = _check_adapter_class(cls) or interface_problem(cls.interface_version, f"{path!r}", cls)
+    problem = _check_adapter_class(cls) or interface_problem(declared_interface(cls), f"{path!r}", cls)
     if problem:
         raise KeyError(f"{path!r}: {problem}")
     return cls
@@ -252,6 +253,30 @@ def _check_adapter_class(cls: object) -> str | None:
     return None
 
 
+UNDECLARED_INTERFACE = "1.0"
+"""The adapter-interface version an adapter that declares none is checked as: the first one, before plugins could
+declare it (so a core of another major version refuses it rather than running it unchecked)."""
+
+
+def declared_interface(cls: type, target: str | None = None) -> str | None:
+    """The adapter-interface version ``cls`` declares: ``interface_version`` set on it or on a base class of its own
+    top-level package, else ``target`` (its plugin's ``ff_adapter_interface_version`` hook); ``None``: undeclared.
+
+    A base class from another package does not declare for ``cls``: a third-party subclass of ff-sd3's
+    ``SD3Adapter`` is not written for the version ff-sd3 targets.
+
+    Args:
+        cls: the adapter class.
+        target: the plugin hook's version, if any.
+    """
+    package = cls.__module__.partition(".")[0]
+    for klass in cls.__mro__:
+        version = vars(klass).get("interface_version")
+        if version is not None and klass.__module__.partition(".")[0] == package:
+            return version
+    return target
+
+
 def _interface(version: str) -> tuple[int, int] | None:
     parts = version.split(".") if isinstance(version, str) else []
     return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
@@ -261,16 +286,20 @@ def interface_problem(target: str | None, who: str, cls: type) -> str | None:
     """Why an adapter that targets adapter-interface version ``target`` cannot run on this ff-core, or ``None``.
 
     Compatible: the same major version and a minor no newer than :data:`ff_core.ADAPTER_INTERFACE_VERSION` (minor
-    versions only add what existing adapters need not implement). ``None`` (undeclared) is not checked.
+    versions only add what existing adapters need not implement). ``None`` (undeclared) is checked as
+    :data:`UNDECLARED_INTERFACE`.
 
     Args:
-        target: the version the adapter declares (class attribute or its plugin's hook).
+        target: the version the adapter declares (:func:`declared_interface`).
         who: the plugin or dotted path, for the message (``plugin 'sd3' (ff-sd3 0.1.0)``).
         cls: the adapter class, for the message.
     """
-    if target is None:
-        return None
     name = f"adapter {cls.__name__} of {who}"
+    if target is None:
+        target, name = UNDECLARED_INTERFACE, f"{name} (no interface version declared, assumed {UNDECLARED_INTERFACE})"
+    if not isinstance(target, str):
+        return (f"{name} declares ff adapter interface {target!r}, a {type(target).__name__}; declare it as a "
+                f"string 'major.minor' ({str(target)!r}, not {target!r}: 1.10 as a number is 1.1)")  # fmt: skip
     core, wanted = _interface(ADAPTER_INTERFACE_VERSION), _interface(target)
     if wanted is None:
         return f"{name} declares ff adapter interface {target!r}; expected 'major.minor'"

@@ -18,7 +18,7 @@ from pathlib import Path
 from string import Template
 
 TEMPLATE_DIR = Path(__file__).parent / "templates" / "plugin"
-NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*([-_][a-z0-9]+)*")  # adapter names: sd3-5, wan2_t2v
 
 
 @dataclass(frozen=True)
@@ -45,16 +45,17 @@ class PluginNames:
 
     @classmethod
     def from_name(cls, name: str) -> PluginNames:
-        """Derive the names; ``ValueError`` when ``name`` is not lowercase letters, digits and single dashes."""
+        """Derive the names; ``ValueError`` when ``name`` is not lowercase letters and digits, parts joined by single
+        dashes or underscores (``my-family``, ``wan2_t2v``)."""
         from ff_core import ADAPTER_INTERFACE_VERSION
 
         base = name.removeprefix("ff-")
         if not NAME_PATTERN.fullmatch(base):
-            raise ValueError(f"plugin name {name!r}: use lowercase letters, digits and single dashes, starting with a "
-                             "letter (e.g. my-family)")  # fmt: skip
+            raise ValueError(f"plugin name {name!r}: use lowercase letters, digits and single dashes or underscores, "
+                             "starting with a letter (e.g. my-family, wan2_t2v)")  # fmt: skip
         module = base.replace("-", "_")
         return cls(adapter_name=base, dist=f"ff-{base}", package=f"ff_{module}", module=module, entry_point=base,
-                   class_name="".join(p.capitalize() for p in base.split("-")) + "Adapter",
+                   class_name="".join(p.capitalize() for p in re.split("[-_]", base)) + "Adapter",
                    interface_version=ADAPTER_INTERFACE_VERSION)  # fmt: skip
 
 

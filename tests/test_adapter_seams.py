@@ -127,7 +127,9 @@ def test_sample_ode_uses_the_schedule_of_the_noise_it_draws():
 
 # -- training noise levels on the adapter's table ----------------------------------------------------------------
 def test_default_training_table_is_the_shifted_scheduler_grid():
-    """``i / 1000`` for ``i = 1000 .. 1`` shifted by ``exp(mu)``, as ``FlowMatchEulerDiscreteScheduler`` builds it."""
+    """The default: ``i / 1000`` for ``i = 1000 .. 1`` shifted by the adapter's ``timestep_shift`` for the latent
+    size (here ``exp(mu)``); a diffusers scheduler with ``use_dynamic_shifting`` builds its own table unshifted, so
+    such a family returns ``scheduler_sigma_table`` (test_scheduler_table_of_a_dynamic_shift_is_unshifted)."""
     adapter = GuidedAdapter()
     state = LatentState({"latent": torch.zeros(1, 2, 8, 8)})
     table = adapter.training_sigmas(state)
@@ -137,19 +139,47 @@ def test_default_training_table_is_the_shifted_scheduler_grid():
                                                      s * 0.001 / (1 + (s - 1) * 0.001)]))  # fmt: skip
 
 
+def test_scheduler_table_of_a_dynamic_shift_is_unshifted():
+    """diffusers applies ``mu`` only in ``set_timesteps``: the built table is ``i / 1000``; a static shift shifts it.
+    Read from a fresh copy: the live scheduler's ``sigmas`` are the last sampling grid."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ff_core.adapter import scheduler_sigma_table
+
+    levels = torch.arange(1000, 0, -1, dtype=torch.float32) / 1000
+    dynamic = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    dynamic.set_timesteps(4, mu=0.8)
+    assert_close(scheduler_sigma_table(dynamic), levels)
+    assert_close(scheduler_sigma_table(FlowMatchEulerDiscreteScheduler(shift=3.0)), shift_sigma(levels, 3.0))
+
+
 def test_adapter_schedule_picks_table_levels_by_index():
-    """``schedule: adapter`` with uniform ``u``: sigma = ``table[floor(u * N)]`` (diffusers' training scripts)."""
+    """``schedule: adapter`` with uniform ``u``: sigma = level ``floor(u * N)`` of the table sorted ascending."""
     adapter = GuidedAdapter()
     clean = LatentState({"latent": torch.zeros(5, 2, 8, 8)})
     sampler = TimestepSampler("uniform", schedule="adapter")
     (sigma, _), = monte_carlo_draws(sampler, adapter, clean, 1, torch.Generator().manual_seed(0))
     u = torch.rand(5, generator=torch.Generator().manual_seed(0))
     table = adapter.training_sigmas(clean)
-    assert_close(sigma, table[(u * 1000).long()])
+    assert_close(sigma, table.flip(0)[(u * 1000).long()])
     continuous, = monte_carlo_draws(TimestepSampler("uniform"), adapter, clean, 1, torch.Generator().manual_seed(0))
     assert_close(continuous[0], shift_sigma(u, math.exp(0.459375)))  # the default: continuous, the adapter's shift
     with pytest.raises(ValueError, match="schedule='adapter'.*holds its own shift"):
         TimestepSampler(shift=3.0, schedule="adapter")
+
+
+def test_logit_mean_means_noisier_on_both_schedules():
+    """``logit_mean`` 2 puts the mass at high noise whether sigma is the draw (``continuous``) or indexes the
+    adapter's table (``adapter``): the table is indexed ascending, the same direction."""
+    adapter = GuidedAdapter()
+    clean = LatentState({"latent": torch.zeros(4000, 2, 8, 8)})
+    means = {}
+    for schedule in ("continuous", "adapter"):
+        sampler = TimestepSampler(logit_mean=2.0, shift=None if schedule == "adapter" else 1.0, schedule=schedule)
+        (sigma, _), = monte_carlo_draws(sampler, adapter, clean, 1, torch.Generator().manual_seed(0))
+        means[schedule] = float(sigma.mean())
+    # E[sigmoid(n)], n ~ N(2, 1), is about 0.84; the table is shifted by exp(0.459375) (about 1.6): noisier still.
+    assert 0.8 < means["continuous"] < 0.88 and 0.85 < means["adapter"] < 0.95, means
 
 
 def test_a_sampling_sigmas_override_without_state_still_samples():

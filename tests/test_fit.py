@@ -125,7 +125,9 @@ class ModeProbe(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         adapter, self.records = pl_module.adapter, []
         trained = {id(m) for m in adapter.denoiser.modules()}
-        others = [m for m in adapter.modules() if id(m) not in trained and m is not adapter]
+        # The frozen components are outside the module tree (Adapter.detach_frozen): their modules are probed too.
+        detached = [m for component in adapter.detached_modules().values() for m in component.modules()]
+        others = [m for m in [*adapter.modules(), *detached] if id(m) not in trained and m is not adapter]
         assert others and len(trained) > 10
 
         def record(*_):
@@ -358,9 +360,13 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
         shards = request.getfixturevalue("shapes_latents_dir")
         datasets = [{"name": "latents", "tensor_parquet_dir": str(shards)}, {**datasets[0], "train": None}]
     datasets = json.dumps(datasets)
+    # Multi-process strategy recipes (FSDP2, FSDP1, DeepSpeed) build here on one CPU process; their strategies run in
+    # tests/test_fsdp2.py (FSDP2) and benchmarks/gpu_check.sh (all), and parse in tests/test_sharding.py.
+    single = ["--trainer.strategy", "auto", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+              "--trainer.precision", "32-true", "--model.sharding", "null"] if "strategy:" in recipe.read_text() else []
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
-        "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path)])
+        "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path), *single])
     assert cli.datamodule.trainer_type == cli.model.objective.trainer_type == trainer_type
     assert cli.datamodule.adapter_name == cli.model.hparams.adapter
     cli.datamodule.setup("fit")

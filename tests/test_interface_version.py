@@ -107,16 +107,54 @@ def test_malformed_and_undeclared_versions(site):
     assert registry.failures == [] and registry.adapters()["toy-c"].interface is None
 
 
+def test_an_undeclared_version_is_checked_as_1_0_and_shown_so(site, monkeypatch):
+    """Undeclared is the first interface, 1.0: a core of another major version refuses it; ``ff plugins`` says so."""
+    import io
+
+    from ff_core import plugins
+    from ff_core.cli import print_plugins
+
+    undeclared = BY_ATTRIBUTE.replace("    interface_version = {version!r}\n", "")
+    registry = registry_of(site, undeclared, "", tag="e")
+    monkeypatch.setattr(plugins, "get_registry", lambda: registry)
+    out = io.StringIO()
+    print_plugins(out)
+    assert "toy-e  [toy-e 2.5]" in out.getvalue() and "(adapter interface undeclared, assumed 1.0)" in out.getvalue()
+    monkeypatch.setattr(plugins, "ADAPTER_INTERFACE_VERSION", "2.0")
+    problem = interface_problem(None, "plugin 'toy-e'", registry.adapters()["toy-e"].cls)
+    assert "(no interface version declared, assumed 1.0) targets ff adapter interface 1.0" in problem
+    assert "a different major version is incompatible" in problem
+
+
+def test_a_version_declared_as_a_number_is_refused_asking_for_a_string(site):
+    registry = registry_of(site, BY_ATTRIBUTE.replace("{version!r}", "1.1"), "", tag="f")
+    (failure,) = registry.failures
+    assert "declares ff adapter interface 1.1, a float; declare it as a string 'major.minor' ('1.1'" in failure.error
+
+
+def test_a_version_inherited_from_another_packages_base_does_not_declare(site):
+    """A third party's subclass of another plugin's adapter is not written for that plugin's version: its hook (or
+    nothing) declares it; a base in its own package does."""
+    install_fake_plugin(site, "toy-g", "toy_g", BY_ATTRIBUTE.format(tag="g", version=f"{MAJOR}.{MINOR}"))
+    sub = BY_HOOK.replace("class Toy(Adapter):", "from toy_g import Toy as Base\n\nclass Toy(Base):")
+    registry = registry_of(site, sub, f"{MAJOR}.0", tag="h")
+    assert registry.failures == [] and registry.adapters()["toy-h"].interface == f"{MAJOR}.0"
+    from ff_core.plugins import declared_interface
+
+    base = sys.modules["toy_g"].Toy
+    assert declared_interface(type("Own", (base,), {"__module__": "toy_g.more"})) == f"{MAJOR}.{MINOR}"
+    assert declared_interface(type("Other", (base,), {"__module__": "elsewhere"})) is None
+
+
 def test_dotted_paths_are_checked_too(site):
     install_fake_plugin(site, "toy-d", "toy_d", BY_ATTRIBUTE.format(tag="d", version=f"{MAJOR + 1}.0"))
     with pytest.raises(KeyError, match=r"'toy_d:Toy': adapter Toy of 'toy_d:Toy' targets ff adapter interface"):
         load_dotted_adapter("toy_d:Toy")
 
 
-def test_the_bundled_plugins_declare_the_current_version():
+def test_the_bundled_plugins_declare_a_compatible_version():
     from ff_sd3 import SD3Adapter
-    from ff_wan import plugin
+    from ff_wan import WanT2VAdapter, plugin
 
-    assert SD3Adapter.interface_version == ff_core.ADAPTER_INTERFACE_VERSION
-    assert plugin.ff_adapter_interface_version() == ff_core.ADAPTER_INTERFACE_VERSION
     assert interface_problem(SD3Adapter.interface_version, "ff-sd3", SD3Adapter) is None
+    assert interface_problem(plugin.ff_adapter_interface_version(), "ff-wan", WanT2VAdapter) is None

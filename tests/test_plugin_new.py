@@ -2,6 +2,7 @@
 passes the conformance kit, trains a step through `ff fit`, and uninstalls cleanly; plus the names it derives and the
 ``FF_PLUGINS`` variable that loads a plugin module that is not installed."""
 
+import importlib.metadata
 import importlib.util
 import os
 import site
@@ -28,10 +29,29 @@ def test_names_derive_from_the_family_name():
     assert names.interface_version == ff_core.ADAPTER_INTERFACE_VERSION
 
 
-@pytest.mark.parametrize("bad", ["My-Family", "2fam", "fam--ily", "fam_ily", "fam-", ""])
+def test_underscores_join_parts_as_adapter_names_do():
+    """Adapter names use dashes and underscores (``sd3-5``, ``wan2_t2v``, docs/plugins.md "Conventions")."""
+    names = PluginNames.from_name("wan2_t2v")
+    assert (names.adapter_name, names.dist, names.package, names.module, names.class_name) == (
+        "wan2_t2v", "ff-wan2_t2v", "ff_wan2_t2v", "wan2_t2v", "Wan2T2vAdapter")
+
+
+
+def test_a_skeleton_with_an_underscore_name_is_valid(tmp_path):
+    import tomllib
+
+    folder = new_plugin("toy_fam", tmp_path)
+    pyproject = tomllib.loads((folder / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"][ENTRY_POINT_GROUP] == {"toy_fam": "ff_toy_fam.plugin"}
+    for path in folder.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")
+    assert 'name: ClassVar[str] = "toy_fam"' in (folder / "ff_toy_fam" / "adapter.py").read_text()
+
+
+@pytest.mark.parametrize("bad", ["My-Family", "2fam", "fam--ily", "fam__ily", "fam-_ily", "_fam", "fam_", "fam-", ""])
 def test_a_bad_name_is_refused_with_exit_2(bad, tmp_path, capsys):
     assert main(["plugins", "new", bad, "--dir", str(tmp_path)]) == 2
-    assert "lowercase letters, digits and single dashes" in capsys.readouterr().err
+    assert "lowercase letters, digits and single dashes or underscores" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
@@ -55,6 +75,32 @@ def test_the_skeleton_declares_the_entry_point_ff_reads(tmp_path):
     assert (folder / "configs" / "sft_tiny.yaml").read_text().startswith("# ff fit --config configs/sft_tiny.yaml")
     for path in folder.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")  # every placeholder substituted into valid Python
+
+
+def test_the_tiny_builder_saves_through_the_reference_pipeline_once_one_is_named(tmp_path, monkeypatch):
+    """As generated (``reference_pipeline = None``) the checkpoint is the bare components; with a pipeline class it is
+    saved through the pipeline, so its ``from_pretrained`` (the kit's maths checks) loads it."""
+    from diffusers import DiffusionPipeline
+
+    class TinyPipeline(DiffusionPipeline):
+        def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                  scheduler=scheduler)  # fmt: skip
+
+    new_plugin("toy-pipe", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "ff_toy_pipe"))
+    monkeypatch.syspath_prepend(str(tmp_path / "ff_toy_pipe" / "tests"))
+    from ff_toy_pipe.adapter import ToyPipeAdapter
+    from test_toy_pipe_conformance import TestToyPipeAdapterConformance as Kit
+
+    bare = Kit().build_checkpoint(tmp_path / "bare")
+    assert not (bare / "model_index.json").exists() and ToyPipeAdapter.from_pretrained(bare, resolution=32)
+    monkeypatch.setattr(Kit, "reference_pipeline", TinyPipeline)
+    saved = Kit().build_checkpoint(tmp_path / "saved")
+    pipe = TinyPipeline.from_pretrained(saved)
+    assert type(pipe.transformer).__name__ == "SD3Transformer2DModel" and pipe.tokenizer is not None
+    assert ToyPipeAdapter.from_pretrained(saved, resolution=32)
 
 
 def test_ff_plugins_env_loads_a_module_that_is_not_installed(tmp_path, monkeypatch):
@@ -87,10 +133,35 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> str:
     return out.stdout
 
 
+def backend_problem() -> str | None:
+    """Why this environment cannot build the generated plugin offline (``--no-build-isolation`` takes the build
+    backend from here: setuptools >= 68, the [test] extra), or ``None``."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return "setuptools is not installed: pip install -e '.[test]' (setuptools>=68)"
+    major = int(version.split(".")[0])
+    return None if major >= 68 else f"setuptools {version} < 68: pip install -e '.[test]' (setuptools>=68)"
+
+
+def test_the_test_extra_names_the_build_backend_of_the_generated_plugin():
+    """The offline build of the generated plugin needs setuptools here; the [test] extra must bring it, at a version
+    the generated pyproject's build-system accepts."""
+    import tomllib
+
+    from ff_core.scaffold import TEMPLATE_DIR
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    template = (TEMPLATE_DIR / "pyproject.toml.tmpl").read_text().partition("[project]")[0]  # placeholders below
+    generated = tomllib.loads(template)["build-system"]["requires"]
+    assert "setuptools>=68" in extra and generated == ["setuptools>=68"], (extra, generated)
+
+
 def test_generated_plugin_installs_passes_the_kit_trains_and_uninstalls(tmp_path, shapes_dir):
     """The acceptance test of issue 14: a throwaway venv that sees this environment's packages through a ``.pth``
     (nothing is installed where the tests run), ``pip install --no-deps --no-build-isolation`` of the generated folder,
     ``ff plugins`` lists it, its conformance tests pass, ``ff fit`` trains one step, ``pip uninstall`` removes it."""
+    assert backend_problem() is None, backend_problem()
     plugin = new_plugin("toy-fam", tmp_path / "src")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], dict(os.environ))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ff_core.adapter import LORA_WEIGHT_NAME, Adapter, LatentState
 from ff_core.module import FlowModule, LoRAConfig, lora_configs, lora_state_dicts
 from ff_core.testing.contracts import SUPPORT_TABLE
+from tests.test_sharding import trainer_with_mesh
 
 ADAPTER = "test_two_networks:TwoExperts"
 CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
@@ -145,3 +146,15 @@ def test_lora_export_loads_into_both_wan_pipeline_transformers(checkpoint, tmp_p
                 x, t, e, return_dict=False)[0]
             assert (expected - base).abs().max() > 1e-3  # the LoRA changes the output
             assert (found - expected).abs().max() < 1e-5, (found - expected).abs().max()
+
+
+def test_fsdp_refuses_two_routed_networks(checkpoint, fake_world):
+    """Each sample runs the expert its noise level picks: under FSDP two ranks could wait on different experts'
+    all-gathers, so a ModelParallelStrategy run of a two-network adapter is refused once it is loaded."""
+    from ff_core.errors import ConfigError
+
+    fake_world(0)
+    module = FlowModule(ADAPTER, str(checkpoint), lora=LoRAConfig(rank=2, alpha=2.0))
+    module.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="transformer, transformer_2"):
+        module.configure_model()

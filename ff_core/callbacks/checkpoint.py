@@ -16,6 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ff_core.module import lora_configs, lora_state_dicts
+from ff_core.sharding import summoned
 
 
 def lora_dir_for(checkpoint_path: str | Path) -> Path:
@@ -34,7 +35,8 @@ class FlowCheckpoint(ModelCheckpoint):
         module = trainer.lightning_module
         if getattr(module, "lora", None) is None or module.adapter is None:
             return
-        states = lora_state_dicts(module.adapter)  # every rank takes part (sharded strategies gather here)
+        with summoned(trainer.strategy.model):  # FSDP1: full parameters; FSDP2's shards are gathered per tensor
+            states = lora_state_dicts(module.adapter)  # every rank takes part in the gathering
         if trainer.is_global_zero:  # one file per trained network (Adapter.lora_file)
             module.adapter.save_loras(lora_dir_for(filepath), states, lora_configs(module.adapter))
         trainer.strategy.barrier("ff_lora_export")

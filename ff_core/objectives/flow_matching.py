@@ -35,10 +35,13 @@ class TimestepSampler:
             ``None`` (default) takes the adapter's (:meth:`~ff_core.adapter.Adapter.timestep_shift`: for SD3 the
             checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses.
         schedule: ``continuous`` (default): sigma is the weighting's draw, shifted by :attr:`shift`. ``adapter``: the
-            weighting's draw ``u`` picks level ``floor(u * N)`` of the adapter's table of ``N`` training noise levels
-            for the batch's latent geometry (:meth:`~ff_core.adapter.Adapter.training_sigmas`), as diffusers' training
-            scripts index their scheduler (``sigmas[(u * num_train_timesteps).long()]``); the table holds the
-            adapter's shift, so :attr:`shift` must stay ``None``.
+            weighting's draw ``u`` picks level ``floor(u * N)`` of the adapter's ``N`` training noise levels for the
+            batch's latent geometry (:meth:`~ff_core.adapter.Adapter.training_sigmas`) sorted ascending, so sigma
+            grows with ``u`` and :attr:`logit_mean` means what it means for ``continuous`` (> 0: noisier). diffusers'
+            training scripts index their descending table with ``u`` (``sigmas[(u * num_train_timesteps).long()]``):
+            the same levels with the same probabilities for a symmetric weighting (uniform, ``logit_mean`` 0), the
+            mirrored ones for ``logit_mean`` m, which ff reaches with ``-m``. The table holds the adapter's shift,
+            so :attr:`shift` must stay ``None``.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"
@@ -96,16 +99,18 @@ class TimestepSampler:
             generator: CPU random generator; ``None`` uses the global one.
             device: where the result goes.
             shift: the shift to apply, as :meth:`resolve_shift` gives it; ``None``: :attr:`shift`, else 1.
-            table: the adapter's training levels (:meth:`resolve_table`): each draw ``u`` picks
-                ``table[floor(u * len(table))]`` and no shift applies.
+            table: the adapter's training levels (:meth:`resolve_table`, any order): each draw ``u`` picks level
+                ``floor(u * len(table))`` of them sorted ascending (sigma grows with ``u``, as the continuous draw's
+                does) and no shift applies.
         """
         if self.weighting == "logit_normal":
             n = torch.randn(batch_size, generator=generator) * self.logit_std + self.logit_mean
             sigma = torch.sigmoid(n)
         else:
             sigma = torch.rand(batch_size, generator=generator)
-        if table is not None:  # diffusers' training scripts: indices = (u * N).long(); u < 1, the clamp is for u = 1.0
-            return table[(sigma * len(table)).long().clamp_(max=len(table) - 1)].to(device)
+        if table is not None:  # indices = (u * N).long() as diffusers' scripts; u < 1, the clamp is for u = 1.0
+            ascending = table.sort().values  # sigma grows with u: logit_mean keeps its continuous meaning
+            return ascending[(sigma * len(table)).long().clamp_(max=len(table) - 1)].to(device)
         shift = shift if shift is not None else self.shift if self.shift is not None else 1.0
         return shift_sigma(sigma, shift).to(device)
 

@@ -125,6 +125,7 @@ class GRPOObjective(Objective):
 
     trainer_type = "grpo"
     automatic_optimization = False
+    sharded_training = False  # it all-reduces its accumulated gradients itself, a DDP wrapper's job switched off
 
     def __init__(
         self,

@@ -23,8 +23,10 @@ the path tested. Two groups of checks:
   family's trained tiny VAE round-trips within :attr:`~AdapterConformance.roundtrip_tolerance`.
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
-  encoding, the sampling sigmas, one denoiser call at each sigma, a full sampling run (with and without CFG), the
-  decoding, and the LoRA export loaded through ``load_lora_weights`` are compared with tolerances. A failure says what
+  encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full
+  sampling run (with and without CFG; at another embedded guidance), the decoding, the encoding (the VAE's
+  posterior sample from the same generator, normalised as the pipeline's latents are), and the LoRA export loaded
+  through ``load_lora_weights`` are compared with tolerances. A failure says what
   differed, where, and what it looks like.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
@@ -50,7 +52,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import MediaType, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
@@ -85,11 +87,17 @@ class AdapterConformance:
         reference_layout: how the pipeline's latents map to the adapter's state (default: the same tensor).
         reference_steps: sampling steps of the reference runs.
         reference_guidance: the CFG scale of the guided reference run.
+        reference_embedded_guidance: the distilled-guidance scale of the embedded-guidance run (adapters with
+            ``embedded_guidance``; one more than the adapter's default when it equals it).
         condition_atol: tolerance of the prompt encoding against the pipeline's.
         velocity_atol: tolerance of one denoiser call (and relative tolerance, times 10).
         sample_atol: tolerance of the final latents of a full sampling run.
         media_atol: tolerance of decoded media in uint8 units (rounding: 1).
-        roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE.
+        encode_atol: tolerance of the clean latents ``encode_output`` gives against the pipeline VAE's posterior
+            sample (same generator), normalised as the pipeline's latents are (:meth:`reference_encode`).
+        roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE: coarse (a
+            wrong pixel range, no decode), since a briefly trained tiny VAE reconstructs loosely (the SD3 one: about
+            29 and 41 on the two held-out shapes); the latent normalisation is :meth:`check_encoding`'s to catch.
     """
 
     adapter_cls: ClassVar[type[Adapter]]
@@ -100,11 +108,13 @@ class AdapterConformance:
     reference_layout: ClassVar[LatentLayout] = LatentLayout()
     reference_steps: ClassVar[int] = 3
     reference_guidance: ClassVar[float] = 4.0
+    reference_embedded_guidance: ClassVar[float] = 1.5
     condition_atol: ClassVar[float] = 1e-5
     velocity_atol: ClassVar[float] = 1e-4
     sample_atol: ClassVar[float] = 1e-3
     media_atol: ClassVar[float] = 1.0
-    roundtrip_tolerance: ClassVar[float] = 48.0
+    encode_atol: ClassVar[float] = 1e-4
+    roundtrip_tolerance: ClassVar[float] = 64.0
     seed: ClassVar[int] = 7
 
     # -- to provide ---------------------------------------------------------------------------------------
@@ -176,11 +186,33 @@ class AdapterConformance:
         with its embedded guidance beside it)."""
         return {"guidance_scale": guidance_scale}
 
+    def reference_embedded_guidance_kwargs(self, scale: float) -> dict[str, Any]:
+        """The pipeline's argument for the distilled-guidance scale ``scale`` (default ``guidance_scale``, as
+        ``FluxPipeline``'s)."""
+        return {"guidance_scale": scale}
+
     def reference_condition(self, pipe: Any, adapter: Adapter, inputs: list[ConditionInput],
                             run: PipelineRun) -> dict[str, Tensor]:  # fmt: skip
         """Reference tensors for keys of the adapter's prepared condition (default: the tensors the pipeline hands its
         step callback, ``prompt_embeds`` and the like, at guidance 1). Add condition-media encodings here."""
         return dict(run.tensors)
+
+    def reference_encode(self, pipe: Any, adapter: Adapter, targets: list[list[Tensor]],
+                         generator: torch.Generator) -> Tensor:  # fmt: skip
+        """The clean latents of ``targets`` as the pipeline's own code normalises them, in the adapter's (unpacked)
+        layout: a posterior sample of ``pipe.vae`` drawn from ``generator`` (:func:`vae_posterior_sample`), then
+        ``(z - shift_factor) * scaling_factor`` from the VAE's config, the inverse of what the pipeline's decoding
+        applies (SD3, FLUX.1: ``latents / scaling_factor + shift_factor``). Override for another normalisation (Wan:
+        ``(z - latents_mean) / latents_std``)."""
+        z = vae_posterior_sample(pipe.vae, targets, generator)
+        config = pipe.vae.config
+        return (z - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
+
+    def reference_training_sigmas(self, pipe: Any) -> Tensor | None:
+        """The table of training noise levels diffusers' training scripts index for this family
+        (``noise_scheduler_copy.sigmas[indices]``): the pipeline scheduler's as built from its config
+        (:func:`~ff_core.adapter.scheduler_sigma_table`); ``None`` skips the check."""
+        return scheduler_sigma_table(pipe.scheduler)
 
     def reference_media(self, adapter: Adapter, output: Any) -> list[list[Tensor]]:
         """The pipeline's decoded output (``output_type="pt"``) as ff media per sample, float in uint8 units."""
@@ -240,23 +272,29 @@ class AdapterConformance:
         return cls().run_reference(adapter, reference, inputs, guidance_scale=1.0)
 
     # -- the maths checks, callable on any adapter (the kit's own tests feed it broken ones) ---------------------
-    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *,
-                      guidance_scale: float) -> ReferenceCase:  # fmt: skip
-        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it."""
+    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *, guidance_scale: float,
+                      embedded_guidance: float | None = None) -> ReferenceCase:  # fmt: skip
+        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it (with
+        the distilled-guidance scale ``embedded_guidance``, :meth:`reference_embedded_guidance_kwargs`; ``None``:
+        the pipeline's default)."""
         condition = prepare(adapter, inputs)
         init = adapter.initial_noise(condition, torch.Generator().manual_seed(self.seed))
         kwargs = {"prompt": [c.prompt for c in inputs], "output_type": "pt",
                   "generator": torch.Generator().manual_seed(self.seed),
                   **self.reference_guidance_kwargs(guidance_scale), **self.reference_call_kwargs(adapter, inputs)}
+        if embedded_guidance is not None:
+            kwargs.update(self.reference_embedded_guidance_kwargs(embedded_guidance))
         if adapter.io_contract.uses_cfg:
             kwargs["negative_prompt"] = [c.negative_prompt or "" for c in inputs]
         layout = self.reference_layout
         run = run_pipeline(pipe, layout.pipeline_latents(pipe, init), call_latents=layout.call_latents(pipe, init),
                            steps=self.reference_steps, denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
-        return ReferenceCase(inputs, condition, init, run, guidance_scale)
+        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance)
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
-        """Prompt encoding: the prepared condition against the pipeline's tensors of the same name."""
+        """Prompt encoding: the prepared condition against the pipeline's tensors of the same name
+        (:meth:`reference_condition`); with negative prompts, the negative branch (``unconditional``) against the
+        pipeline's tensors for the negative prompts (a second run that takes them as its prompts)."""
         reference = self.reference_condition(pipe, adapter, case.inputs, case.run)
         common = sorted(set(case.condition) & set(reference))
         assert common, (f"no key of the prepared condition {sorted(case.condition)} is among the pipeline's reference "
@@ -264,6 +302,17 @@ class AdapterConformance:
         problems = condition_differences(case.condition, reference, atol=self.condition_atol, rtol=1e-4)
         assert not problems, (f"prompt encoding differs from {type(pipe).__name__}'s (compared {common}): "
                               + "; ".join(problems))  # fmt: skip
+        negative = adapter.unconditional(case.condition) if adapter.io_contract.uses_cfg else None
+        if negative is None:
+            return
+        inputs = [ConditionInput(c.negative_prompt or "", c.negative_prompt, c.media) for c in case.inputs]
+        run = self.run_reference(adapter, pipe, inputs, guidance_scale=1.0).run
+        reference = self.reference_condition(pipe, adapter, inputs, run)
+        common = sorted(set(negative) & set(reference))
+        problems = condition_differences(negative, reference, atol=self.condition_atol, rtol=1e-4)
+        assert common and not problems, (
+            f"the negative branch (unconditional(condition), compared {common}) differs from "
+            f"{type(pipe).__name__}'s encoding of the negative prompts: " + "; ".join(problems or ["no common key"]))
 
     def check_sigmas(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """The sampling schedule: the adapter's noise levels are the pipeline scheduler's."""
@@ -272,6 +321,20 @@ class AdapterConformance:
                     ours.float().cpu(), case.run.sigmas, atol=1e-5,
                     hint=f"{type(pipe).__name__}'s scheduler steps through "
                          f"{[round(float(s), 4) for s in case.run.sigmas]}: check the schedule's shift.")  # fmt: skip
+
+    def check_training_sigmas(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """``timesteps.schedule: adapter``: the adapter's training table (``training_sigmas``) is the one the
+        family's reference training indexes (:meth:`reference_training_sigmas`)."""
+        theirs = self.reference_training_sigmas(pipe)
+        if theirs is None:
+            return
+        ours = adapter.training_sigmas(case.init).detach().float().cpu()
+        check_close(f"training_sigmas() ({len(ours)} levels, {[round(float(s), 4) for s in ours[:3]]}, ...)", ours,
+                    theirs.float().cpu(), atol=1e-5,
+                    hint=f"{type(pipe).__name__}'s scheduler, built from its config, holds "
+                         f"{[round(float(s), 4) for s in theirs[:3]]}, ...: a scheduler with use_dynamic_shifting "
+                         "keeps its table unshifted (return ff_core.adapter.scheduler_sigma_table(scheduler))."
+                    )  # fmt: skip
 
     def check_denoiser(self, adapter: Adapter, pipe: Any, case: ReferenceCase, what: str = "") -> None:
         """One denoiser call at each sigma of the run: ``velocity`` at the pipeline's latents and sigma equals the
@@ -295,15 +358,35 @@ class AdapterConformance:
         """A full sampling run from the same seed: the adapter's final latents are the pipeline's."""
         generator = torch.Generator().manual_seed(self.seed)
         final = adapter.sample(case.condition, num_steps=self.reference_steps, guidance_scale=case.guidance_scale,
-                               generator=generator)  # fmt: skip
+                               generator=generator, embedded_guidance=case.embedded_guidance)  # fmt: skip
         theirs = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
-        hint = ""
+        hint, what = "", ""
         if case.guidance_scale != 1 and adapter.unconditional(case.condition) is None:
             hint = "The adapter has no negative branch (unconditional() is None): CFG was skipped."
+        if case.embedded_guidance is not None:
+            what = f" and embedded guidance {case.embedded_guidance:g}"
+            default = adapter.sample(case.condition, num_steps=self.reference_steps,
+                                     guidance_scale=case.guidance_scale,
+                                     generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
+            if all(torch.equal(t, default.components[n]) for n, t in final.components.items()):
+                hint = (f"The adapter's result is the one at its default embedded guidance "
+                        f"({adapter.embedded_guidance:g}): velocity ignores the condition's embedded guidance "
+                        "(with_embedded_guidance sets condition['embedded_guidance']).")  # fmt: skip
         for name, tensor in final.components.items():
             check_close(f"the final {name!r} latents of {self.reference_steps}-step sampling at guidance "
-                        f"{case.guidance_scale:g}", tensor, theirs.components[name], atol=self.sample_atol,
+                        f"{case.guidance_scale:g}{what}", tensor, theirs.components[name], atol=self.sample_atol,
                         rtol=self.sample_atol, mask=case.init.masks.get(name), hint=hint)  # fmt: skip
+
+    def check_embedded_guidance(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Embedded (distilled) guidance, for an adapter with a default (:attr:`Adapter.embedded_guidance`): sampling
+        with ``embedded_guidance=g`` at a scale other than the default (:attr:`reference_embedded_guidance`) gives
+        the pipeline's final latents at that scale (:meth:`reference_embedded_guidance_kwargs`)."""
+        if adapter.embedded_guidance is None:
+            return
+        scale = self.reference_embedded_guidance
+        scale = scale + 1 if scale == adapter.embedded_guidance else scale
+        self.check_sampling(adapter, pipe, self.run_reference(adapter, pipe, case.inputs, guidance_scale=1.0,
+                                                              embedded_guidance=scale))  # fmt: skip
 
     def check_decoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Decoding the pipeline's final latents gives the pipeline's media (to uint8 rounding)."""
@@ -316,6 +399,22 @@ class AdapterConformance:
                             hint="The latents were the pipeline's, so decode differs: check the VAE latent "
                                  "normalisation (shift / scaling factors, latents_mean / latents_std) and the pixel "
                                  "range.")  # fmt: skip
+
+    def check_encoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
+        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`) with a seeded generator gives the latents
+        the pipeline's VAE samples from the same generator, normalised as the pipeline's latents are
+        (:meth:`reference_encode`). No trained VAE needed: a random one with a non-identity normalisation tells an
+        ``encode_output`` that skips it (the decoding check sees only ``decode``'s side)."""
+        targets = self.make_targets(adapter, len(case.inputs))
+        with torch.no_grad():
+            ours = adapter.encode_output(targets, case.condition, generator=torch.Generator().manual_seed(self.seed))
+            theirs = self.reference_encode(pipe, adapter, targets, torch.Generator().manual_seed(self.seed))
+        check_close("encode_output's clean latents", state_tensor(ours).float().cpu(), theirs.float().cpu(),
+                    atol=self.encode_atol, rtol=self.encode_atol, mask=first_mask(ours),
+                    hint=f"The posterior sample was {type(pipe).__name__}'s VAE's from the same generator, so the "
+                         "latent normalisation differs: check encode_output applies the VAE's (shift / scaling "
+                         "factors, latents_mean / latents_std) as decode inverts it, and the pixel range "
+                         "[-1, 1].")  # fmt: skip
 
     def check_cfg(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
         """A contract that accepts negative prompts has a negative branch, and CFG on changes the velocity."""
@@ -414,9 +513,12 @@ class AdapterConformance:
             checks.update({
                 "prompt_encoding": lambda: self.check_condition(adapter, pipe, case),
                 "sampling_sigmas": lambda: self.check_sigmas(adapter, pipe, case),
+                "training_sigmas": lambda: self.check_training_sigmas(adapter, pipe, case),
                 "denoiser": lambda: self.check_denoiser(adapter, pipe, case),
                 "sampling": lambda: self.check_sampling(adapter, pipe, case),
                 "decoding": lambda: self.check_decoding(adapter, pipe, case),
+                "encoding": lambda: self.check_encoding(adapter, pipe, case),
+                "embedded_guidance": lambda: self.check_embedded_guidance(adapter, pipe, case),
             })  # fmt: skip
             if adapter.io_contract.uses_cfg:
                 checks["sampling_with_cfg"] = lambda: self.check_sampling(
@@ -459,6 +561,9 @@ class AdapterConformance:
     def test_reference_sampling_sigmas(self, adapter, reference, reference_case):
         self.check_sigmas(adapter, reference, reference_case)
 
+    def test_reference_training_sigmas(self, adapter, reference, reference_case):
+        self.check_training_sigmas(adapter, reference, reference_case)
+
     def test_reference_denoiser_at_each_sigma(self, adapter, reference, reference_case):
         self.check_denoiser(adapter, reference, reference_case)
 
@@ -471,8 +576,16 @@ class AdapterConformance:
         self.check_sampling(adapter, reference,
                             self.run_reference(adapter, reference, inputs, guidance_scale=self.reference_guidance))
 
+    def test_reference_embedded_guidance(self, adapter, reference, reference_case):
+        if adapter.embedded_guidance is None:
+            pytest.skip(f"{self.adapter_cls.__name__} on this checkpoint has no embedded guidance")
+        self.check_embedded_guidance(adapter, reference, reference_case)
+
     def test_reference_decoding(self, adapter, reference, reference_case):
         self.check_decoding(adapter, reference, reference_case)
+
+    def test_reference_encoding(self, adapter, reference, reference_case):
+        self.check_encoding(adapter, reference, reference_case)
 
     def test_reference_lora_loads_through_load_lora_weights(self, pretrained, reference, inputs, tmp_path):
         self.check_lora_in_pipeline(pretrained, inputs, tmp_path / "lora")
@@ -507,6 +620,20 @@ class AdapterConformance:
 
     def test_denoiser_is_a_submodule(self, adapter):
         assert any(m is adapter.denoiser for m in adapter.modules())
+
+    def test_sharding_blocks_are_repeated_blocks_of_each_network(self, adapter):
+        """FSDP2's units (docs/scaling.md): for every trained network, distinct submodules of it, none inside another
+        (several kinds are fine: FLUX.1's double- and single-stream blocks);
+        empty would shard the network whole (correct, but gathered whole for every forward)."""
+        blocks = adapter.sharding_blocks()
+        assert set(blocks) <= set(adapter.denoisers())
+        for name, network in adapter.denoisers().items():
+            found = blocks.get(name, [])
+            inside = {id(m) for m in network.modules() if m is not network}
+            assert found and all(id(b) in inside for b in found), name
+            assert len({id(b) for b in found}) == len(found), name
+            nested = [b for b in found for other in found if other is not b and any(m is b for m in other.modules())]
+            assert not nested, f"{name}: sharding blocks nested in other blocks: {[type(b).__name__ for b in nested]}"
 
     def test_preprocess_gives_per_sample_cpu_tensors(self, adapter, inputs):
         out = adapter.preprocess(inputs)
@@ -694,12 +821,13 @@ class ReferenceCase:
         init: the adapter's initial noise (seeded), the run's initial latents.
         run: the recorded pipeline run.
         guidance_scale: the CFG scale of the run.
+        embedded_guidance: its distilled-guidance scale; ``None``: the pipeline's and the adapter's defaults.
     """
 
     def __init__(self, inputs: list[ConditionInput], condition: Condition, init: LatentState, run: PipelineRun,
-                 guidance_scale: float) -> None:  # fmt: skip
+                 guidance_scale: float, embedded_guidance: float | None = None) -> None:  # fmt: skip
         self.inputs, self.condition, self.init, self.run = inputs, condition, init, run
-        self.guidance_scale = guidance_scale
+        self.guidance_scale, self.embedded_guidance = guidance_scale, embedded_guidance
 
 
 def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
@@ -707,8 +835,21 @@ def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
     return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
 
 
+def vae_posterior_sample(vae: Any, media: list[list[Tensor]], generator: torch.Generator) -> Tensor:
+    """``vae.encode(x).latent_dist.sample(generator)`` of each sample's first output as one batch: uint8 images
+    (3, H, W) or videos (F, 3, H, W, ff's media layout; the VAE takes (B, 3, F, H, W)), scaled to [-1, 1]."""
+    x = torch.stack([outputs[0] for outputs in media]).float() / 127.5 - 1
+    if x.ndim == 5:
+        x = x.permute(0, 2, 1, 3, 4)
+    param = next(vae.parameters())
+    return vae.encode(x.to(param.device, param.dtype)).latent_dist.sample(generator=generator)
+
+
 def frozen_in_train_mode(adapter: Adapter) -> list[str]:
     """Names of the leaf modules outside every trained network (``denoisers()``) that are in train mode."""
     inside = {id(m) for network in adapter.denoisers().values() for m in network.modules()}
-    return [name for name, m in adapter.named_modules()
+    # Components taken out of the module tree (Adapter.detach_frozen, under a sharding strategy) still run.
+    named = [*adapter.named_modules(), *((f"{detached}.{name}".rstrip("."), m)
+             for detached, module in adapter.detached_modules().items() for name, m in module.named_modules())]
+    return [name for name, m in named
             if name and id(m) not in inside and not list(m.children()) and m.training]  # fmt: skip

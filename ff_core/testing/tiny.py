@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import wave
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -285,10 +284,29 @@ def build_tiny_image_vae(
         shift, scale = latent_statistics(vae, images)
         vae.register_to_config(shift_factor=shift, scaling_factor=scale)
         if folder is not None:
-            vae.save_pretrained(folder)
+            _save_atomically(vae, folder)
     if folder is not None:
         _VAE_CACHE[str(folder)] = vae
     return _copy(vae.eval())
+
+
+def _save_atomically(vae, folder: Path) -> None:
+    """``save_pretrained`` into a temporary folder beside ``folder``, then publish it whole (a build interrupted
+    mid-save leaves no ``config.json`` without weights for the next session to load)."""
+    import shutil
+    import tempfile
+
+    from ff_core.atomic import replace_dir
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
+        vae.save_pretrained(tmp)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _copy(vae):
@@ -332,25 +350,16 @@ def write_tiny_dataset(root: str | Path, kind: str, n: int = 8, *, size: int = 3
 _PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
 
 
-def write_wav(path: str | Path, samples: np.ndarray, rate: int) -> Path:
-    """Write float samples in [-1, 1] ((N,) mono or (N, C)) as a 16-bit PCM WAV."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = samples if samples.ndim == 2 else samples[:, None]
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(data.shape[1])
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(data, -1, 1) * 32767).astype("<i2").tobytes())
-    return path
-
-
 def _write_tone_dataset(root: Path, n: int, seconds: float = 0.5, rate: int = 16000) -> Path:
+    from ff_core.callbacks.media_log import audio_to_wav
+
     lines, t = [], np.arange(int(seconds * rate)) / rate
     for i in range(n):
         pitch = list(_PITCHES)[i % len(_PITCHES)]
         rel = f"audio/{i:05d}.wav"
-        write_wav(root / rel, 0.25 * np.sin(2 * np.pi * _PITCHES[pitch] * t), rate)
+        tone = torch.from_numpy(0.25 * np.sin(2 * np.pi * _PITCHES[pitch] * t)).float()[None]  # (C=1, N)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(audio_to_wav(tone, rate))  # ff's one WAV writer (what media logging writes)
         lines.append(json.dumps({"schema_version": 2, "input": {"prompt": f"a {pitch} tone", "media": []},
                                  "supervision": {"type": "demonstration",
                                                  "target": {"media": [{"type": "audio", "path": rel}]}}}))

@@ -1,7 +1,5 @@
 """The shared tiny builders (ff_core.testing.tiny): offline tokenizers, the cached trained tiny VAE, tiny datasets."""
 
-import time
-
 import pytest
 import torch
 
@@ -51,18 +49,62 @@ def test_trained_vae_is_built_once_per_cache_folder(tmp_path):
     a = build_tiny_image_vae(**kwargs)
     assert a.config.shift_factor != 0 and a.config.scaling_factor != 1  # set from the latent statistics
     (folder,) = (tmp_path / "c").iterdir()
-    t0 = time.perf_counter()
-    b = build_tiny_image_vae(**kwargs)  # from this process' memory
-    assert time.perf_counter() - t0 < 1
-    assert b is not a and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    from diffusers import AutoencoderKL
+
     from ff_core.testing import tiny
 
+    with pytest.MonkeyPatch.context() as mp:  # from this process' memory: neither trained nor read again
+        mp.setattr(tiny, "train_vae", lambda *a, **k: pytest.fail("the cached VAE was trained again"))
+        mp.setattr(AutoencoderKL, "from_pretrained", lambda *a, **k: pytest.fail("the cached VAE was read again"))
+        b = build_tiny_image_vae(**kwargs)
+    assert b is not a and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     tiny._VAE_CACHE.clear()  # a new session: loaded back from the folder, not retrained
     c = build_tiny_image_vae(**kwargs)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
     assert len(list((tmp_path / "c").iterdir())) == 1 and (folder / "config.json").is_file()
     d = build_tiny_image_vae(**{**kwargs, "steps": 5})  # another training: another key
     assert len(list((tmp_path / "c").iterdir())) == 2 and not torch.equal(next(a.parameters()), next(d.parameters()))
+
+
+def test_an_interrupted_vae_cache_save_leaves_no_folder(tmp_path, monkeypatch):
+    """The cache folder appears whole or not at all: a save that dies after ``config.json`` leaves nothing a later
+    session would load half-written; the next build trains and publishes it."""
+    from diffusers import AutoencoderKL
+
+    from ff_core.testing import tiny
+
+    images = write_tiny_dataset(tmp_path / "shapes", "image", n=4) / "images"
+    kwargs = dict(seed=5, train_dir=images, steps=1, batch_size=2, block_out_channels=(8, 8), cache_dir=tmp_path / "c")
+    save = AutoencoderKL.save_pretrained
+
+    def dies_after_the_config(self, folder, **kw):
+        self.save_config(folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AutoencoderKL, "save_pretrained", dies_after_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_image_vae(**kwargs)
+    assert list((tmp_path / "c").iterdir()) == []
+    monkeypatch.setattr(AutoencoderKL, "save_pretrained", save)
+    tiny._VAE_CACHE.clear()
+    build_tiny_image_vae(**kwargs)
+    (folder,) = (tmp_path / "c").iterdir()
+    assert (folder / "config.json").is_file() and (folder / "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_tone_wavs_are_rounded_16_bit_pcm_as_media_logging_writes(tmp_path):
+    """One WAV writer (``audio_to_wav``): samples ``round(x * 32767)``, not truncated."""
+    import wave
+
+    import numpy as np
+
+    root = write_tiny_dataset(tmp_path / "tones", "audio", n=1)
+    with wave.open(str(root / "audio" / "00000.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    t = np.arange(8000) / 16000
+    tone = torch.from_numpy(0.25 * np.sin(2 * np.pi * 220.0 * t)).float()  # "a low tone": the first record
+    assert np.array_equal(pcm, (tone * 32767).round().to(torch.int16).numpy())
 
 
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
@@ -139,6 +139,10 @@ class SD3Adapter(Adapter):
     @property
     def denoiser(self) -> nn.Module:
         return self.transformer
+
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """The MMDiT's joint transformer blocks: FSDP2's units (docs/scaling.md)."""
+        return {"transformer": list(self.transformer.transformer_blocks)}
 
     # -- condition side --------------------------------------------------------------------------
     def preprocess_identity(self) -> dict[str, Any]:
@@ -274,6 +278,12 @@ class SD3Adapter(Adapter):
             height, width = state.components["latent"].shape[-2:]
         seq_len = (height // patch) * (width // patch)
         return calculate_shift(seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+
+    def training_sigmas(self, state: LatentState | None = None) -> Tensor:
+        """The table train_dreambooth_lora_sd3.py indexes: the scheduler's levels as built
+        (:func:`~ff_core.adapter.scheduler_sigma_table`): shifted by a static ``shift``, unshifted ``i / 1000``
+        with ``use_dynamic_shifting`` (SD3.5 keeps it static), whatever ``state``'s size."""
+        return scheduler_sigma_table(self.scheduler)
 
     def timestep_shift(self, state: LatentState | None = None) -> float:
         """The scheduler's ``shift``; with ``use_dynamic_shifting``, the one its ``time_shift`` applies for this latent

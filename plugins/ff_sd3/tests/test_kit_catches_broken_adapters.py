@@ -35,6 +35,16 @@ class VAENormalisationIgnored(SD3Adapter):
         return [[img] for img in ((images / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)]
 
 
+class EncodeNormalisationIgnored(SD3Adapter):
+    """Only ``encode_output`` skips ``(z - shift_factor) * scaling_factor``; ``decode`` is right, so the decoding
+    check (pipeline latents in, media out) cannot see it: training would learn latents sampling never makes."""
+
+    @torch.no_grad()
+    def encode_output(self, media, condition, generator=None):
+        x = torch.stack([m[0] for m in media]).float() / 127.5 - 1
+        return LatentState({"latent": self.vae.encode(x).latent_dist.sample(generator=generator)})
+
+
 class WrongUnpackPermutation(SD3Adapter):
     """Unpacks the denoiser's output with height and width swapped: the right shape, the wrong layout."""
 
@@ -65,6 +75,8 @@ BROKEN = {
                              r"velocity at sigma 1 .* timestep x1000 .* sigma is scaled by num_train_timesteps twice"),
     "VAE shift/scale ignored": (VAENormalisationIgnored, "decoding",
                                 r"decoded output 0 of sample 0 .* differs .*VAE latent normalisation"),
+    "encode ignores normalisation": (EncodeNormalisationIgnored, "encoding",
+                                     r"encode_output's clean latents differs .*latent normalisation"),
     "wrong unpack permutation": (WrongUnpackPermutation, "denoiser",
                                  r"values in another order: a wrong latent packing/unpacking permutation"),
     "CFG skipped": (NoNegativeBranch, "cfg", r"accepts negative prompts .* unconditional\(condition\) returns None: "

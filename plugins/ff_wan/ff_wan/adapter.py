@@ -263,6 +263,10 @@ class WanT2VAdapter(Adapter):
             nets["transformer_2"] = self.transformer_2
         return nets
 
+    def sharding_blocks(self) -> dict[str, list[nn.Module]]:
+        """Each expert's transformer blocks: FSDP2's units (docs/scaling.md)."""
+        return {name: list(network.blocks) for name, network in self.denoisers().items()}
+
     # -- condition side --------------------------------------------------------------------------
     def preprocess_identity(self) -> dict[str, Any]:
         """Checkpoint, revision, dtype and the token length: the text embeddings depend on nothing else."""

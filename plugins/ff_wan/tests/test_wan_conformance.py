@@ -10,7 +10,7 @@ from ff_wan.testing import build_tiny_wan
 from PIL import Image
 from wan_geometry import ADAPTER_KWARGS, FRAMES, SIZE
 
-from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.conformance import AdapterConformance, vae_posterior_sample
 
 
 def _pil(image: torch.Tensor) -> Image.Image:
@@ -32,6 +32,15 @@ class TestWanT2VConformance(AdapterConformance):
 
     def reference_call_kwargs(self, adapter, inputs):
         return {**super().reference_call_kwargs(adapter, inputs), "max_sequence_length": adapter.max_sequence_length}
+
+    def reference_encode(self, pipe, adapter, targets, generator):
+        """Wan's normalisation: ``(z - latents_mean) / latents_std`` per channel, the inverse of WanPipeline's
+        ``latents / latents_std + latents_mean`` before decoding."""
+        z = vae_posterior_sample(pipe.vae, targets, generator)
+        config = pipe.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+        std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(z)
+        return (z - mean) / std
 
 
 class TestWanT2VTwoExpertConformance(TestWanT2VConformance):

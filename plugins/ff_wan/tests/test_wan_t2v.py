@@ -314,3 +314,16 @@ def test_two_expert_t2v_sampling_matches_wan_pipeline(tiny_wan):
         output_type="pt", generator=torch.Generator().manual_seed(2), max_sequence_length=16,
     ).frames  # fmt: skip
     assert (ours.float() - theirs * 255).abs().max() <= 0.5 + 1e-4
+
+
+def test_sharding_blocks_are_each_experts_transformer_blocks(adapter, tiny_wan):
+    """FSDP2's units (docs/scaling.md): each trained network's ``blocks``, as the Adapter default finds them from
+    diffusers' ``_no_split_modules``; both experts of a two-expert checkpoint."""
+    from ff_core.adapter import Adapter
+
+    blocks = adapter.sharding_blocks()
+    assert blocks == {"transformer": list(adapter.transformer.blocks)} == Adapter.sharding_blocks(adapter)
+    experts = WanT2VAdapter.from_pretrained(tiny_wan("t2v_a14b"), **ADAPTER_KWARGS)
+    blocks = experts.sharding_blocks()
+    assert list(blocks) == ["transformer", "transformer_2"]
+    assert blocks["transformer_2"] == list(experts.transformer_2.blocks) and blocks["transformer_2"]

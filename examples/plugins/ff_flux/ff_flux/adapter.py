@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
@@ -307,6 +307,13 @@ class FluxAdapter(Adapter):
             return float(cfg.shift)
         mu = self._mu(state)
         return math.exp(mu) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def training_sigmas(self, state: LatentState | None = None) -> Tensor:
+        """The table train_dreambooth_lora_flux.py indexes: the scheduler's levels as built
+        (:func:`~ff_core.adapter.scheduler_sigma_table`): shifted by a static ``shift``, unshifted ``i / 1000``
+        with ``use_dynamic_shifting`` (FLUX.1: the resolution-dependent ``mu`` applies only when sampling), whatever
+        ``state``'s size."""
+        return scheduler_sigma_table(self.scheduler)
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """``FluxPipeline``'s schedule: ``linspace(1, 1 / n, n)`` through the scheduler's ``set_timesteps`` with

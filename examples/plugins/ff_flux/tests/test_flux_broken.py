@@ -44,9 +44,43 @@ class WrongUnpackPermutation(FluxAdapter):
         return LatentState({"latent": wrong}, dict(state.masks))
 
 
+class EmbeddedGuidanceIgnored(FluxAdapter):
+    """Feeds the transformer its default distilled guidance whatever the condition asks
+    (``model.sampling.embedded_guidance`` silently unused)."""
+
+    def velocity(self, state, sigma, condition):
+        return super().velocity(state, sigma, {k: v for k, v in condition.items() if k != "embedded_guidance"})
+
+
+class PooledFromTheFirstToken(FluxAdapter):
+    """Pools CLIP by its first token (``last_hidden_state[:, 0]``) instead of ``pooler_output``: FluxPipeline's
+    step callback holds no pooled embedding, so only its ``encode_prompt`` tells."""
+
+    def encode_prompt(self, prompts):
+        embeds, _ = super().encode_prompt(prompts)
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids  # fmt: skip
+        return embeds, self.text_encoder(ids).last_hidden_state[:, 0]
+
+
+class NegativeBranchWithPositivePooled(FluxAdapter):
+    """The negative branch keeps the positive prompt's pooled embedding (a copy-paste slip in ``unconditional``)."""
+
+    def unconditional(self, condition):
+        return {**super().unconditional(condition), "pooled_prompt_embeds": condition["pooled_prompt_embeds"]}
+
+
 BROKEN = {
     "timestep x1000 twice": (TimestepTimes1000, "denoiser", r"timestep x1000 .* scaled by num_train_timesteps twice"),
     "VAE shift/scale ignored": (VAENormalisationIgnored, "decoding", r"decoded output 0 of sample 0 .* differs"),
+    "embedded guidance ignored": (EmbeddedGuidanceIgnored, "embedded_guidance",
+                                  r"embedded guidance 1\.5 differs .* velocity ignores the condition's embedded "
+                                  r"guidance"),
+    "pooled CLIP embedding from the first token": (PooledFromTheFirstToken, "condition",
+                                                   r"prompt encoding differs .*condition\['pooled_prompt_embeds'\]"),
+    "negative branch with the positive pooled embedding": (
+        NegativeBranchWithPositivePooled, "condition",
+        r"the negative branch .* differs .*negative prompts: condition\['pooled_prompt_embeds'\]"),
     "wrong unpack permutation": (WrongUnpackPermutation, "denoiser",
                                  r"values in another order: a wrong latent packing/unpacking permutation"),
 }  # fmt: skip

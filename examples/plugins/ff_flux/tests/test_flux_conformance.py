@@ -2,6 +2,7 @@
 guidance-embedded (dev-like) and a guidance-free (schnell-like) tiny checkpoint."""
 
 import pytest
+import torch
 from diffusers import FluxPipeline
 from ff_flux import FluxAdapter
 from ff_flux.testing import build_tiny_flux
@@ -40,9 +41,18 @@ class FluxKit(AdapterConformance):
     def reference_call_kwargs(self, adapter, inputs):
         return {**super().reference_call_kwargs(adapter, inputs), "max_sequence_length": adapter.max_sequence_length}
 
+    def reference_condition(self, pipe, adapter, inputs, run):
+        """FluxPipeline hands its step callback ``prompt_embeds`` only: the pooled CLIP embedding comes from its
+        ``encode_prompt`` (the kit compares the negative branch through this too, on the negative prompts)."""
+        with torch.no_grad():
+            embeds, pooled, _ = pipe.encode_prompt([c.prompt for c in inputs], None, device="cpu",
+                                                   max_sequence_length=adapter.max_sequence_length)  # fmt: skip
+        return {**run.tensors, "prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
     def reference_guidance_kwargs(self, guidance_scale):
         """ff's CFG is FluxPipeline's ``true_cfg_scale``; its ``guidance_scale`` is the embedded guidance, left at the
-        default both sides share (3.5)."""
+        default both sides share (3.5) but in the embedded-guidance check (the kit's default
+        ``reference_embedded_guidance_kwargs``: ``guidance_scale``)."""
         return {"true_cfg_scale": guidance_scale}
 
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One-GPU check (docs/scaling.md, "Checking on a GPU"): each plugin's tiny recipes under single-device, FSDP1, FSDP2
+# and DeepSpeed ZeRO-2, then tokens/s and MFU of an SD3.5-medium-sized random transformer; under 8 minutes on one
+# H100-class GPU. Writes benchmarks/gpu_check.md; copy the figures into benchmarks/RESULTS.md.
+#
+#   ./benchmarks/gpu_check.sh [extra gpu_check.py arguments, e.g. --peak-tflops 989]
+#
+# Needs the tiny checkpoints and datasets of scripts/setup.sh in build/ (built here when missing) and a CUDA build
+# of torch; DeepSpeed rows are skipped unless `pip install deepspeed` was run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU visible')"
+if [[ ! -d build/tiny-sd3 || ! -d build/tiny-wan-t2v ]]; then
+  ./scripts/setup.sh
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec timeout 480 "$PYTHON" benchmarks/gpu_check.py "$@"

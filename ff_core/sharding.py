@@ -1,0 +1,165 @@
+"""Sharded training: FSDP2 over the adapter's trained networks, and what reads them back whole.
+
+Under Lightning's ``ModelParallelStrategy`` (FSDP2, docs/scaling.md) ``FlowModule.configure_model`` calls
+:func:`fully_shard_networks`: every block of :meth:`~ff_core.adapter.Adapter.sharding_blocks` is ``fully_shard``ed,
+then each trained network (``Adapter.denoisers()``) as the root of its blocks, over the strategy's data-parallel mesh
+dimension. Nothing else is sharded: frozen components (VAE, text encoders, an objective's reference copy) stay plain
+modules, replicated on every rank, and are never all-gathered.
+
+Wrappers rename parameters: FSDP1 (``FSDPStrategy``) inserts ``_fsdp_wrapped_module.``, activation checkpointing
+``_checkpoint_wrapped_module.``, ``torch.compile`` ``_orig_mod.`` into ``named_parameters()`` while state dicts keep
+the plain names; :func:`clean_name` maps one to the other. :func:`full_parameters` reads a network's
+parameters whole on every rank (a DTensor shard is all-gathered; FSDP1 flat shards are summoned), which is what the
+diffusers LoRA export writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ff_core.adapter import Adapter
+
+WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Attribute names wrapper modules (FSDP1, activation checkpointing, ``torch.compile``) insert into parameter names."""
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the wrapper components (:data:`WRAPPER_NAMES`): the key the module's state dict uses.
+
+    Args:
+        name: a dotted parameter or module name from ``named_parameters()`` / ``named_modules()``.
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+@dataclass
+class ShardingConfig:
+    """FSDP2 settings of the trained networks under ``ModelParallelStrategy`` (``model.sharding``).
+
+    Attributes:
+        param_dtype: dtype the sharded parameters are all-gathered and computed in (``bfloat16``: bf16 compute over
+            fp32 master weights); ``None`` keeps the parameters' own dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in (``float32`` keeps the reduction exact under bf16
+            compute); ``None``: ``param_dtype``.
+        reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3 style, least memory);
+            ``False`` keeps them until the backward (ZeRO-2 style, one all-gather fewer per block).
+        cpu_offload: keep the parameter shards, their gradients and the optimiser state on the CPU (FSDP2's
+            ``CPUOffloadPolicy``): much less accelerator memory, slower steps. Only meaningful on GPUs, and not yet
+            run there (Lightning's strategy moves the module to the device after ``configure_model``; check that
+            the shards stay on the CPU before relying on it).
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"model.sharding.{key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.param_dtype), reduce_dtype=_DTYPES.get(
+            self.reduce_dtype))  # fmt: skip
+        return {"mp_policy": policy, "reshard_after_forward": self.reshard_after_forward,
+                "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}  # fmt: skip
+
+
+def data_parallel_mesh(strategy: Any) -> Any:
+    """The data-parallel dimension of a ``ModelParallelStrategy``'s device mesh, after checking that the run is
+    purely data-parallel: ff has no tensor-parallel plan, so a ``tensor_parallel_size`` above 1 would give the ranks
+    of one group the same batch and shard nothing over them. Raises a ``ConfigError`` naming the strategy's keys.
+
+    Args:
+        strategy: Lightning's ``ModelParallelStrategy``, its environment set up (``device_mesh`` exists).
+    """
+    from ff_core.errors import ConfigError
+
+    mesh = strategy.device_mesh
+    dp, tp = mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
+    if tp > 1:
+        raise ConfigError(
+            "trainer.strategy",
+            f"ModelParallelStrategy with tensor_parallel_size={tp}: ff shards the trained networks with FSDP2 over "
+            f"the data-parallel dimension only (no tensor-parallel plan). Set init_args data_parallel_size: "
+            f"{dp * tp} (devices x num_nodes) and tensor_parallel_size: 1 (Lightning's 'auto' gives every device of "
+            "a node to tensor parallelism)",
+        )
+    return mesh["data_parallel"]
+
+
+def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) -> None:
+    """FSDP2 over every trained network: each of its :meth:`~ff_core.adapter.Adapter.sharding_blocks` is a
+    ``fully_shard`` unit (all-gathered for its own forward and backward only), then the network itself (its remaining
+    parameters: embeddings, norms, output projection). Gradients of every rank are reduce-scattered, so the ranks stay
+    identical; each holds ``1 / mesh.size()`` of every parameter.
+
+    Args:
+        adapter: the loaded adapter, LoRA applied (or its denoisers unfrozen).
+        mesh: the 1-D data-parallel device mesh (:func:`data_parallel_mesh`).
+        config: the FSDP2 settings.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = config.fsdp_kwargs()
+    blocks = adapter.sharding_blocks()
+    for name, network in adapter.denoisers().items():
+        for block in blocks.get(name, ()):
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(network, mesh=mesh, **kwargs)
+
+
+def local_numel(tensor: Tensor) -> int:
+    """Elements this rank stores of ``tensor`` (its shard of a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """``tensor`` whole: a DTensor is all-gathered (every rank of its mesh must call this), anything else returned."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@contextmanager
+def summoned(root: nn.Module | None) -> Iterator[None]:
+    """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only; a no-op for any
+    other module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it.
+
+    Args:
+        root: the strategy's model (``trainer.strategy.model``), or ``None``.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = root is not None and any(isinstance(m, FullyShardedDataParallel) for m in root.modules())
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False) if fsdp1 else nullcontext():
+        yield
+
+
+def full_parameters(network: nn.Module, keep: Callable[[str], bool] = lambda name: True) -> dict[str, Tensor]:
+    """The parameters of ``network`` whose name passes ``keep``, whole and detached, by their ``named_parameters()``
+    name (wrapper components included: peft finds its layers by those names; :func:`clean_name` them for a state
+    dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under FSDP1.
+
+    Args:
+        network: a trained network (``Adapter.denoisers()``).
+        keep: which names to read (gathering only what is needed: a LoRA's tensors, not the base weights).
+    """
+    return {name: full_tensor(p.detach()) for name, p in network.named_parameters() if keep(name)}

@@ -1,0 +1,188 @@
+"""Sharding seams in one process (issue 13): checkpoint keep-list and LoRA export through wrapper names, the trained
+networks' blocks, frozen components outside the module tree, the data-parallel rank from a strategy's device mesh.
+
+The 2-process FSDP2 runs against DDP are in tests/test_fsdp2.py. FSDP1 itself needs an accelerator ("FSDP needs a
+non-CPU accelerator device" in torch 2.13), so its renaming is exercised through torch's activation-checkpoint wrapper,
+which renames parameters the same way (``named_parameters()`` gains ``_checkpoint_wrapped_module.`` where FSDP1 adds
+``_fsdp_wrapped_module.``; state dicts keep the plain names) and which Lightning's FSDPStrategy applies too
+(``activation_checkpointing_policy``).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+from ff_core.data.dataflow import DataParallelCoords
+from ff_core.errors import ConfigError
+from ff_core.module import FlowModule, LoRAConfig, lora_state_dicts
+from ff_core.sharding import ShardingConfig, clean_name, data_parallel_mesh
+
+
+def loaded(tiny_sd3, lora: LoRAConfig | None) -> FlowModule:
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=lora)
+    module.configure_model()  # no trainer: loads, applies LoRA, detaches the frozen components
+    return module
+
+
+def saved_keys(module: FlowModule) -> set[str]:
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    return set(checkpoint["state_dict"])
+
+
+def wrap_blocks(module: FlowModule) -> None:
+    blocks = set(module.adapter.sharding_blocks()["transformer"])
+    apply_activation_checkpointing(module.adapter.transformer, check_fn=lambda m: m in blocks)
+    assert any("_checkpoint_wrapped_module." in n for n, _ in module.named_parameters())
+
+
+def test_clean_name_drops_every_wrapper_component():
+    name = "adapter.transformer.transformer_blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.attn.to_q.weight"
+    assert clean_name(name) == "adapter.transformer.transformer_blocks.0.attn.to_q.weight"
+    assert clean_name("_orig_mod.proj_out.lora_A.default.weight") == "proj_out.lora_A.default.weight"
+
+
+@pytest.mark.parametrize("lora", [LoRAConfig(rank=2, alpha=2.0), None], ids=["lora", "full"])
+def test_checkpoint_keeps_the_trained_tensors_of_wrapped_blocks(tiny_sd3, lora):
+    """Before the keep-list read state-dict names, a LoRA checkpoint of wrapped blocks kept only the LoRA layers
+    outside them (none here: empty under FSDP1, whose root wraps everything) and a full one lost the blocks' keys."""
+    module = loaded(tiny_sd3, lora)
+    expected = saved_keys(module)
+    assert expected and any(".transformer_blocks." in k for k in expected)
+    exported = lora_state_dicts(module.adapter) if lora else None
+    wrap_blocks(module)
+    assert saved_keys(module) == expected
+    if lora:  # the diffusers export reads peft's names, wrappers or not
+        again = lora_state_dicts(module.adapter)
+        assert set(again["transformer"]) == set(exported["transformer"])
+        for key, value in exported["transformer"].items():
+            assert torch.equal(again["transformer"][key], value), key
+
+
+def test_frozen_components_are_outside_the_module_tree_but_follow_it(tiny_sd3):
+    """No strategy can wrap or shard what is not a submodule; to() still moves (and casts) them with the module."""
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    adapter = module.adapter
+    assert [name for name, _ in adapter.named_children()] == ["transformer"]
+    assert set(adapter.detached_modules()) == {"vae", "text_encoder", "text_encoder_2", "text_encoder_3"}
+    assert not any(k.startswith(("adapter.vae.", "adapter.text_encoder")) for k in module.state_dict())
+    module.to(torch.float64)
+    assert adapter.vae.dtype == adapter.text_encoder_3.dtype == adapter.transformer.dtype == torch.float64
+    assert adapter.release_preprocessing() and set(adapter.detached_modules()) == {"vae"}
+    assert adapter.text_encoder is None
+    # A component assigned again is a submodule again (nn.Module's rule).
+    adapter.vae = adapter.vae
+    assert "vae" in dict(adapter.named_children()) and not adapter.detached_modules()
+
+
+def test_sharding_blocks_default_reads_the_diffusers_no_split_modules(tiny_sd3):
+    """The Adapter default (``_no_split_modules`` classes, outermost) finds SD3's joint blocks, as its override."""
+    from ff_core.adapter import Adapter
+
+    module = loaded(tiny_sd3, None)
+    adapter = module.adapter
+    default = Adapter.sharding_blocks(adapter)["transformer"]
+    assert default == list(adapter.transformer.transformer_blocks) == adapter.sharding_blocks()["transformer"]
+
+
+def test_sharding_config_names_a_bad_dtype():
+    with pytest.raises(ValueError, match="model.sharding.param_dtype"):
+        ShardingConfig(param_dtype="bf17")
+    kwargs = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32").fsdp_kwargs()
+    assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
+
+
+def trainer_with_mesh(dp: int, tp: int):
+    """A Trainer under ModelParallelStrategy whose device mesh is the one its setup_environment would build
+    (lightning.fabric.strategies.model_parallel._setup_device_mesh)."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import init_device_mesh
+
+    strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    strategy._device_mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    return trainer
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_data_parallel_rank_comes_from_the_strategys_mesh(fake_world, rank):
+    """The loader shards by the mesh's data-parallel coordinate (DataParallelCoords.from_trainer): 2 data-parallel
+    ranks split the data (rank r of 2); the 2 ranks of one tensor-parallel group get the same batches (rank 0 of 1),
+    whatever their global rank."""
+    fake_world(rank)
+    coords = DataParallelCoords.from_trainer(trainer_with_mesh(2, 1))
+    assert (coords.rank, coords.world_size) == (rank, 2)
+    coords = DataParallelCoords.from_trainer(trainer_with_mesh(1, 2))
+    assert (coords.rank, coords.world_size) == (0, 1)
+
+
+def test_a_tensor_parallel_mesh_is_refused_before_weights_load(fake_world, tiny_sd3):
+    """ff has no tensor-parallel plan: FlowModule.setup refuses the mesh Lightning's 'auto' sizes give one node
+    (every device tensor-parallel), naming the keys to set."""
+    fake_world(0)
+    assert data_parallel_mesh(trainer_with_mesh(2, 1).strategy).size() == 2
+    trainer = trainer_with_mesh(1, 2)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32})
+    module.trainer = trainer
+    with pytest.raises(ConfigError, match="data_parallel_size: 2"):
+        module.setup("validate")
+    assert module.adapter is None
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, sharding=ShardingConfig())
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ConfigError, match="model.sharding"):
+        module.setup("validate")
+    # GRPO all-reduces its own gradients (a DDP wrapper's job it switches off): refused under sharding strategies.
+    from ff_core.objectives import GRPOObjective
+
+    grpo = GRPOObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=grpo)
+    module.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="GRPOObjective runs on one device or under DDP"):
+        module.setup("validate")
+
+
+STRATEGY_RECIPES = {
+    "sft_tiny_fsdp2.yaml": ("ModelParallelStrategy", "data_parallel_size: 2"),
+    "sft_tiny_fsdp.yaml": ("FSDPStrategy", "sharding_strategy: FULL_SHARD"),
+    "sft_tiny_deepspeed.yaml": ("DeepSpeedStrategy", "exclude_frozen_parameters: true"),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(STRATEGY_RECIPES))
+def test_strategy_recipes_parse(recipe, capsys):
+    """`ff fit --config X --print_config` for every strategy recipe (the GPU ones are run by benchmarks/gpu_check.sh;
+    DeepSpeed need not be installed to parse)."""
+    from pathlib import Path
+
+    from ff_core.lightning_cli import run
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "sd3" / recipe
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    strategy, setting = STRATEGY_RECIPES[recipe]
+    assert f"class_path: lightning.pytorch.strategies.{strategy}" in printed and setting in printed
+
+
+def test_fsdp1_wraps_each_adapter_block(tiny_sd3):
+    """Under FSDPStrategy ff makes each of the adapter's blocks an FSDP unit (FSDP1 itself needs a GPU: here the
+    policy the strategy will wrap with is checked, on a strategy that has not wrapped anything yet)."""
+    from types import SimpleNamespace
+
+    from diffusers.models.attention import JointTransformerBlock
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="full")
+    strategy.parallel_devices = [torch.device("cpu")]
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    module._trainer = SimpleNamespace(strategy=strategy, datamodule=None)
+    module.configure_model()
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {JointTransformerBlock}
+    assert strategy.kwargs["use_orig_params"] is True  # Lightning's default, which a LoRA needs
