@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import MediaGeometry
 from ff_ltx2.audio import clock_window, log_mel, to_model_rate
@@ -571,6 +571,13 @@ class LTX2T2AVAdapter(Adapter):
             return float(cfg.get("shift", 1.0))
         mu = self._mu(state)
         return float(torch.tensor(mu).exp()) if cfg.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def training_sigmas(self, state: LatentState | None = None) -> Tensor:
+        """The checkpoint scheduler's own table (:func:`~ff_core.adapter.scheduler_sigma_table`, what diffusers'
+        training scripts index; ``timesteps.schedule: adapter``): LTX-2's uses dynamic shifting, so it is the unshifted
+        ``i / 1000``, the resolution-dependent shift applying only to sampling. The default continuous schedule draws
+        with :meth:`timestep_shift` of the batch's geometry instead."""
+        return scheduler_sigma_table(self.scheduler)
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """``LTX2Pipeline``'s sigmas: ``linspace(1, 1/N, N)`` through the scheduler's shift for ``state``'s video

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ff_core.testing.tiny import VIDEO_WORDS, build_gemma_tokenizer, seeded, write_wav
+from ff_core.testing.tiny import VIDEO_WORDS, build_gemma_tokenizer, seeded
 from ff_ltx2.adapter import video_vae_compression
 
 VARIANTS: tuple[str, ...] = ("t2av", "i2av")
@@ -205,6 +205,7 @@ def write_av_clips(
     """
     from PIL import Image
 
+    from ff_core.callbacks.media_log import audio_to_wav
     from ff_core.testing.moving_shapes import write_mp4
 
     if n < 2:
@@ -218,7 +219,8 @@ def write_av_clips(
         video = {"type": "video", "path": f"videos/{stem}.mp4", "fps": fps}
         audio = {"type": "audio", "path": f"audios/{stem}.wav", "sample_rate": rate}
         write_mp4(root / video["path"], clip, fps)
-        write_wav(root / audio["path"], tone, rate)
+        (root / audio["path"]).parent.mkdir(parents=True, exist_ok=True)  # ff's one WAV writer (media logging's)
+        (root / audio["path"]).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone.T)).float(), rate))
         return [video, audio]
 
     for i in range(n):

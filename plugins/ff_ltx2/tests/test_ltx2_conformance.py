@@ -19,7 +19,7 @@ from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
 from PIL import Image
 
 from ff_core.adapter import LatentState
-from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.conformance import AdapterConformance, vae_posterior_sample
 from ff_core.testing.reference import LatentLayout
 
 
@@ -98,6 +98,13 @@ class TestLTX2T2AVConformance(AdapterConformance):
                 out.update({f"{prefix}video_prompt_embeds": video, f"{prefix}audio_prompt_embeds": audio,
                             f"{prefix}prompt_attention_mask": connector_mask})  # fmt: skip
         return out
+
+    def reference_encode(self, pipe, adapter, targets, generator):
+        """The video VAE's posterior sample (drawn first, as ``encode_output`` draws video before audio), normalised
+        as ``LTX2Pipeline._normalize_latents`` does: ``(z - latents_mean) * scaling_factor / latents_std``."""
+        z = vae_posterior_sample(pipe.vae, targets, generator)
+        vae = pipe.vae
+        return pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
     def reference_media(self, adapter, output):
         """Frames in uint8 units; the waveform right-padded with silence to the clip's clock, as ff decodes it."""
