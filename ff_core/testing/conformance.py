@@ -92,7 +92,8 @@ class AdapterConformance:
         condition_atol: tolerance of the prompt encoding against the pipeline's.
         velocity_atol: tolerance of one denoiser call (and relative tolerance, times 10).
         sample_atol: tolerance of the final latents of a full sampling run.
-        media_atol: tolerance of decoded media in uint8 units (rounding: 1).
+        media_atol: tolerance of decoded images and videos in uint8 units (rounding: 1).
+        audio_atol: tolerance of decoded audio (float waveforms in [-1, 1]; 1e-4 is about 3 LSB of 16-bit PCM).
         encode_atol: tolerance of the clean latents ``encode_output`` gives against the pipeline VAE's posterior
             sample (same generator), normalised as the pipeline's latents are (:meth:`reference_encode`).
         roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE: coarse (a
@@ -113,6 +114,7 @@ class AdapterConformance:
     velocity_atol: ClassVar[float] = 1e-4
     sample_atol: ClassVar[float] = 1e-3
     media_atol: ClassVar[float] = 1.0
+    audio_atol: ClassVar[float] = 1e-4
     encode_atol: ClassVar[float] = 1e-4
     roundtrip_tolerance: ClassVar[float] = 64.0
     seed: ClassVar[int] = 7
@@ -389,13 +391,17 @@ class AdapterConformance:
                                                               embedded_guidance=scale))  # fmt: skip
 
     def check_decoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
-        """Decoding the pipeline's final latents gives the pipeline's media (to uint8 rounding)."""
+        """Decoding the pipeline's final latents gives the pipeline's media (images and videos to uint8 rounding,
+        audio waveforms to :attr:`audio_atol`)."""
         final = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
         ours = adapter.decode(final)
         theirs = self.reference_media(adapter, case.run.output)
+        kinds = adapter.io_contract.output_types
         for i, (a, b) in enumerate(zip(ours, theirs)):
             for j, (x, y) in enumerate(zip(a, b)):
-                check_close(f"decoded output {j} of sample {i} (uint8 units)", x.float(), y, atol=self.media_atol,
+                audio = kinds[j] is MediaType.AUDIO
+                units, atol = ("waveform", self.audio_atol) if audio else ("uint8 units", self.media_atol)
+                check_close(f"decoded output {j} of sample {i} ({units})", x.float(), y, atol=atol,
                             hint="The latents were the pipeline's, so decode differs: check the VAE latent "
                                  "normalisation (shift / scaling factors, latents_mean / latents_std) and the pixel "
                                  "range.")  # fmt: skip
