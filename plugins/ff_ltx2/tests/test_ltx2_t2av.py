@@ -280,3 +280,13 @@ def test_the_audio_stream_can_be_frozen(t2av, condition):
         grad = adapter.transformer.audio_proj_out.weight.grad
         assert (grad == 0).all() if frozen else grad.abs().sum() > 0
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_" in n)
+
+
+def test_the_plugin_declares_a_compatible_interface_version():
+    from ff_ltx2 import LTX2I2AVAdapter, plugin
+
+    from ff_core.plugins import interface_problem
+
+    for cls in (LTX2T2AVAdapter, LTX2I2AVAdapter):
+        assert interface_problem(plugin.ff_adapter_interface_version(), "ff-ltx2", cls) is None
+    assert [c.name for c in plugin.ff_adapters()] == ["ltx2_t2av", "ltx2_i2av"]
