@@ -1,0 +1,279 @@
+"""Direct reads of a flat ``BYTE_ARRAY`` column chunk's values (the tensors' ``_bytes``) from its Parquet pages.
+
+Decoding a ``_bytes`` column through pyarrow copies every value into a fresh Arrow buffer, and, for dictionary-encoded
+chunks (pyarrow's default, and what the card's reference writer produces), builds the column a second time from the
+dictionary. Neither copy is needed to hand out a tensor: a PLAIN value is a 4-byte length and the raw bytes. This
+module walks a chunk's pages (Parquet format spec: PageHeader, DataPageHeader/V2, DictionaryPageHeader; Thrift
+compact protocol) and returns, per row of the row group, where its value lies:
+
+* uncompressed pages: inside the file itself (the caller's memory map; no copy at all);
+* compressed pages: inside the page decompressed by ``pyarrow.decompress`` (the one unavoidable copy).
+
+Supported: data pages v1 and v2, PLAIN and (RLE_/PLAIN_)DICTIONARY encodings, an optional or required flat column
+(definition levels 0..1, no repetition), the codecs pyarrow can decompress as one block (snappy, zstd, gzip, brotli,
+lz4_raw). Anything else, and anything inconsistent (a length past its page, a page past its chunk), raises
+:class:`Unsupported`: the caller then decodes the chunk through pyarrow, which reads it or names the damage. The
+bytes of a value are never interpreted here; the reader checks them against ``_shape`` and ``_dtype`` as before.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Parquet enums (parquet.thrift): page types, encodings.
+DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
+PLAIN, PLAIN_DICTIONARY, RLE, RLE_DICTIONARY = 0, 2, 3, 8
+# Column-chunk codecs pyarrow.decompress inflates as one block, by the name pyarrow's metadata gives them. LZ4 (the
+# deprecated Hadoop-framed one) is left to pyarrow.
+CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli", "LZ4_RAW": "lz4_raw"}
+
+Value = tuple[pa.Buffer, int, int] | None  # (buffer, start, length) of one row's value; None for a null
+
+
+class Unsupported(Exception):
+    """The chunk is not one this module reads (or is inconsistent): decode it through pyarrow instead."""
+
+
+def chunk_values(file: pa.Buffer, chunk: pq.ColumnChunkMetaData, max_def: int, rows: int) -> list[Value]:
+    """Where each of the ``rows`` values of a flat ``BYTE_ARRAY`` column chunk lies.
+
+    Args:
+        file: the whole file (a memory-mapped buffer: uncompressed values are returned as slices of it).
+        chunk: the column chunk's metadata.
+        max_def: the column's maximum definition level (0 required, 1 optional).
+        rows: rows in the row group.
+
+    Raises:
+        Unsupported: see the module docstring.
+    """
+    if chunk.physical_type != "BYTE_ARRAY" or max_def > 1:
+        raise Unsupported(f"{chunk.physical_type} column with max definition level {max_def}")
+    codec = None if chunk.compression == "UNCOMPRESSED" else CODECS.get(chunk.compression)
+    if codec is None and chunk.compression != "UNCOMPRESSED":
+        raise Unsupported(f"codec {chunk.compression}")
+    start = chunk.data_page_offset
+    if chunk.has_dictionary_page and 0 < chunk.dictionary_page_offset < start:
+        start = chunk.dictionary_page_offset
+    end = start + chunk.total_compressed_size
+    if start < 0 or end > file.size:
+        raise Unsupported("column chunk outside the file")
+    view = _bytes_of(file)
+    out: list[Value] = []
+    dictionary: list[Value] | None = None
+    pos = start
+    try:
+        while len(out) < rows and pos < end:
+            header, body = read_struct(view, pos)
+            size = header.get(3, -1)
+            if size < 0 or body + size > end:
+                raise Unsupported("page past the end of its column chunk")
+            kind = header.get(1)
+            if kind == DICTIONARY_PAGE:
+                info = header.get(7, {})
+                if info.get(2, PLAIN) not in (PLAIN, PLAIN_DICTIONARY):
+                    raise Unsupported("dictionary page not PLAIN")
+                page = _inflate(file, body, size, header.get(2, -1), codec)
+                if codec is None:  # values stay in the file
+                    dictionary = _plain_values(view, file, info.get(1, 0), body, body + size)
+                else:
+                    dictionary = _plain_values(_bytes_of(page), page, info.get(1, 0), 0, len(page))
+            elif kind == DATA_PAGE:
+                out += _data_page_v1(file, view, header, body, size, codec, max_def, dictionary)
+            elif kind == DATA_PAGE_V2:
+                out += _data_page_v2(file, view, header, body, size, codec, max_def, dictionary)
+            elif kind != INDEX_PAGE:
+                raise Unsupported(f"page type {kind}")
+            pos = body + size
+    except (IndexError, struct.error, ValueError, pa.ArrowException) as exc:
+        raise Unsupported(f"unreadable page: {exc}") from None
+    if len(out) != rows:
+        raise Unsupported(f"{len(out)} values for {rows} rows")
+    return out
+
+
+def _inflate(file: pa.Buffer, body: int, size: int, raw_size: int, codec: str | None) -> pa.Buffer:
+    """A page's data: a slice of the file when uncompressed, else the page decompressed (one copy)."""
+    if codec is None:
+        return file.slice(body, size)
+    if raw_size < 0:
+        raise Unsupported("page without an uncompressed size")
+    return pa.decompress(file.slice(body, size), decompressed_size=raw_size, codec=codec, asbytes=False)
+
+
+def _data_page_v1(file: pa.Buffer, view: memoryview, header: dict, body: int, size: int, codec: str | None,
+                  max_def: int, dictionary: list[Value] | None) -> list[Value]:
+    info = header.get(5, {})
+    count = info.get(1, 0)
+    page = _inflate(file, body, size, header.get(2, -1), codec)
+    # Offsets below are inside `page`; an uncompressed page is the file itself, shifted by `body`.
+    data, base = (view, body) if codec is None else (_bytes_of(page), 0)
+    pos, levels = base, None
+    if max_def:
+        if info.get(3, RLE) != RLE:
+            raise Unsupported("definition levels not RLE")
+        n = int.from_bytes(data[pos: pos + 4], "little")
+        levels = hybrid(data[pos + 4: pos + 4 + n], 1, count)
+        pos += 4 + n
+    buffer = file if codec is None else page
+    return _values(data, buffer, pos, base + len(page), info.get(2, PLAIN), count, levels, dictionary)
+
+
+def _data_page_v2(file: pa.Buffer, view: memoryview, header: dict, body: int, size: int, codec: str | None,
+                  max_def: int, dictionary: list[Value] | None) -> list[Value]:
+    info = header.get(8, {})
+    count, def_len, rep_len = info.get(1, 0), info.get(5, 0), info.get(6, 0)
+    if rep_len or def_len < 0 or def_len > size:
+        raise Unsupported("repetition levels in a flat column")
+    # Levels are never compressed in a v2 page; the values after them are unless is_compressed is false.
+    levels = hybrid(view[body: body + def_len], 1, count) if max_def else None
+    values_at, values_size = body + def_len, size - def_len
+    if codec is None or not info.get(7, True):
+        return _values(view, file, values_at, values_at + values_size, info.get(4, PLAIN), count, levels, dictionary)
+    page = _inflate(file, values_at, values_size, header.get(2, -1) - def_len, codec)
+    return _values(_bytes_of(page), page, 0, len(page), info.get(4, PLAIN), count, levels, dictionary)
+
+
+def _values(data: memoryview, buffer: pa.Buffer, pos: int, end: int, encoding: int, count: int,
+            levels: list[int] | None, dictionary: list[Value] | None) -> list[Value]:
+    """The ``count`` values of a data page whose encoded values start at ``data[pos]``; nulls where a level is 0."""
+    if levels is not None and any(level > 1 for level in levels):
+        raise Unsupported("definition level above 1 in a flat column")
+    present = count if levels is None else sum(levels)
+    if encoding == PLAIN:
+        found = _plain_values(data, buffer, present, pos, end)
+    elif encoding in (RLE_DICTIONARY, PLAIN_DICTIONARY):
+        if dictionary is None:
+            raise Unsupported("dictionary-encoded page without a dictionary page")
+        indices = hybrid(data[pos + 1: end], data[pos], present) if present else []
+        if any(k >= len(dictionary) for k in indices):
+            raise Unsupported("dictionary index out of range")
+        found = [dictionary[k] for k in indices]
+    else:
+        raise Unsupported(f"encoding {encoding}")
+    if levels is None or present == count:
+        return found
+    values = iter(found)
+    return [next(values) if level else None for level in levels]
+
+
+def _plain_values(data: memoryview, buffer: pa.Buffer, count: int, pos: int, end: int) -> list[Value]:
+    """``count`` PLAIN ``BYTE_ARRAY`` values (4-byte little-endian length, then the bytes) from ``data[pos]`` up to
+    ``data[end]``; positions in ``data`` are positions in ``buffer``."""
+    out: list[Value] = []
+    for _ in range(count):
+        n = int.from_bytes(data[pos: pos + 4], "little")
+        if pos + 4 + n > end:
+            raise Unsupported("value past the end of its page")
+        out.append((buffer, pos + 4, n))
+        pos += 4 + n
+    return out
+
+
+def hybrid(data: memoryview, width: int, count: int) -> list[int]:
+    """``count`` values of Parquet's RLE / bit-packed hybrid encoding of ``width``-bit integers (no length prefix)."""
+    out: list[int] = []
+    pos, nbytes = 0, (width + 7) // 8
+    while len(out) < count:
+        header, pos = varint(data, pos)
+        if header & 1:  # bit-packed: (header >> 1) groups of 8 values, little-endian bit order
+            size = (header >> 1) * width
+            raw = np.frombuffer(data[pos: pos + size], dtype=np.uint8)
+            if len(raw) != size or not size:
+                raise Unsupported("bit-packed run past its data")
+            bits = np.unpackbits(raw, bitorder="little").reshape(-1, width)
+            out += (bits @ (1 << np.arange(width, dtype=np.int64))).tolist()
+            pos += size
+        else:  # run: (header >> 1) repeats of one value
+            if header < 2:
+                raise Unsupported("empty run")
+            out += [int.from_bytes(data[pos: pos + nbytes], "little")] * min(header >> 1, count - len(out))
+            pos += nbytes
+    return out[:count]
+
+
+# Thrift compact protocol (thrift/doc/specs/thrift-compact-protocol.md): just enough to read a page header.
+def varint(data: Any, pos: int) -> tuple[int, int]:
+    """An unsigned LEB128 varint at ``data[pos]``; returns it and the position after it."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise Unsupported("varint too long")
+
+
+def _zigzag(n: int) -> int:
+    return (n >> 1) ^ -(n & 1)
+
+
+def _read_value(data: Any, pos: int, kind: int) -> tuple[Any, int]:
+    if kind in (1, 2):  # booleans live in the field header
+        return kind == 1, pos
+    if kind == 3:
+        return data[pos], pos + 1
+    if kind in (4, 5, 6):
+        n, pos = varint(data, pos)
+        return _zigzag(n), pos
+    if kind == 7:
+        return struct.unpack_from("<d", data, pos)[0], pos + 8
+    if kind == 8:
+        n, pos = varint(data, pos)
+        return None, pos + n  # binary fields of a page header (statistics) are skipped unread
+    if kind in (9, 10):
+        head = data[pos]
+        pos += 1
+        n, elem = head >> 4, head & 0x0F
+        if n == 15:
+            n, pos = varint(data, pos)
+        items = []
+        for _ in range(n):
+            if elem in (1, 2):
+                item, pos = data[pos] == 1, pos + 1
+            else:
+                item, pos = _read_value(data, pos, elem)
+            items.append(item)
+        return items, pos
+    if kind == 11:
+        n, pos = varint(data, pos)
+        if n:
+            types = data[pos]
+            pos += 1
+            for _ in range(n):
+                _, pos = _read_value(data, pos, types >> 4)
+                _, pos = _read_value(data, pos, types & 0x0F)
+        return None, pos
+    if kind == 12:
+        return read_struct(data, pos)
+    raise Unsupported(f"thrift type {kind}")
+
+
+def read_struct(data: Any, pos: int) -> tuple[dict[int, Any], int]:
+    """A Thrift compact struct at ``data[pos]`` as ``{field id: value}``; returns it and the position after it."""
+    out: dict[int, Any] = {}
+    field = 0
+    while True:
+        head = data[pos]
+        pos += 1
+        if head == 0:
+            return out, pos
+        kind, delta = head & 0x0F, head >> 4
+        if delta:
+            field += delta
+        else:
+            n, pos = varint(data, pos)
+            field = _zigzag(n)
+        out[field], pos = _read_value(data, pos, kind)
+
+
+def _bytes_of(buffer: pa.Buffer) -> memoryview:
+    # An Arrow buffer exports signed chars ("b"): index it as unsigned bytes.
+    return memoryview(buffer).cast("B")
