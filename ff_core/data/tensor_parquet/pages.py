@@ -28,9 +28,10 @@ import pyarrow.parquet as pq
 # Parquet enums (parquet.thrift): page types, encodings.
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 PLAIN, PLAIN_DICTIONARY, RLE, RLE_DICTIONARY = 0, 2, 3, 8
-# Column-chunk codecs pyarrow.decompress inflates as one block, by the name pyarrow's metadata gives them. LZ4 (the
-# deprecated Hadoop-framed one) is left to pyarrow.
-CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli", "LZ4_RAW": "lz4_raw"}
+# Column-chunk codecs pyarrow.decompress inflates as one block, by the name pyarrow's metadata gives them. pyarrow
+# names LZ4_RAW (what it writes for "lz4") "LZ4"; a page framed as the deprecated Hadoop LZ4 is left to pyarrow.
+CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli", "LZ4_RAW": "lz4_raw",
+          "LZ4": "lz4_raw"}
 
 Value = tuple[pa.Buffer, int, int] | None  # (buffer, start, length) of one row's value; None for a null
 
@@ -102,6 +103,8 @@ def _inflate(file: pa.Buffer, body: int, size: int, raw_size: int, codec: str | 
         return file.slice(body, size)
     if raw_size < 0:
         raise Unsupported("page without an uncompressed size")
+    if codec == "lz4_raw" and size >= 8 and file.slice(body, 8).to_pybytes() == struct.pack(">II", raw_size, size - 8):
+        raise Unsupported("Hadoop-framed LZ4 page")
     return pa.decompress(file.slice(body, size), decompressed_size=raw_size, codec=codec, asbytes=False)
 
 

@@ -228,11 +228,12 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             except Unsupported:
                 continue  # decoded by pyarrow below, which reads it or names what is wrong with it
         rest = [t + BYTES for t in self.tensor_names if t not in values]
-        table = self._read(f, g, self._small_columns + rest)
+        self.chunk_reads.update({"direct": len(values), "pyarrow": len(rest)})
+        # A chunk the page reader refused is the likeliest culprit when pyarrow fails: name it.
+        table = self._read(f, g, self._small_columns + rest, rest[0] if rest and self.direct else None)
         for t in self.tensor_names:
             if t not in values:
                 values[t] = _arrow_values(table.column(t + BYTES))
-        self.chunk_reads.update({"direct": len(self.tensor_names) - len(rest), "pyarrow": len(rest)})
         group = _Group(mapped, {c: table.column(c).to_pylist() for c in self._small_columns}, values)
         if rows > 1 and self.cached_groups > 0:
             self._groups[gid] = group
@@ -253,11 +254,11 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 self._shape_groups.popitem(last=False)
         return table
 
-    def _read(self, f: int, g: int, columns: list[str]) -> pa.Table:
+    def _read(self, f: int, g: int, columns: list[str], suspect: str | None = None) -> pa.Table:
         try:
             return self._file(f).read_row_group(g, columns)
         except (OSError, pa.ArrowException) as exc:
-            raise DatasetError(self.files[f], None, None, f"row group {g}: cannot be read: {exc}") from None
+            raise DatasetError(self.files[f], None, suspect, f"row group {g}: cannot be read: {exc}") from None
 
     def _file(self, f: int) -> _Mapped:
         handles = self._handles
