@@ -171,3 +171,23 @@ def test_hybrid_decoding():
     assert hybrid(memoryview(bytes([(1 << 1) | 1, 0b00000101])), 1, 3) == [1, 0, 1]
     with pytest.raises(Unsupported):
         hybrid(memoryview(bytes([(2 << 1) | 1, 0xFF])), 1, 16)  # two groups announced, one byte given
+
+
+@pytest.mark.parametrize("compression", ["none", "snappy"])
+def test_a_worker_sends_each_row_as_one_shared_buffer(tmp_path, compression):
+    """In a DataLoader worker a row's tensors are read into one shared-memory buffer: the main process receives one
+    segment per row (not one per tensor) and the same values as a main-process read."""
+    rows = rows_of_every_dtype()
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=tensor_schema({"id": pa.string()}, list(TENSOR_DTYPES))), path,
+                   row_group_size=2, compression=compression)
+    ds = TensorParquetDataset(tmp_path)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    for i, row in enumerate(loader):
+        tensors = [t for t in row.values() if isinstance(t, torch.Tensor) and t.numel()]
+        if tensors:  # row 2 holds empty tensors only
+            assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1, i
+            assert tensors[0].untyped_storage().is_shared()
+        expected = ds[i]
+        assert all(encode_tensor(row[k]) == encode_tensor(v) for k, v in expected.items()
+                   if isinstance(v, torch.Tensor)), i

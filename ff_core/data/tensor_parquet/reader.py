@@ -149,8 +149,12 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         f, g, r, gid = self.index.locate(i)
         group = self._row_group(gid, f, g)
         row: dict[str, Any] = {s: group.small[s][r] for s in self.scalar_names}
+        pending: dict[str, tuple[Value, list[int], torch.dtype]] = {}
         for t in self.tensor_names:
-            row[t] = self._tensor(group, t, r, i)
+            checked = self._checked(group, t, r, i)
+            row[t] = None if checked is None else self._tensor(group, checked, pending, t)
+        if pending:
+            row.update(self._arena(group.mapped, pending))
         return row
 
     def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
@@ -189,20 +193,51 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             raise IndexError(f"row {i} out of range for {n} rows of {self.root}")
         return i + n if i < 0 else i
 
-    def _tensor(self, group: _Group, name: str, r: int, i: int) -> torch.Tensor | None:
+    def _checked(self, group: _Group, name: str, r: int, i: int) -> tuple[Value, list[int], torch.dtype] | None:
+        """Row ``r``'s value of tensor ``name``, its shape and dtype, checked; ``None`` for the absent placeholder."""
         value = group.values[name][r]
         length = None if value is None else value[2]
         shape, dtype = group.small[name + SHAPE][r], group.small[name + DTYPE][r]
-        if is_empty_triplet(length, shape, dtype):  # an absent tensor's placeholder
+        if is_empty_triplet(length, shape, dtype):
             return None
         problem = tensor_problem(length, shape, dtype)
         if problem is not None:
             raise self._row_error(i, name + problem[0], problem[1])
-        buf, start, length = value
-        if buf is group.mapped.buffer and length:  # an uncompressed value: read into memory the tensor owns
-            return group.mapped.pread(start, length).view(tensor_dtype(dtype)).view(tuple(shape))
-        tensor = decode_buffer(buf, start, shape, dtype)
+        return value, shape, tensor_dtype(dtype)
+
+    def _tensor(self, group: _Group, checked: tuple[Value, list[int], torch.dtype],
+                pending: dict[str, tuple[Value, list[int], torch.dtype]], name: str) -> torch.Tensor | None:
+        """The tensor, or ``None`` with the value left in ``pending`` for :meth:`_arena`: an uncompressed value (read
+        from the file), or, in a DataLoader worker, any value (so the row crosses to the main process in one piece)."""
+        (buf, start, length), shape, dtype = checked
+        if length and (buf is group.mapped.buffer or _in_worker()):
+            pending[name] = checked
+            return None
+        tensor = decode_buffer(buf, start, shape, str(dtype).removeprefix("torch."))
         return tensor.clone() if self.copy else tensor
+
+    @staticmethod
+    def _arena(mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+        """The pending tensors of a row, in one buffer the row's tensors share (slots 64-byte aligned, so a view of
+        any dtype is aligned): file values ``pread`` into it (one kernel copy), the others copied in.
+
+        One buffer per row instead of one per tensor: in a DataLoader worker it is shared memory, so torch sends the
+        row to the main process as one segment (one file descriptor passed, one mapping) without copying it again.
+        """
+        slots, total = {}, 0
+        for name, ((_, _, length), _, _) in pending.items():
+            slots[name] = total
+            total += -(-length // 64) * 64
+        arena = _allocate(total)
+        out = {}
+        for name, ((buf, start, length), shape, dtype) in pending.items():
+            slot = arena[slots[name]: slots[name] + length]
+            if buf is mapped.buffer:
+                mapped.pread_into(slot, start)
+            else:
+                slot.copy_(decode_buffer(buf, start, [length], "uint8"))
+            out[name] = slot.view(dtype).view(tuple(shape))
+        return out
 
     def _row_error(self, i: int, column: str, reason: str) -> DatasetError:
         f, g, r, _ = self.index.locate(i)
@@ -321,15 +356,11 @@ class _Mapped:
         self.release(*_chunk_range(chunk))  # the pages its headers and its codec touched
         return found
 
-    def pread(self, start: int, length: int) -> torch.Tensor:
-        """File bytes ``start`` to ``start + length`` as a new uint8 tensor."""
-        # Arrow's allocator (mimalloc or jemalloc) keeps freed memory for the next read: a fresh buffer from the C
-        # allocator costs page faults on every read, which made the copy ~1.5x slower here.
-        out = pa.allocate_buffer(length)
-        got = os.preadv(self.fd, [memoryview(out)], start)
-        if got != length:  # the file shrank since its footer was read
-            raise DatasetError(self.path, None, None, f"bytes {start}..{start + length}: only {got} could be read")
-        return torch.frombuffer(memoryview(out), dtype=torch.uint8)
+    def pread_into(self, out: torch.Tensor, start: int) -> None:
+        """Fill the uint8 tensor ``out`` with the file's bytes from ``start``."""
+        got = os.preadv(self.fd, [memoryview(out.numpy())], start)
+        if got != out.numel():  # the file shrank since its footer was read
+            raise DatasetError(self.path, None, None, f"bytes {start}..{start + out.numel()}: only {got} could be read")
 
     def release(self, start: int, end: int) -> None:
         """Drop the file pages of bytes ``start`` to ``end`` from the resident set (they stay in the page cache)."""
@@ -337,6 +368,22 @@ class _Mapped:
         end = min(end, len(self.map))
         if hasattr(self.map, "madvise") and end > start:
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _in_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _allocate(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uint8: shared memory in a DataLoader worker (torch sends it without a copy), else memory from
+    Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row: a fresh buffer from the C
+    allocator costs page faults on every read, ~1.5x the copy here)."""
+    if _in_worker():
+        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate allocates with
+        if new_shared is not None:
+            return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.frombuffer(memoryview(pa.allocate_buffer(nbytes)), dtype=torch.uint8)
 
 
 def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
