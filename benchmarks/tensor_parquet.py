@@ -31,8 +31,10 @@ destination buffer (what a collate into a batch buffer does), timed apart from t
 ``cpu`` is the process CPU time per row of read + consume: on a shared machine it moves less with other jobs than the
 wall time does.
 
-``DataLoader``: ff with 1 and 2 workers (``batch_size=None``; tensors cross to the main process in shared memory),
-with the time each row's read took inside its worker beside the main process's.
+``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``; a worker reads each row into one
+shared-memory buffer, which crosses to the main process as one segment), each row consumed in the main process as
+above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
+fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).
@@ -241,59 +243,23 @@ class TimedReads(torch.utils.data.Dataset):
         return {"read_s": time.perf_counter() - start, "read_cpu_s": time.thread_time() - cpu, **row}
 
 
-def pack_rows(rows: list[dict]) -> list[dict]:
-    """A batch collator: every tensor of the batch copied once into one buffer, allocated in shared memory inside a
-    worker (as ``default_collate`` stacks), so the batch crosses to the main process as one segment, uncopied."""
-    def nbytes(t: torch.Tensor) -> int:
-        return -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned slots: views of any dtype
-
-    total = sum(nbytes(v) for r in rows for v in r.values() if isinstance(v, torch.Tensor))
-    if torch.utils.data.get_worker_info() is not None:
-        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
-    else:
-        buffer = torch.empty(total, dtype=torch.uint8)
-    out, at = [], 0
-    for row in rows:
-        packed = {}
-        for key, value in row.items():
-            if isinstance(value, torch.Tensor):
-                n = value.numel() * value.element_size()
-                slot = buffer[at: at + n]
-                slot.copy_(value.reshape(-1).view(torch.uint8))
-                packed[key] = slot.view(value.dtype).view(value.shape)
-                at += nbytes(value)
-            else:
-                packed[key] = value
-        out.append(packed)
-    return out
-
-
 def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float, workers: int,
-                consume: Consumer, batch: int | None = None) -> dict:
-    """Rows delivered (and consumed) by a DataLoader with ``workers`` workers, the main process's CPU time per row,
-    and the per-row read time inside the workers; ``batch``: rows packed per batch by :func:`pack_rows`."""
-    loader = torch.utils.data.DataLoader(
-        TimedReads(ds), batch_size=batch, collate_fn=pack_rows if batch else None, sampler=order.tolist(),
-        num_workers=workers, prefetch_factor=2 if workers else None, persistent_workers=False)
+                consume: Consumer) -> dict:
+    """Rows delivered (and consumed) by a DataLoader with ``workers`` workers (``batch_size=None``), the main
+    process's CPU time per row, and the per-row read time inside the workers."""
+    loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=workers,
+                                         prefetch_factor=2 if workers else None, persistent_workers=False)
     it = iter(loader)
     next(it)  # workers started and primed: measure the steady state
     reads: list[tuple[float, float]] = []
 
-    def deliver(_: int) -> list[dict]:
-        item = next(it)
-        rows = item if batch else [item]
-        reads.extend((r["read_s"], r["read_cpu_s"]) for r in rows)
-        return rows
+    def deliver(_: int) -> dict:
+        row = next(it)
+        reads.append((row.pop("read_s"), row.pop("read_cpu_s")))
+        return row
 
-    def use(rows: list[dict]) -> None:
-        for row in rows:
-            consume(row)
-
-    steps = (len(order) - (batch or 1)) // (batch or 1)
-    r = timed(deliver, iter(range(steps)), budget, row_bytes * (batch or 1), use)
-    per_row = {k: r[k] / (batch or 1) for k in ("ms_row", "read_ms", "consume_ms", "cpu_ms")}
-    return {**r, **per_row, "rows_s": r["rows_s"] * (batch or 1), "rows": r["rows"] * (batch or 1),
-            "worker_ms_row": 1e3 * sum(a for a, _ in reads) / len(reads),
+    r = timed(deliver, iter(range(len(order) - 1)), budget, row_bytes, consume)
+    return {**r, "worker_ms_row": 1e3 * sum(a for a, _ in reads) / len(reads),
             "worker_cpu_ms_row": 1e3 * sum(b for _, b in reads) / len(reads)}
 
 
@@ -359,9 +325,8 @@ def row_line(layout: str, name: str, r: dict) -> str:
             f"{r['consume_ms']:.2f} | {r['read_ms'] + r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
 
 
-# (layout, two-level order, workers, rows per batch packed by pack_rows or None: one row per item, unpacked)
-LOADERS = [("ff", False, 0, None), ("ff", False, 1, None), ("ff", False, 2, None), ("ff", False, 2, 4),
-           ("reference", True, 2, None), ("reference", True, 2, 4)]
+# (layout, two-level order, workers): 0 workers is the DataLoader reading in the main process.
+LOADERS = [("ff", False, 0), ("ff", False, 1), ("ff", False, 2), ("reference", True, 0), ("reference", True, 2)]
 
 
 def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool) -> dict:
@@ -380,16 +345,16 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(row_line("-", name, r))
-    print("\n| layout, order | workers | batch | rows/s | GB/s | ms/row delivered + consumed | main cpu ms/row "
-          "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|---|")
-    for layout, two_level, workers, batch in LOADERS:
+    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered + consumed | main process: cpu ms/row "
+          "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|")
+    for layout, two_level, workers in LOADERS:
         ds = TensorParquetDataset(work / layout, cached_groups=4)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
-        r = results[f"{layout}/loader{workers}" + (f"x{batch}" if batch else "")] = best_of(
-            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume, batch))
-        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {batch or '-'} | "
-              f"{r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | "
-              f"{r['worker_ms_row']:.2f} | {r['worker_cpu_ms_row']:.2f} |")
+        r = results[f"{layout}/loader{workers}"] = best_of(
+            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
+        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {r['rows_s']:.1f} | "
+              f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | {r['worker_ms_row']:.2f} | "
+              f"{r['worker_cpu_ms_row']:.2f} |")
     r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
     print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
           f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
