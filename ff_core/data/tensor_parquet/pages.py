@@ -6,7 +6,7 @@ dictionary. Neither copy is needed to hand out a tensor: a PLAIN value is a 4-by
 module walks a chunk's pages (Parquet format spec: PageHeader, DataPageHeader/V2, DictionaryPageHeader; Thrift
 compact protocol) and returns, per row of the row group, where its value lies:
 
-* uncompressed pages: inside the file itself (the caller's memory map; no copy at all);
+* uncompressed pages: a range of the file itself (nothing copied yet: the reader ``pread`` s it into the tensor);
 * compressed pages: inside the page decompressed by ``pyarrow.decompress`` (the one unavoidable copy).
 
 Supported: data pages v1 and v2, PLAIN and (RLE_/PLAIN_)DICTIONARY encodings, an optional or required flat column
