@@ -218,7 +218,7 @@ def _zigzag(n: int) -> int:
     return (n >> 1) ^ -(n & 1)
 
 
-def _read_value(data: Any, pos: int, kind: int) -> tuple[Any, int]:
+def _read_value(data: Any, pos: int, kind: int, depth: int) -> tuple[Any, int]:
     if kind in (1, 2):  # booleans live in the field header
         return kind == 1, pos
     if kind == 3:
@@ -227,7 +227,7 @@ def _read_value(data: Any, pos: int, kind: int) -> tuple[Any, int]:
         n, pos = varint(data, pos)
         return _zigzag(n), pos
     if kind == 7:
-        return struct.unpack_from("<d", data, pos)[0], pos + 8
+        return None, pos + 8  # no double in a page header ff reads
     if kind == 8:
         n, pos = varint(data, pos)
         return None, pos + n  # binary fields of a page header (statistics) are skipped unread
@@ -237,31 +237,30 @@ def _read_value(data: Any, pos: int, kind: int) -> tuple[Any, int]:
         n, elem = head >> 4, head & 0x0F
         if n == 15:
             n, pos = varint(data, pos)
-        items = []
         for _ in range(n):
-            if elem in (1, 2):
-                item, pos = data[pos] == 1, pos + 1
-            else:
-                item, pos = _read_value(data, pos, elem)
-            items.append(item)
-        return items, pos
+            _, pos = (None, pos + 1) if elem in (1, 2) else _read_value(data, pos, elem, depth + 1)
+        return None, pos  # no list in a page header ff reads
     if kind == 11:
         n, pos = varint(data, pos)
         if n:
             types = data[pos]
             pos += 1
             for _ in range(n):
-                _, pos = _read_value(data, pos, types >> 4)
-                _, pos = _read_value(data, pos, types & 0x0F)
+                _, pos = _read_value(data, pos, types >> 4, depth + 1)
+                _, pos = _read_value(data, pos, types & 0x0F, depth + 1)
         return None, pos
     if kind == 12:
-        return read_struct(data, pos)
+        return read_struct(data, pos, depth + 1)
     raise Unsupported(f"thrift type {kind}")
 
 
-def read_struct(data: Any, pos: int) -> tuple[dict[int, Any], int]:
-    """A Thrift compact struct at ``data[pos]`` as ``{field id: value}``; returns it and the position after it."""
-    out: dict[int, Any] = {}
+def read_struct(data: Any, pos: int, depth: int = 0) -> tuple[dict[int, Any] | None, int]:
+    """A Thrift compact struct at ``data[pos]`` as ``{field id: value}``; returns it and the position after it.
+
+    Only the page header and the page-type header inside it are kept (``depth`` 0 and 1); deeper structs (the
+    statistics) are skipped without building them.
+    """
+    out: dict[int, Any] | None = {} if depth < 2 else None
     field = 0
     while True:
         head = data[pos]
@@ -274,7 +273,9 @@ def read_struct(data: Any, pos: int) -> tuple[dict[int, Any], int]:
         else:
             n, pos = varint(data, pos)
             field = _zigzag(n)
-        out[field], pos = _read_value(data, pos, kind)
+        value, pos = _read_value(data, pos, kind, depth)
+        if out is not None:
+            out[field] = value
 
 
 def _bytes_of(buffer: pa.Buffer) -> memoryview:

@@ -255,7 +255,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             self._groups.move_to_end(gid)
             return self._groups[gid]
         mapped = self._file(f)
-        rows = mapped.file.metadata.row_group(g).num_rows
+        rows = self.index.group_rows[f][g]
         values: dict[str, list[Value]] = {}
         for t in self.tensor_names if self.direct else ():
             try:
@@ -337,22 +337,25 @@ class _Mapped:
         self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
-        schema = self.file.metadata.schema
-        # Flat columns only: a nested one (a list) has a dotted path and is never a _bytes column.
-        self.columns = {schema.column(c).path: c for c in range(len(schema))}
+        self.meta = self.file.metadata  # one wrapper, not one per access
+        schema = self.meta.schema
+        # Flat columns only (a nested one, a list, has a dotted path and is never a _bytes column): column index
+        # and maximum definition level by name.
+        self.columns = {schema.column(c).path: (c, schema.column(c).max_definition_level)
+                        for c in range(len(schema)) if not schema.column(c).max_repetition_level}
 
     def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
         table = self.file.read_row_group(g, columns=columns, use_threads=False)
-        self.release(*_byte_range(self.file.metadata.row_group(g)))
+        self.release(*_byte_range(self.meta.row_group(g)))
         return table
 
     def values(self, g: int, column: str, rows: int) -> list[Value]:
         """Where each row's value of ``column`` lies in row group ``g`` (:func:`~.pages.chunk_values`)."""
-        c = self.columns.get(column)
-        if c is None or self.file.metadata.schema.column(c).max_repetition_level:
+        if column not in self.columns:
             raise Unsupported(f"{column}: not a flat column")
-        chunk = self.file.metadata.row_group(g).column(c)
-        found = chunk_values(self.buffer, chunk, self.file.metadata.schema.column(c).max_definition_level, rows)
+        c, max_def = self.columns[column]
+        chunk = self.meta.row_group(g).column(c)
+        found = chunk_values(self.buffer, chunk, max_def, rows)
         self.release(*_chunk_range(chunk))  # the pages its headers and its codec touched
         return found
 
@@ -388,8 +391,11 @@ def _allocate(nbytes: int) -> torch.Tensor:
 
 def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
     """The file bytes holding a row group's column chunks."""
-    ranges = [_chunk_range(group.column(c)) for c in range(group.num_columns)]
-    return min((a for a, _ in ranges), default=0), max((b for _, b in ranges), default=0)
+    # Writers lay a group's column chunks out in column order (Arrow's does): its first and last chunks bound it.
+    # Were they out of order, some touched pages would stay mapped until the file is closed; nothing reads wrong.
+    if not group.num_columns:
+        return 0, 0
+    return _chunk_range(group.column(0))[0], _chunk_range(group.column(group.num_columns - 1))[1]
 
 
 def _chunk_range(chunk: pq.ColumnChunkMetaData) -> tuple[int, int]:
