@@ -191,3 +191,8 @@ def test_a_worker_sends_each_row_as_one_shared_buffer(tmp_path, compression):
         expected = ds[i]
         assert all(encode_tensor(row[k]) == encode_tensor(v) for k, v in expected.items()
                    if isinstance(v, torch.Tensor)), i
+    # The same layout on demand in the main process; never otherwise.
+    assert ds[0]["float32"].untyped_storage().is_shared() is False
+    shared = TensorParquetDataset(tmp_path, shared_memory=True)[0]
+    assert len({t.untyped_storage().data_ptr() for t in shared.values() if isinstance(t, torch.Tensor)}) == 1
+    assert shared["float32"].untyped_storage().is_shared()

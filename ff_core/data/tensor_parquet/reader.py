@@ -15,7 +15,9 @@ so a read decodes exactly one row. Files of other writers often hold many rows p
 part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are served without
 decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.two_level_order`) to use it.
 
-The dataset pickles without open files or caches: DataLoader workers open their own, lazily.
+The dataset pickles without open files or caches: DataLoader workers open their own, lazily. In a worker, a row's
+tensors are read (or copied) into one shared-memory buffer, so the row crosses to the main process as one segment
+without torch copying it again (``shared_memory``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         copy: return writable tensors that own their memory, never views into a decoded buffer.
         direct: locate ``_bytes`` values in their pages (:mod:`.pages`); ``False`` decodes every column through
             pyarrow (the reference the direct path is tested against; slower, same results and errors).
+        shared_memory: put each row's tensors in one shared-memory buffer (what a DataLoader worker returns without
+            another copy); ``None``: inside a DataLoader worker only.
 
     Attributes:
         tensor_names: the tensors a row holds, in column order.
@@ -79,7 +83,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
 
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
-                 cached_groups: int = 4, open_files: int = 128, copy: bool = False, direct: bool = True) -> None:
+                 cached_groups: int = 4, open_files: int = 128, copy: bool = False, direct: bool = True,
+                 shared_memory: bool | None = None) -> None:
         if cached_groups < 0 or open_files < 1:
             bad = "cached_groups must be >= 0" if cached_groups < 0 else "open_files must be >= 1"
             raise ValueError(f"TensorParquetDataset: {bad}, got {cached_groups if cached_groups < 0 else open_files}")
@@ -102,6 +107,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
         self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
+        self.shared_memory = shared_memory
         self._reset()
 
     def _reset(self) -> None:
@@ -154,7 +160,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             checked = self._checked(group, t, r, i)
             row[t] = None if checked is None else self._tensor(group, checked, pending, t)
         if pending:
-            row.update(self._arena(group.mapped, pending))
+            row.update(self._arena(group.mapped, pending, self._shared()))
         return row
 
     def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
@@ -210,14 +216,20 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         """The tensor, or ``None`` with the value left in ``pending`` for :meth:`_arena`: an uncompressed value (read
         from the file), or, in a DataLoader worker, any value (so the row crosses to the main process in one piece)."""
         (buf, start, length), shape, dtype = checked
-        if length and (buf is group.mapped.buffer or _in_worker()):
+        if length and (buf is group.mapped.buffer or self._shared()):
             pending[name] = checked
             return None
         tensor = decode_buffer(buf, start, shape, str(dtype).removeprefix("torch."))
         return tensor.clone() if self.copy else tensor
 
+    def _shared(self) -> bool:
+        if self.shared_memory is None:  # as default_collate decides where to stack a batch
+            return torch.utils.data.get_worker_info() is not None
+        return self.shared_memory
+
     @staticmethod
-    def _arena(mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+    def _arena(mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]],
+               shared: bool) -> dict[str, torch.Tensor]:
         """The pending tensors of a row, in one buffer the row's tensors share (slots 64-byte aligned, so a view of
         any dtype is aligned): file values ``pread`` into it (one kernel copy), the others copied in.
 
@@ -228,7 +240,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         for name, ((_, _, length), _, _) in pending.items():
             slots[name] = total
             total += -(-length // 64) * 64
-        arena = _allocate(total)
+        arena = _allocate(total, shared)
         out = {}
         for name, ((buf, start, length), shape, dtype) in pending.items():
             slot = arena[slots[name]: slots[name] + length]
@@ -373,15 +385,11 @@ class _Mapped:
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def _in_worker() -> bool:
-    return torch.utils.data.get_worker_info() is not None
-
-
-def _allocate(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of uint8: shared memory in a DataLoader worker (torch sends it without a copy), else memory from
-    Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row: a fresh buffer from the C
-    allocator costs page faults on every read, ~1.5x the copy here)."""
-    if _in_worker():
+def _allocate(nbytes: int, shared: bool) -> torch.Tensor:
+    """``nbytes`` of uint8: ``shared`` memory (torch sends it from a DataLoader worker without a copy), else memory
+    from Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row, where a fresh buffer
+    from the C allocator can cost page faults on every read)."""
+    if shared:
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate allocates with
         if new_shared is not None:
             return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
