@@ -337,15 +337,15 @@ class _Mapped:
     cache: ``MADV_DONTNEED`` drops them from this process's resident set (the kernel keeps them cached; a file-backed
     mapping re-reads them on the next touch, never zeros). Without that, every page read stays mapped while the file
     is open and the resident set grows with the dataset. Uncompressed values are not read through the mapping at all
-    but with ``pread`` into the tensor's own memory (:meth:`pread`): one kernel copy from the page cache, aligned
-    for any dtype, and no page of the mapping touched (faulting them in cost more than the copy, and a value's
-    position in its page is rarely aligned for its dtype: viewing it in place would need that copy anyway).
+    but with ``pread`` into the tensor's own memory (:meth:`pread_into`): one kernel copy from the page cache,
+    aligned for any dtype, and no page of the mapping touched (a value's position in its page is aligned for its
+    dtype only by chance, about half the time: viewing it in place would need a copy anyway).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self.fd)  # closed once the last tensor or table using it is gone
+        weakref.finalize(self, os.close, self.fd)  # closed with this handle (the mapping keeps its own descriptor)
         self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
