@@ -64,8 +64,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         schema: an expected schema (e.g. :data:`I2V_TRACK_SCHEMA`); the files must have its columns and types.
         cache_dir: where to cache the row index (default: beside the data, else ``~/.cache/ff/tensor_parquet``).
         cached_groups: decoded multi-row row groups kept per process (a group of one row is never kept).
-        open_files: files kept mapped per process (each keeps its parsed footer; its pages are unmapped after
-            every read, so this bounds footer parsing, not memory).
+        open_files: files kept open and mapped per process (one file descriptor each, for ``pread``; each keeps its
+            parsed footer; its pages are unmapped after every read, so this bounds footer parsing, not memory).
         copy: return writable tensors that own their memory, never views into a decoded buffer.
         direct: locate ``_bytes`` values in their pages (:mod:`.pages`); ``False`` decodes every column through
             pyarrow (the reference the direct path is tested against; slower, same results and errors).
