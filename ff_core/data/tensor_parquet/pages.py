@@ -120,6 +120,8 @@ def _data_page_v1(file: pa.Buffer, view: memoryview, header: dict, body: int, si
         if info.get(3, RLE) != RLE:
             raise Unsupported("definition levels not RLE")
         n = int.from_bytes(data[pos: pos + 4], "little")
+        if pos + 4 + n > base + len(page):
+            raise Unsupported("definition levels past the end of their page")
         levels = hybrid(data[pos + 4: pos + 4 + n], 1, count)
         pos += 4 + n
     buffer = file if codec is None else page
