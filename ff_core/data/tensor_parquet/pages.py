@@ -18,7 +18,6 @@ bytes of a value are never interpreted here; the reader checks them against ``_s
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
@@ -28,10 +27,11 @@ import pyarrow.parquet as pq
 # Parquet enums (parquet.thrift): page types, encodings.
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 PLAIN, PLAIN_DICTIONARY, RLE, RLE_DICTIONARY = 0, 2, 3, 8
-# Column-chunk codecs pyarrow.decompress inflates as one block, by the name pyarrow's metadata gives them. pyarrow
-# names LZ4_RAW (what it writes for "lz4") "LZ4"; a page framed as the deprecated Hadoop LZ4 is left to pyarrow.
-CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli", "LZ4_RAW": "lz4_raw",
-          "LZ4": "lz4_raw"}
+# Column-chunk codecs ff inflates itself (``pyarrow.decompress``, one block), by the name pyarrow's metadata gives
+# them: those whose true uncompressed size can be checked against the page header's, since pyarrow.decompress pads a
+# short result with zeros. zstd fails on a mismatch itself; snappy states the size in its preamble; gzip in its
+# trailer (ISIZE). Brotli and LZ4 state none: their pages are left to pyarrow, which checks.
+CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip"}
 
 Value = tuple[pa.Buffer, int, int] | None  # (buffer, start, length) of one row's value; None for a null
 
@@ -64,60 +64,81 @@ def chunk_values(file: pa.Buffer, chunk: pq.ColumnChunkMetaData, max_def: int, r
     if start < 0 or end > file.size:
         raise Unsupported("column chunk outside the file")
     view = _bytes_of(file)
+    global_limit = chunk.total_uncompressed_size  # no page inflates past its whole chunk (a damaged size would)
     out: list[Value] = []
     dictionary: list[Value] | None = None
     pos = start
     try:
         while len(out) < rows and pos < end:
             header, body = read_struct(view, pos)
-            size = header.get(3, -1)
-            if size < 0 or body + size > end:
-                raise Unsupported("page past the end of its column chunk")
-            kind = header.get(1)
+            size = _int(header, 3, end - body)
+            kind = _int(header, 1, DATA_PAGE_V2)
             if kind == DICTIONARY_PAGE:
-                info = header.get(7, {})
-                if info.get(2, PLAIN) not in (PLAIN, PLAIN_DICTIONARY):
+                info = _struct(header, 7)
+                if _int(info, 2, RLE_DICTIONARY, PLAIN) not in (PLAIN, PLAIN_DICTIONARY):
                     raise Unsupported("dictionary page not PLAIN")
-                page = _inflate(file, body, size, header.get(2, -1), codec)
+                page = _inflate(file, body, size, _int(header, 2, global_limit), codec)
+                count = _int(info, 1, len(page) // 4)  # a value takes at least its 4-byte length
                 if codec is None:  # values stay in the file
-                    dictionary = _plain_values(view, file, info.get(1, 0), body, body + size)
+                    dictionary = _plain_values(view, file, count, body, body + size)
                 else:
-                    dictionary = _plain_values(_bytes_of(page), page, info.get(1, 0), 0, len(page))
+                    dictionary = _plain_values(_bytes_of(page), page, count, 0, len(page))
             elif kind == DATA_PAGE:
-                out += _data_page_v1(file, view, header, body, size, codec, max_def, dictionary)
+                out += _data_page_v1(file, view, header, body, size, codec, max_def, dictionary, global_limit,
+                                     rows - len(out))
             elif kind == DATA_PAGE_V2:
-                out += _data_page_v2(file, view, header, body, size, codec, max_def, dictionary)
+                out += _data_page_v2(file, view, header, body, size, codec, max_def, dictionary, global_limit,
+                                     rows - len(out))
             elif kind != INDEX_PAGE:
                 raise Unsupported(f"page type {kind}")
             pos = body + size
-    except (IndexError, struct.error, ValueError, pa.ArrowException) as exc:
+    except (IndexError, ValueError, OSError, pa.ArrowException) as exc:  # a codec's error is an OSError
         raise Unsupported(f"unreadable page: {exc}") from None
     if len(out) != rows:
         raise Unsupported(f"{len(out)} values for {rows} rows")
     return out
 
 
+def _int(struct_: dict, key: int, most: int, default: int | None = None) -> int:
+    """Field ``key`` of a parsed header: an integer from 0 to ``most`` (a damaged header fails here, not later)."""
+    value = struct_.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise Unsupported(f"page header field {key}: {value!r}, expected 0..{most}")
+    return value
+
+
+def _struct(struct_: dict, key: int) -> dict:
+    value = struct_.get(key)
+    if not isinstance(value, dict):
+        raise Unsupported(f"page header field {key}: {value!r}, expected a struct")
+    return value
+
+
 def _inflate(file: pa.Buffer, body: int, size: int, raw_size: int, codec: str | None) -> pa.Buffer:
-    """A page's data: a slice of the file when uncompressed, else the page decompressed (one copy)."""
+    """A page's data: a slice of the file when uncompressed, else the page decompressed to ``raw_size`` bytes (one
+    copy; callers bound ``raw_size`` by the chunk's uncompressed size, so a damaged header cannot ask for more)."""
     if codec is None:
         return file.slice(body, size)
-    if raw_size < 0:
-        raise Unsupported("page without an uncompressed size")
-    if codec == "lz4_raw" and size >= 8 and file.slice(body, 8).to_pybytes() == struct.pack(">II", raw_size, size - 8):
-        raise Unsupported("Hadoop-framed LZ4 page")
+    stated, expected = raw_size, raw_size  # zstd checks itself
+    if codec == "snappy":
+        stated = varint(_bytes_of(file.slice(body, min(size, 10))), 0)[0]
+    elif codec == "gzip":
+        stated, expected = int.from_bytes(file.slice(body + size - 4, 4).to_pybytes(), "little"), raw_size % (1 << 32)
+    if stated != expected:
+        raise Unsupported(f"page states {stated} bytes uncompressed, its header {raw_size}")
     return pa.decompress(file.slice(body, size), decompressed_size=raw_size, codec=codec, asbytes=False)
 
 
 def _data_page_v1(file: pa.Buffer, view: memoryview, header: dict, body: int, size: int, codec: str | None,
-                  max_def: int, dictionary: list[Value] | None) -> list[Value]:
-    info = header.get(5, {})
-    count = info.get(1, 0)
-    page = _inflate(file, body, size, header.get(2, -1), codec)
+                  max_def: int, dictionary: list[Value] | None, limit: int, rows_left: int) -> list[Value]:
+    info = _struct(header, 5)
+    count = _int(info, 1, rows_left)  # a flat column's page holds one value per row
+    page = _inflate(file, body, size, _int(header, 2, limit), codec)
     # Offsets below are inside `page`; an uncompressed page is the file itself, shifted by `body`.
     data, base = (view, body) if codec is None else (_bytes_of(page), 0)
     pos, levels = base, None
     if max_def:
-        if info.get(3, RLE) != RLE:
+        if _int(info, 3, RLE_DICTIONARY, RLE) != RLE:
             raise Unsupported("definition levels not RLE")
         n = int.from_bytes(data[pos: pos + 4], "little")
         if pos + 4 + n > base + len(page):
@@ -125,22 +146,22 @@ def _data_page_v1(file: pa.Buffer, view: memoryview, header: dict, body: int, si
         levels = hybrid(data[pos + 4: pos + 4 + n], 1, count)
         pos += 4 + n
     buffer = file if codec is None else page
-    return _values(data, buffer, pos, base + len(page), info.get(2, PLAIN), count, levels, dictionary)
+    return _values(data, buffer, pos, base + len(page), _int(info, 2, 9, PLAIN), count, levels, dictionary)
 
 
 def _data_page_v2(file: pa.Buffer, view: memoryview, header: dict, body: int, size: int, codec: str | None,
-                  max_def: int, dictionary: list[Value] | None) -> list[Value]:
-    info = header.get(8, {})
-    count, def_len, rep_len = info.get(1, 0), info.get(5, 0), info.get(6, 0)
-    if rep_len or def_len < 0 or def_len > size:
-        raise Unsupported("repetition levels in a flat column")
+                  max_def: int, dictionary: list[Value] | None, limit: int, rows_left: int) -> list[Value]:
+    info = _struct(header, 8)
+    count, def_len = _int(info, 1, rows_left), _int(info, 5, size, 0)
+    _int(info, 6, 0, 0)  # no repetition levels in a flat column
+    encoding = _int(info, 4, 9, PLAIN)
     # Levels are never compressed in a v2 page; the values after them are unless is_compressed is false.
     levels = hybrid(view[body: body + def_len], 1, count) if max_def else None
     values_at, values_size = body + def_len, size - def_len
-    if codec is None or not info.get(7, True):
-        return _values(view, file, values_at, values_at + values_size, info.get(4, PLAIN), count, levels, dictionary)
-    page = _inflate(file, values_at, values_size, header.get(2, -1) - def_len, codec)
-    return _values(_bytes_of(page), page, 0, len(page), info.get(4, PLAIN), count, levels, dictionary)
+    if codec is None or info.get(7, True) is False:
+        return _values(view, file, values_at, values_at + values_size, encoding, count, levels, dictionary)
+    page = _inflate(file, values_at, values_size, _int(header, 2, limit) - def_len, codec)
+    return _values(_bytes_of(page), page, 0, len(page), encoding, count, levels, dictionary)
 
 
 def _values(data: memoryview, buffer: pa.Buffer, pos: int, end: int, encoding: int, count: int,
