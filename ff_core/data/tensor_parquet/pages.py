@@ -10,10 +10,12 @@ compact protocol) and returns, per row of the row group, where its value lies:
 * compressed pages: inside the page decompressed by ``pyarrow.decompress`` (the one unavoidable copy).
 
 Supported: data pages v1 and v2, PLAIN and (RLE_/PLAIN_)DICTIONARY encodings, an optional or required flat column
-(definition levels 0..1, no repetition), the codecs pyarrow can decompress as one block (snappy, zstd, gzip, brotli,
-lz4_raw). Anything else, and anything inconsistent (a length past its page, a page past its chunk), raises
-:class:`Unsupported`: the caller then decodes the chunk through pyarrow, which reads it or names the damage. The
-bytes of a value are never interpreted here; the reader checks them against ``_shape`` and ``_dtype`` as before.
+(definition levels 0..1, no repetition), no codec or snappy, zstd, gzip (:data:`CODECS`). Anything else, and anything
+inconsistent (a header field of the wrong type or out of range, a length past its page, a page past its chunk, an
+uncompressed size other than the codec's), raises :class:`Unsupported`: the caller then decodes the chunk through
+pyarrow, which reads it or names the damage. The bytes of a value are never interpreted here; the reader checks
+them against ``_shape`` and ``_dtype`` as before. ``tests/data/test_tensor_parquet_pages.py`` compares both paths,
+on damaged files too.
 """
 
 from __future__ import annotations
