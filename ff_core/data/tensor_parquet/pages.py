@@ -217,8 +217,8 @@ def hybrid(data: memoryview, width: int, count: int) -> list[int]:
             out += (bits @ (1 << np.arange(width, dtype=np.int64))).tolist()
             pos += size
         else:  # run: (header >> 1) repeats of one value
-            if header < 2:
-                raise Unsupported("empty run")
+            if header < 2 or pos + nbytes > len(data):
+                raise Unsupported("empty run, or a run past its data")
             out += [int.from_bytes(data[pos: pos + nbytes], "little")] * min(header >> 1, count - len(out))
             pos += nbytes
     return out[:count]
