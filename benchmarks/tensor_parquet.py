@@ -17,14 +17,24 @@ rounds (each from a freshly opened dataset; the machine may be shared):
 * ``card recipe``: the card's ``pq.read_table(file).slice(k, 1).to_pylist()`` + ``torch.frombuffer(bytearray)``;
 * ``whole row group``: like the reference loader, decode the row's whole row group, all columns, to Python, and
   take the row (the reference loader also ignores ``_dtype``; this one honours it, which costs nothing);
-* ``ff``: ``TensorParquetDataset[i]`` (one row group, requested columns, zero-copy views of the decoded buffer);
+* ``ff``: ``TensorParquetDataset[i]`` (one row group, requested columns, ``_bytes`` values read from their pages);
+* ``ff pyarrow``: the same with ``direct=False`` (every column decoded by pyarrow: the path before the page reader);
 * ``ff two-level``: ff over :func:`two_level_order` (window 4, 4 cached groups) instead of a full permutation;
 * ``memcpy``: copying each row's bytes between two RAM buffers (``ctypes.memmove``), the ceiling of any reader that
   returns memory it owns; ``pread``: reading each row's byte range of a file into a reused buffer (kernel copy from
   the page cache).
 
-``DataLoader``: ff with 1 and 2 workers (``batch_size=None``; tensors cross to the main process in shared memory),
-with the time each row's read took inside its worker beside the main process's.
+Every reader is charged the same consumption: each tensor of each row it returns is copied once into one reused
+destination buffer (what a collate into a batch buffer does), timed apart from the read (``consume`` column); for
+``memcpy``/``pread`` the consumption is one more ``memmove`` of the row. A reader returning views it did not copy
+(a zero-copy reader) pays its page faults there instead of in its read, so compare ``read + consume`` across readers.
+``cpu`` is the process CPU time per row of read + consume: on a shared machine it moves less with other jobs than the
+wall time does.
+
+``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``; a worker reads each row into one
+shared-memory buffer, which crosses to the main process as one segment), each row consumed in the main process as
+above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
+fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).
@@ -44,6 +54,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -142,16 +153,42 @@ def whole_group(ds: TensorParquetDataset) -> Callable[[int], dict]:
     return read
 
 
-def timed(read: Callable[[int], dict], order: Iterator[int], budget: float, row_bytes: float) -> dict:
-    done, start = 0, time.perf_counter()
+class Consumer:
+    """Copies every tensor of a row once into one reused buffer: the same consumption charged to every reader."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffer.fill_(0)  # resident before timing
+
+    def __call__(self, row: dict) -> None:
+        at = 0
+        for value in row.values():
+            if isinstance(value, torch.Tensor):
+                n = value.numel() * value.element_size()
+                self.buffer[at: at + n].copy_(value.reshape(-1).view(torch.uint8))
+                at += n
+
+
+def timed(read: Callable[[int], dict | None], order: Iterator[int], budget: float, row_bytes: float,
+          consume: Callable[[Any], None] | None = None) -> dict:
+    """Rows read (then consumed) for at most ``budget`` seconds; the read and the consumption are timed apart."""
+    done, reading, consuming = 0, 0.0, 0.0
+    cpu, start = time.process_time(), time.perf_counter()
     for i in order:
-        read(int(i))
+        t0 = time.perf_counter()
+        row = read(int(i))
+        t1 = time.perf_counter()
+        if consume is not None:
+            consume(row)
+        del row  # freed before the next read, as a training loop would
+        reading, consuming = reading + t1 - t0, consuming + time.perf_counter() - t1
         done += 1
         if time.perf_counter() - start > budget:
             break
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"rows": done, "rows_s": done / seconds, "gb_s": done * row_bytes / seconds / 1e9,
-            "ms_row": 1e3 * seconds / done}
+            "ms_row": 1e3 * seconds / done, "read_ms": 1e3 * reading / done, "consume_ms": 1e3 * consuming / done,
+            "cpu_ms": 1e3 * cpu / done}
 
 
 ROUNDS = 3  # every measurement is repeated from scratch and the best round kept: the machine is shared
@@ -161,31 +198,38 @@ def best_of(rounds: int, measure_once: Callable[[], dict]) -> dict:
     return max((measure_once() for _ in range(rounds)), key=lambda r: r["rows_s"])
 
 
-def run_reader(root: Path, name: str, order: torch.Tensor, budget: float, row_bytes: float) -> dict:
+def run_reader(root: Path, name: str, order: torch.Tensor, budget: float, row_bytes: float,
+               consume: Consumer) -> dict:
     """One round of one reader over a freshly opened dataset (no decoded group carried over between rounds)."""
-    ds = TensorParquetDataset(root, cached_groups=4)
-    if name == "ff two-level":
-        return timed(ds.__getitem__, iter(two_level_order(ds.group_bounds, 0, 0, window=4)), budget, row_bytes)
+    ds = TensorParquetDataset(root, cached_groups=4, direct="pyarrow" not in name)
+    if name.startswith("ff two-level"):
+        order = two_level_order(ds.group_bounds, 0, 0, window=4)
     read = {"card recipe": card_recipe, "whole row group": whole_group}.get(name, lambda d: d.__getitem__)(ds)
-    return timed(read, iter(order), budget, row_bytes)
+    return timed(read, iter(order), budget, row_bytes, consume)
 
 
-def copy_ceiling(row_bytes: int, rows: int, budget: float) -> tuple[dict, dict]:
-    """``memmove`` between RAM buffers, and ``pread`` of a page-cached file, of ``row_bytes`` a row."""
+def copy_ceiling(row_bytes: int, budget: float) -> tuple[dict, dict]:
+    """``memmove`` between RAM buffers, and ``pread`` of a page-cached file, of ``row_bytes`` a row; each row then
+    consumed by one more ``memmove`` (the readers' consumption)."""
     src = np.random.default_rng(0).integers(0, 255, size=row_bytes * 8, dtype=np.uint8)
-    dst = np.empty(row_bytes, dtype=np.uint8)
+    dst, out = np.empty(row_bytes, dtype=np.uint8), np.zeros(row_bytes, dtype=np.uint8)
+    dst.fill(0)
+
+    def consume(_: Any) -> None:
+        ctypes.memmove(out.ctypes.data, dst.ctypes.data, row_bytes)
+
     mem = timed(lambda i: ctypes.memmove(dst.ctypes.data, src.ctypes.data + (i % 8) * row_bytes, row_bytes),
-                iter(range(10 ** 9)), budget / 2, row_bytes)
+                iter(range(10 ** 9)), budget / 2, row_bytes, consume)
     with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
         f.write(src.tobytes())
         f.flush()
         pread = timed(lambda i: os.preadv(f.fileno(), [memoryview(dst)], (i % 8) * row_bytes),
-                      iter(range(10 ** 9)), budget / 2, row_bytes)
+                      iter(range(10 ** 9)), budget / 2, row_bytes, consume)
     return mem, pread
 
 
 class TimedReads(torch.utils.data.Dataset):
-    """The dataset, with each row's read time (in the process that read it) added as ``read_s``."""
+    """The dataset, with each row's read time and CPU time (in the process that read it) added."""
 
     def __init__(self, ds: TensorParquetDataset) -> None:
         self.ds = ds
@@ -194,21 +238,35 @@ class TimedReads(torch.utils.data.Dataset):
         return len(self.ds)
 
     def __getitem__(self, i: int) -> dict:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         row = self.ds[i]
-        return {"read_s": time.perf_counter() - start, **row}
+        return {"read_s": time.perf_counter() - start, "read_cpu_s": time.thread_time() - cpu, **row}
 
 
-def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float,
-                workers: int = 2) -> dict:
-    """Rows delivered by a DataLoader with ``workers`` workers, and the per-row read time inside the workers."""
+def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float, workers: int,
+                consume: Consumer) -> dict:
+    """Rows delivered (and consumed) by a DataLoader with ``workers`` workers (``batch_size=None``), the main
+    process's CPU time per row, and the per-row read time inside the workers."""
     loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=workers,
-                                         prefetch_factor=2, persistent_workers=False)
+                                         prefetch_factor=2 if workers else None, persistent_workers=False)
     it = iter(loader)
     next(it)  # workers started and primed: measure the steady state
-    reads: list[float] = []
-    r = timed(lambda _: reads.append(next(it)["read_s"]), iter(range(len(order) - 1)), budget, row_bytes)
-    return {**r, "worker_ms_row": 1e3 * sum(reads) / len(reads)}
+    reads: list[tuple[float, float]] = []
+
+    def deliver(_: int) -> dict:
+        row = next(it)
+        reads.append((row.pop("read_s"), row.pop("read_cpu_s")))
+        return row
+
+    r = timed(deliver, iter(range(len(order) - 1)), budget, row_bytes, consume)
+    return {**r, "worker_ms_row": 1e3 * sum(a for a, _ in reads) / len(reads),
+            "worker_cpu_ms_row": 1e3 * sum(b for _, b in reads) / len(reads)}
+
+
+def shared_memory_cost(row_bytes: int, budget: float) -> dict:
+    """One row's bytes copied into fresh shared memory, as torch moves a tensor from a worker (``share_memory_``)."""
+    src = torch.ones(row_bytes, dtype=torch.uint8)
+    return timed(lambda _: src.clone().share_memory_(), iter(range(10 ** 9)), budget / 2, row_bytes)
 
 
 def rss_child(root: str) -> None:
@@ -258,30 +316,48 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+READERS = {"reference": ("card recipe", "whole row group", "ff", "ff pyarrow", "ff two-level", "ff two-level pyarrow"),
+           "ff": ("card recipe", "whole row group", "ff", "ff pyarrow", "ff two-level")}
+
+
+def row_line(layout: str, name: str, r: dict) -> str:
+    return (f"| {layout} | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['read_ms']:.2f} | "
+            f"{r['consume_ms']:.2f} | {r['read_ms'] + r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
+
+
+# (layout, two-level order, workers): 0 workers is the DataLoader reading in the main process.
+LOADERS = [("ff", False, 0), ("ff", False, 1), ("ff", False, 2), ("reference", True, 0), ("reference", True, 2)]
+
+
 def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool) -> dict:
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     results: dict = {}
-    print("| layout | reader | rows read | rows/s | GB/s | ms/row |\n|---|---|---|---|---|---|")
-    for layout in ("reference", "ff"):
-        for name in ("card recipe", "whole row group", "ff", "ff two-level"):
+    consume = Consumer(int(row_bytes * 1.1) + 4096)
+    print("| layout | reader | rows read | rows/s | GB/s | ms/row read | ms/row consume | ms/row read + consume | "
+          "cpu ms/row |\n|---|---|---|---|---|---|---|---|---|")
+    for layout, names in READERS.items():
+        for name in names:
             r = results[f"{layout}/{name}"] = best_of(ROUNDS, lambda: run_reader(work / layout, name, order, budget,
-                                                                                 row_bytes))
-            print(f"| {layout} | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-    pairs = [copy_ceiling(int(row_bytes), rows, budget) for _ in range(ROUNDS)]
+                                                                                 row_bytes, consume))
+            print(row_line(layout, name, r))
+    pairs = [copy_ceiling(int(row_bytes), budget) for _ in range(ROUNDS)]
     mem, pread = (max((p[k] for p in pairs), key=lambda r: r["rows_s"]) for k in (0, 1))
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
-        print(f"| - | {name} | {r['rows']} | {r['rows_s']:.1f} | {r['gb_s']:.2f} | {r['ms_row']:.2f} |")
-    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered | ms/row read in a worker "
-          "| main process: ms/row read |\n|---|---|---|---|---|---|---|")
-    for layout, two_level, workers in (("ff", False, 1), ("ff", False, 2), ("reference", True, 2)):
+        print(row_line("-", name, r))
+    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered + consumed | main process: cpu ms/row "
+          "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|")
+    for layout, two_level, workers in LOADERS:
         ds = TensorParquetDataset(work / layout, cached_groups=4)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
-        main = results[f"{layout}/ff two-level" if two_level else f"{layout}/ff"]
         r = results[f"{layout}/loader{workers}"] = best_of(
-            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers))
+            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
         print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {r['rows_s']:.1f} | "
-              f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['worker_ms_row']:.2f} | {main['ms_row']:.2f} |")
+              f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | {r['worker_ms_row']:.2f} | "
+              f"{r['worker_cpu_ms_row']:.2f} |")
+    r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
+    print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
+          f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
     if not quick:
         print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
         for root in (work / "ff" / "shard000", work / "ff"):

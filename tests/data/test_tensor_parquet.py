@@ -23,6 +23,7 @@ from ff_core.data.tensor_parquet import (
     TensorParquetDataset,
     TensorParquetWriter,
     encode_tensor,
+    reader,
     tensor_schema,
     two_level_order,
 )
@@ -232,8 +233,16 @@ def test_a_read_touches_one_row_group_and_the_requested_columns(tmp_path, monkey
     write_card_layout(tmp_path, [6], workers=1, rows_per_file=6)
     ds = TensorParquetDataset(tmp_path, columns=["id", "text_embedding"])
     spy = Spy(monkeypatch)
+    direct = []  # the _bytes chunks read from their pages: (file offset of the chunk, column)
+    original = reader.chunk_values
+    monkeypatch.setattr(reader, "chunk_values", lambda file, chunk, *a: direct.append(
+        (chunk.data_page_offset, chunk.path_in_schema)) or original(file, chunk, *a))
     ds[4]
-    assert spy.calls == [(4, ("id", "text_embedding_bytes", "text_embedding_shape", "text_embedding_dtype"))]
+    assert spy.calls == [(4, ("id", "text_embedding_shape", "text_embedding_dtype"))]
+    group = pq.ParquetFile(ds.files[0]).metadata.row_group(4)
+    chunk = next(group.column(c) for c in range(group.num_columns)
+                 if group.column(c).path_in_schema == "text_embedding_bytes")
+    assert direct == [(chunk.data_page_offset, "text_embedding_bytes")]
     spy.calls.clear()
     ds.shapes(3)
     assert spy.calls == [(3, ("text_embedding_shape",))]  # no _bytes column is read for shapes

@@ -4,6 +4,7 @@
 - :mod:`.format`: dtypes, one tensor's encoding and checked decoding, the card's schemas.
 - :mod:`.index`: the row index from the files' footers, cached and invalidated by file size and mtime.
 - :mod:`.reader`: :class:`TensorParquetDataset`, map-style random access.
+- :mod:`.pages`: where a ``_bytes`` column chunk's values lie in its Parquet pages (the reader's direct path).
 - :mod:`.writer`: :class:`TensorParquetWriter`, one row per row group, atomic files.
 - :mod:`.shuffle`: :func:`two_level_order` for files with many rows per row group.
 - :mod:`.inspect`: ``ff data inspect`` / ``validate`` on a root.

@@ -99,7 +99,7 @@ def tensor_problem(data_len: int | None, shape: Sequence[int] | None, dtype: str
 
 
 def decode_buffer(buf: Any, offset: int, shape: Sequence[int], dtype: str) -> torch.Tensor:
-    """A tensor viewing ``buf[offset : offset + prod(shape) * itemsize]`` without copying (checked beforehand).
+    """A tensor viewing ``buf[offset : offset + prod(shape) * itemsize]`` (checked beforehand); a copy if misaligned.
 
     The tensor shares memory with ``buf`` (an Arrow buffer: immutable) and keeps it alive; writing into it in place
     would change the decoded data under every other view, so callers clone before in-place edits.
@@ -110,12 +110,20 @@ def decode_buffer(buf: Any, offset: int, shape: Sequence[int], dtype: str) -> to
         return torch.empty(tuple(shape), dtype=dt)
     address = getattr(buf, "address", None)
     if address is not None and (address + offset) % dt.itemsize:
-        # Values of one column follow each other, so a valid column stays aligned; never view misaligned memory.
-        return decode_buffer(bytearray(memoryview(buf)[offset: offset + count * dt.itemsize]), 0, shape, dtype)
+        # A value inside a Parquet page sits wherever the page put it: never view misaligned memory (compiled
+        # kernels may assume alignment); copy it once, as bytes (always aligned), into memory torch owns.
+        out = torch.empty(count * dt.itemsize, dtype=torch.uint8)
+        out.copy_(_frombuffer(buf, torch.uint8, count * dt.itemsize, offset))
+        return out.view(dt).view(tuple(shape))
+    return _frombuffer(buf, dt, count, offset).view(tuple(shape))
+
+
+def _frombuffer(buf: Any, dt: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    if isinstance(buf, pa.Buffer):  # torch cannot take an Arrow buffer over a read-only mmap; a memoryview it can
+        buf = memoryview(buf)
     with warnings.catch_warnings():  # Arrow buffers are read-only; torch warns once per process about that
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        flat = torch.frombuffer(buf, dtype=dt, count=count, offset=offset)
-    return flat.view(tuple(shape))
+        return torch.frombuffer(buf, dtype=dt, count=count, offset=offset)
 
 
 def tensor_schema(scalars: Mapping[str, pa.DataType], tensors: Sequence[str]) -> pa.Schema:

@@ -1,17 +1,23 @@
 """``TensorParquetDataset``: map-style random access to the rows of tensor-parquet shards.
 
-A row read decodes only the requested columns of the row group that holds it (``ParquetFile.read_row_group`` over a
-memory-mapped file) and views each tensor inside the decoded Arrow buffer with ``torch.frombuffer``: Parquet
-decoding is the only copy. The file pages a read touched are unmapped after decoding (:class:`_Mapped`), so the
-resident set stays flat however much of the dataset is read. Returned tensors are views of the decoded buffer:
-clone before editing one in place, or pass ``copy=True``.
+A row read touches only the row group that holds it and the requested columns of a memory-mapped file. The tensors'
+``_bytes`` values are located in their pages directly (:mod:`.pages`, the footer and page headers read through the
+mapping): an uncompressed value is read with ``pread`` into memory its tensor owns (one kernel copy from the page
+cache), a compressed one is viewed in its page as the codec decompressed it (that copy is the only one, unless the
+value is misaligned for its dtype inside the page). pyarrow decodes the small columns (scalars, ``_shape``,
+``_dtype``) and any ``_bytes`` chunk the page reader does not support (a tensor then views pyarrow's decoded buffer,
+as with ``direct=False``). The file pages a read touched through the mapping are unmapped after it
+(:class:`_Mapped`), so the resident set stays flat however much of the dataset is read. A tensor viewing a decoded
+buffer is read-only: clone before editing one in place, or pass ``copy=True``.
 
 Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
 so a read decodes exactly one row. Files of other writers often hold many rows per group and Parquet cannot decode
 part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are served without
 decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.shuffle.two_level_order`) to use it.
 
-The dataset pickles without open files or caches: DataLoader workers open their own, lazily.
+The dataset pickles without open files or caches: DataLoader workers open their own, lazily. In a worker, a row's
+tensors are read (or copied) into one shared-memory buffer, so the row crosses to the main process as one segment
+without torch copying it again (``shared_memory``).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import difflib
 import hashlib
 import mmap
 import os
-from collections import OrderedDict
+import weakref
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +46,11 @@ from ff_core.data.tensor_parquet.format import (
     is_empty_triplet,
     schema_problems,
     split_schema,
+    tensor_dtype,
     tensor_problem,
 )
 from ff_core.data.tensor_parquet.index import load_index
+from ff_core.data.tensor_parquet.pages import Unsupported, Value, chunk_values
 from ff_core.errors import DatasetError, raise_collected
 
 
@@ -54,9 +64,13 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         schema: an expected schema (e.g. :data:`I2V_TRACK_SCHEMA`); the files must have its columns and types.
         cache_dir: where to cache the row index (default: beside the data, else ``~/.cache/ff/tensor_parquet``).
         cached_groups: decoded multi-row row groups kept per process (a group of one row is never kept).
-        open_files: files kept mapped per process (each keeps its parsed footer; its pages are unmapped after
-            every read, so this bounds footer parsing, not memory).
-        copy: return writable tensors that own their memory instead of views into the decoded buffer.
+        open_files: files kept open and mapped per process (one file descriptor each, for ``pread``; each keeps its
+            parsed footer; its pages are unmapped after every read, so this bounds footer parsing, not memory).
+        copy: return writable tensors that own their memory, never views into a decoded buffer.
+        direct: locate ``_bytes`` values in their pages (:mod:`.pages`); ``False`` decodes every column through
+            pyarrow (the reference the direct path is tested against; slower, same results and errors).
+        shared_memory: put each row's tensors in one shared-memory buffer (what a DataLoader worker returns without
+            another copy); ``None``: inside a DataLoader worker only.
 
     Attributes:
         tensor_names: the tensors a row holds, in column order.
@@ -64,11 +78,13 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         files: every parquet file, in index order.
         index: the :class:`~ff_core.data.tensor_parquet.index.RowIndex`.
         index_cached: whether the index came from its cache (no footer read).
+        chunk_reads: ``_bytes`` column chunks read in this process, by path (``"direct"``, ``"pyarrow"``).
     """
 
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
-                 cached_groups: int = 4, open_files: int = 128, copy: bool = False) -> None:
+                 cached_groups: int = 4, open_files: int = 128, copy: bool = False, direct: bool = True,
+                 shared_memory: bool | None = None) -> None:
         if cached_groups < 0 or open_files < 1:
             bad = "cached_groups must be >= 0" if cached_groups < 0 else "open_files must be >= 1"
             raise ValueError(f"TensorParquetDataset: {bad}, got {cached_groups if cached_groups < 0 else open_files}")
@@ -87,20 +103,23 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         raise_collected(errors)
         self.tensor_names: tuple[str, ...] = tensors
         self.scalar_names: tuple[str, ...] = scalars
-        self._columns = [*scalars, *(t + s for t in tensors for s in (BYTES, SHAPE, DTYPE))]
+        # pyarrow decodes the small columns; the _bytes ones are located in their pages unless direct is off.
+        self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
-        self.cached_groups, self.open_files, self.copy = cached_groups, open_files, copy
+        self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
+        self.shared_memory = shared_memory
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._handles: OrderedDict[int, _Mapped] = OrderedDict()
-        self._groups: OrderedDict[int, pa.Table] = OrderedDict()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._shape_groups: OrderedDict[int, pa.Table] = OrderedDict()
+        self.chunk_reads: Counter[str] = Counter()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_handles", "_groups", "_shape_groups", "_pid"):
+        for key in ("_handles", "_groups", "_shape_groups", "_pid", "chunk_reads"):
             state.pop(key)
         return state
 
@@ -134,17 +153,21 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = self._check(i)
         f, g, r, gid = self.index.locate(i)
-        table = self._group(gid, f, g, self._columns, self._groups, self.cached_groups)
-        row: dict[str, Any] = {s: _cell(table.column(s), r).as_py() for s in self.scalar_names}
+        group = self._row_group(gid, f, g)
+        row: dict[str, Any] = {s: group.small[s][r] for s in self.scalar_names}
+        pending: dict[str, tuple[Value, list[int], torch.dtype]] = {}
         for t in self.tensor_names:
-            row[t] = self._tensor(table, t, r, i)
+            checked = self._checked(group, t, r, i)
+            row[t] = None if checked is None else self._tensor(group, checked, pending, t)
+        if pending:
+            row.update(self._arena(group.mapped, pending, self._shared()))
         return row
 
     def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         """The shape of each tensor of row ``i``, from its ``_shape`` column only (no ``_bytes`` is read)."""
         i = self._check(i)
         f, g, r, gid = self.index.locate(i)
-        table = self._group(gid, f, g, self._shape_columns, self._shape_groups, 64)
+        table = self._shape_table(gid, f, g)
         out = {}
         for t in self.tensor_names:
             shape = _cell(table.column(t + SHAPE), r).as_py()
@@ -176,46 +199,113 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             raise IndexError(f"row {i} out of range for {n} rows of {self.root}")
         return i + n if i < 0 else i
 
-    def _tensor(self, table: pa.Table, name: str, r: int, i: int) -> torch.Tensor | None:
-        arr, j = _cell_array(table.column(name + BYTES), r)
-        valid = arr.null_count == 0 or arr[j].is_valid
-        shape = _cell(table.column(name + SHAPE), r).as_py()
-        dtype = _cell(table.column(name + DTYPE), r).as_py()
-        start = end = 0
-        if valid:
-            width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
-            offsets = np.frombuffer(arr.buffers()[1], dtype=width)
-            start, end = int(offsets[arr.offset + j]), int(offsets[arr.offset + j + 1])
-        if valid and is_empty_triplet(end - start, shape, dtype):  # an absent tensor's placeholder
+    def _checked(self, group: _Group, name: str, r: int, i: int) -> tuple[Value, list[int], torch.dtype] | None:
+        """Row ``r``'s value of tensor ``name``, its shape and dtype, checked; ``None`` for the absent placeholder."""
+        value = group.values[name][r]
+        length = None if value is None else value[2]
+        shape, dtype = group.small[name + SHAPE][r], group.small[name + DTYPE][r]
+        if is_empty_triplet(length, shape, dtype):
             return None
-        problem = tensor_problem(end - start if valid else None, shape, dtype)
+        problem = tensor_problem(length, shape, dtype)
         if problem is not None:
             raise self._row_error(i, name + problem[0], problem[1])
-        tensor = decode_buffer(arr.buffers()[2], start, shape, dtype)
+        return value, shape, tensor_dtype(dtype)
+
+    def _tensor(self, group: _Group, checked: tuple[Value, list[int], torch.dtype],
+                pending: dict[str, tuple[Value, list[int], torch.dtype]], name: str) -> torch.Tensor | None:
+        """The tensor, or ``None`` with the value left in ``pending`` for :meth:`_arena`: an uncompressed value (read
+        from the file), or, in a DataLoader worker, any value (so the row crosses to the main process in one piece)."""
+        (buf, start, length), shape, dtype = checked
+        if length and (buf is group.mapped.buffer or self._shared()):
+            pending[name] = checked
+            return None
+        tensor = decode_buffer(buf, start, shape, str(dtype).removeprefix("torch."))
         return tensor.clone() if self.copy else tensor
+
+    def _shared(self) -> bool:
+        if self.shared_memory is None:  # as default_collate decides where to stack a batch
+            return torch.utils.data.get_worker_info() is not None
+        return self.shared_memory
+
+    @staticmethod
+    def _arena(mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]],
+               shared: bool) -> dict[str, torch.Tensor]:
+        """The pending tensors of a row, in one buffer the row's tensors share (slots 64-byte aligned, so a view of
+        any dtype is aligned): file values ``pread`` into it (one kernel copy), the others copied in.
+
+        One buffer per row instead of one per tensor: in a DataLoader worker it is shared memory, so torch sends the
+        row to the main process as one segment (one file descriptor passed, one mapping) without copying it again.
+        """
+        slots, total = {}, 0
+        for name, ((_, _, length), _, _) in pending.items():
+            slots[name] = total
+            total += -(-length // 64) * 64
+        arena = _allocate(total, shared)
+        out = {}
+        for name, ((buf, start, length), shape, dtype) in pending.items():
+            slot = arena[slots[name]: slots[name] + length]
+            if buf is mapped.buffer:
+                mapped.pread_into(slot, start)
+            else:
+                slot.copy_(decode_buffer(buf, start, [length], "uint8"))
+            out[name] = slot.view(dtype).view(tuple(shape))
+        return out
 
     def _row_error(self, i: int, column: str, reason: str) -> DatasetError:
         f, g, r, _ = self.index.locate(i)
         in_file = i - int(self.index.file_start[f])
         return DatasetError(self.files[f], None, column, f"row {in_file} (row group {g}, dataset row {i}): {reason}")
 
-    def _group(self, gid: int, f: int, g: int, columns: list[str], cache: OrderedDict, keep: int) -> pa.Table:
-        """Row group ``g`` of file ``f`` (``gid`` over the dataset), decoded for ``columns``, cached when useful."""
+    def _forked(self) -> None:
         if os.getpid() != self._pid:  # forked after use: never share another process's mappings
             self._reset()
-            cache = self._shape_groups if columns is self._shape_columns else self._groups
-        if gid in cache:
-            cache.move_to_end(gid)
-            return cache[gid]
-        try:
-            table = self._file(f).read_row_group(g, columns)
-        except (OSError, pa.ArrowException) as exc:
-            raise DatasetError(self.files[f], None, None, f"row group {g}: cannot be read: {exc}") from None
-        if table.num_rows > 1 and keep > 0:
-            cache[gid] = table
-            while len(cache) > keep:
-                cache.popitem(last=False)
+
+    def _row_group(self, gid: int, f: int, g: int) -> _Group:
+        """Row group ``g`` of file ``f`` (``gid`` over the dataset) for a row read; cached when it has several rows."""
+        self._forked()
+        if gid in self._groups:
+            self._groups.move_to_end(gid)
+            return self._groups[gid]
+        mapped = self._file(f)
+        rows = self.index.group_rows[f][g]
+        values: dict[str, list[Value]] = {}
+        for t in self.tensor_names if self.direct else ():
+            try:
+                values[t] = mapped.values(g, t + BYTES, rows)
+            except Unsupported:
+                continue  # decoded by pyarrow below, which reads it or names what is wrong with it
+        rest = [t + BYTES for t in self.tensor_names if t not in values]
+        self.chunk_reads.update({"direct": len(values), "pyarrow": len(rest)})
+        # A chunk the page reader refused is the likeliest culprit when pyarrow fails: name it.
+        table = self._read(f, g, self._small_columns + rest, rest[0] if rest and self.direct else None)
+        for t in self.tensor_names:
+            if t not in values:
+                values[t] = _arrow_values(table.column(t + BYTES))
+        group = _Group(mapped, {c: table.column(c).to_pylist() for c in self._small_columns}, values)
+        if rows > 1 and self.cached_groups > 0:
+            self._groups[gid] = group
+            while len(self._groups) > self.cached_groups:
+                self._groups.popitem(last=False)
+        return group
+
+    def _shape_table(self, gid: int, f: int, g: int) -> pa.Table:
+        """The ``_shape`` columns of row group ``g`` of file ``f``; the last 64 multi-row groups are kept."""
+        self._forked()
+        if gid in self._shape_groups:
+            self._shape_groups.move_to_end(gid)
+            return self._shape_groups[gid]
+        table = self._read(f, g, self._shape_columns)
+        if table.num_rows > 1:
+            self._shape_groups[gid] = table
+            while len(self._shape_groups) > 64:
+                self._shape_groups.popitem(last=False)
         return table
+
+    def _read(self, f: int, g: int, columns: list[str], suspect: str | None = None) -> pa.Table:
+        try:
+            return self._file(f).read_row_group(g, columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise DatasetError(self.files[f], None, suspect, f"row group {g}: cannot be read: {exc}") from None
 
     def _file(self, f: int) -> _Mapped:
         handles = self._handles
@@ -231,38 +321,109 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         return handles[f]
 
 
+@dataclass
+class _Group:
+    """One row group as a row read needs it: its small columns as Python lists and where each row's ``_bytes`` lie."""
+
+    mapped: _Mapped
+    small: dict[str, list[Any]]
+    values: dict[str, list[Value]]
+
+
 class _Mapped:
     """One parquet file memory-mapped by ff (not by pyarrow), so the pages a read touched can be unmapped again.
 
-    Parquet decoding copies every value it returns, so after ``read_row_group`` the row group's file pages are
-    only page cache: ``MADV_DONTNEED`` drops them from this process's resident set (the kernel keeps them cached;
-    a file-backed mapping re-reads them on the next touch, never zeros). Without that, every page read stays
-    mapped while the file is open and the resident set grows with the dataset.
+    Decoding and decompression copy the values they return, so afterwards the row group's file pages are only page
+    cache: ``MADV_DONTNEED`` drops them from this process's resident set (the kernel keeps them cached; a file-backed
+    mapping re-reads them on the next touch, never zeros). Without that, every page read stays mapped while the file
+    is open and the resident set grows with the dataset. Uncompressed values are not read through the mapping at all
+    but with ``pread`` into the tensor's own memory (:meth:`pread_into`): one kernel copy from the page cache,
+    aligned for any dtype, and no page of the mapping touched (a value's position in its page is aligned for its
+    dtype only by chance, about half the time: viewing it in place would need a copy anyway).
     """
 
     def __init__(self, path: Path) -> None:
-        with open(path, "rb") as fh:
-            self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self.file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self.map)))
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)  # closed with this handle (the mapping keeps its own descriptor)
+        self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        self.buffer = pa.py_buffer(self.map)
+        self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
+        self.meta = self.file.metadata  # one wrapper, not one per access
+        schema = self.meta.schema
+        # Flat columns only (a nested one, a list, has a dotted path and is never a _bytes column): column index
+        # and maximum definition level by name.
+        self.columns = {schema.column(c).path: (c, schema.column(c).max_definition_level)
+                        for c in range(len(schema)) if not schema.column(c).max_repetition_level}
 
     def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
         table = self.file.read_row_group(g, columns=columns, use_threads=False)
-        start, end = _byte_range(self.file.metadata.row_group(g))
-        start -= start % mmap.PAGESIZE
-        if hasattr(self.map, "madvise") and end > start:
-            self.map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self.map)) - start)
+        self.release(*_byte_range(self.meta.row_group(g)))
         return table
+
+    def values(self, g: int, column: str, rows: int) -> list[Value]:
+        """Where each row's value of ``column`` lies in row group ``g`` (:func:`~.pages.chunk_values`)."""
+        if column not in self.columns:
+            raise Unsupported(f"{column}: not a flat column")
+        c, max_def = self.columns[column]
+        chunk = self.meta.row_group(g).column(c)
+        found = chunk_values(self.buffer, chunk, max_def, rows)
+        self.release(*_chunk_range(chunk))  # the pages its headers and its codec touched
+        return found
+
+    def pread_into(self, out: torch.Tensor, start: int) -> None:
+        """Fill the uint8 tensor ``out`` with the file's bytes from ``start``."""
+        got = os.preadv(self.fd, [memoryview(out.numpy())], start)
+        if got != out.numel():  # the file shrank since its footer was read
+            raise DatasetError(self.path, None, None, f"bytes {start}..{start + out.numel()}: only {got} could be read")
+
+    def release(self, start: int, end: int) -> None:
+        """Drop the file pages of bytes ``start`` to ``end`` from the resident set (they stay in the page cache)."""
+        start -= start % mmap.PAGESIZE
+        end = min(end, len(self.map))
+        if hasattr(self.map, "madvise") and end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _allocate(nbytes: int, shared: bool) -> torch.Tensor:
+    """``nbytes`` of uint8: ``shared`` memory (torch sends it from a DataLoader worker without a copy), else memory
+    from Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row, where a fresh buffer
+    from the C allocator can cost page faults on every read)."""
+    if shared:
+        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate allocates with
+        if new_shared is not None:
+            return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.frombuffer(memoryview(pa.allocate_buffer(nbytes)), dtype=torch.uint8)
 
 
 def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
     """The file bytes holding a row group's column chunks."""
-    start, end = None, 0
-    for c in range(group.num_columns):
-        chunk = group.column(c)
-        first = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-        start = first if start is None else min(start, first)
-        end = max(end, first + chunk.total_compressed_size)
-    return start or 0, end
+    # Writers lay a group's column chunks out in column order (Arrow's does): its first and last chunks bound it.
+    # Were they out of order, some touched pages would stay mapped until the file is closed; nothing reads wrong.
+    if not group.num_columns:
+        return 0, 0
+    return _chunk_range(group.column(0))[0], _chunk_range(group.column(group.num_columns - 1))[1]
+
+
+def _chunk_range(chunk: pq.ColumnChunkMetaData) -> tuple[int, int]:
+    """The file bytes of one column chunk (its dictionary page, when it has one, comes first)."""
+    first = chunk.data_page_offset
+    if chunk.has_dictionary_page and 0 < chunk.dictionary_page_offset < first:
+        first = chunk.dictionary_page_offset
+    return first, first + chunk.total_compressed_size
+
+
+def _arrow_values(column: pa.ChunkedArray) -> list[Value]:
+    """Where each row's value of a decoded binary column lies in pyarrow's buffers (``None`` for a null)."""
+    out: list[Value] = []
+    for arr in column.chunks:
+        width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+        offsets = np.frombuffer(arr.buffers()[1], dtype=width)[arr.offset: arr.offset + len(arr) + 1].tolist()
+        data = arr.buffers()[2]
+        valid = arr.is_valid().to_pylist() if arr.null_count else [True] * len(arr)
+        out += [(data, a, b - a) if ok else None for ok, a, b in zip(valid, offsets, offsets[1:])]
+    return out
 
 
 def _cell_array(column: pa.ChunkedArray, r: int) -> tuple[pa.Array, int]:
