@@ -60,3 +60,15 @@ def test_folder_loads_through_the_pipeline_and_the_adapter(demo_base, clips_dir)
     torch.testing.assert_close(torch.tensor(cfg.latents_std), z.std((0, 2, 3, 4)))
     adapter = WanT2VAdapter.from_pretrained(demo_base, height=32, width=32, num_frames=9, fps=8)
     assert adapter.latent_shape(1) == (1, 8, 3, 8, 8)
+
+
+def test_posterior_starts_narrow(demo_base, clips_dir):
+    """vae_logvar_init=-6 (the default): the posterior std is near e^-3, not diffusers' near-1 init, so one stored
+    posterior sample (ff data preprocess-latents) is close to the mode the decoder learned to decode."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(demo_base, subfolder="vae").eval()
+    data, _ = load_clips(clips_dir, 9)
+    with torch.no_grad():
+        std = vae.encode(data).latent_dist.std
+    assert 0.01 < std.mean() < 0.15, std.mean()
