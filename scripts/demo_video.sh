@@ -4,6 +4,8 @@
 # Builds its inputs when missing (after scripts/setup.sh): build/moving_shapes (the clips), build/tiny-wan-demo
 # (a tiny Wan T2V checkpoint whose VAE is trained to reconstruct them) and build/moving_shapes_latents (the clips'
 # latents and text embeddings as tensor-parquet shards, so training steps run only the transformer).
+# The shards hold that base's latents: delete build/tiny-wan-demo and build/moving_shapes_latents together to
+# rebuild (a base built before the VAE's narrow-posterior default should be rebuilt: benchmarks/RESULTS.md).
 # Outputs: runs/demo_video/version_N/{loss.png, metrics.csv, samples/, checkpoints/}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
