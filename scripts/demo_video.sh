@@ -13,6 +13,11 @@ export HF_HUB_OFFLINE=1
 [ -f build/moving_shapes/train.jsonl ] || .venv/bin/python -m ff_core.testing.moving_shapes build/moving_shapes
 [ -f build/tiny-wan-demo/model_index.json ] || \
   .venv/bin/python -m ff_wan.demo_base --out build/tiny-wan-demo --clips build/moving_shapes
+if [ -d build/moving_shapes_latents ] && [ build/tiny-wan-demo/model_index.json -nt build/moving_shapes_latents ]; then
+  echo "build/moving_shapes_latents is older than build/tiny-wan-demo: its latents come from an earlier base;" \
+       "delete build/moving_shapes_latents to rebuild them" >&2
+  exit 1
+fi
 # One VAE posterior sample per clip, stored once and reused every epoch (docs/datasets.md, "Which latents").
 [ -d build/moving_shapes_latents ] || .venv/bin/ff data preprocess-latents \
   --config configs/demo/wan_moving_shapes.yaml --output build/moving_shapes_latents \
