@@ -138,6 +138,7 @@ def build_demo_base(
     vae_train_frames: int = 9,
     vae_lr: float = 5e-3,
     vae_kl_weight: float = 1e-5,
+    vae_logvar_init: float | None = -6.0,
     num_layers: int = 2,
     num_attention_heads: int = 4,
     attention_head_dim: int = 16,
@@ -164,6 +165,11 @@ def build_demo_base(
             9: trained on 5, the third latent frame (a chunk after a chunk) decoded as a magenta haze (measured).
         vae_lr: peak Adam learning rate of VAE training (one-cycle schedule).
         vae_kl_weight: weight of the KL term (per latent element) against the pixel MSE.
+        vae_logvar_init: initial bias of the posterior's log-variance channels (``None``: diffusers' init, a
+            posterior std near 1). -6 starts the posterior narrow (std e^-3 = 0.05), as tensor-parquet training assumes
+            of the released VAEs (docs/datasets.md, "Which latents"): from diffusers' init, 800 steps left the std
+            at 0.83 against latent means of 1.5, so the decoder learned blurred shapes and the transformer a target
+            mostly made of that noise (benchmarks/RESULTS.md, video demo).
         num_layers: transformer blocks.
         num_attention_heads: transformer attention heads.
         attention_head_dim: channels per head (split into the 3D rotary embedding's t/h/w parts).
@@ -194,6 +200,9 @@ def build_demo_base(
         latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim, scale_factor_spatial=2**spatial_downsamples,
         scale_factor_temporal=2**temporal_downsamples,
     )  # fmt: skip
+    if vae_logvar_init is not None:  # the posterior is (mean, logvar) = quant_conv's output channels split in two
+        with torch.no_grad():
+            vae.quant_conv.bias[z_dim:] = vae_logvar_init
     torch.manual_seed(seed + 3)
     transformer = WanTransformer3DModel(
         patch_size=(1, patch_size, patch_size), num_attention_heads=num_attention_heads,
