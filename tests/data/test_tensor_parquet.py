@@ -216,17 +216,24 @@ def test_reference_layout_several_rows_per_group(tmp_path):
 
 
 class Spy:
-    """Records every ``ParquetFile.read_row_group(group, columns)`` call (pyarrow's, not ff's code)."""
+    """Records every ``ParquetFile.read_row_group(group, columns)`` call (pyarrow's, not ff's code), and in
+    ``file_reads`` the columns of every whole-file ``ParquetFile.read``."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, tuple[str, ...]]] = []
-        original = pq.ParquetFile.read_row_group
+        self.file_reads: list[tuple[str, ...]] = []
+        original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read
 
         def spy(pf, i, columns=None, **kw):
             self.calls.append((i, tuple(columns)))
             return original(pf, i, columns=columns, **kw)
 
+        def spy_read(pf, columns=None, **kw):
+            self.file_reads.append(tuple(columns))
+            return original_read(pf, columns=columns, **kw)
+
         monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+        monkeypatch.setattr(pq.ParquetFile, "read", spy_read)
 
 
 def test_a_read_touches_one_row_group_and_the_requested_columns(tmp_path, monkeypatch):
@@ -266,7 +273,9 @@ def test_decoded_groups_are_reused(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     order = two_level_order(ds.group_bounds, seed=3, epoch=0, window=2)
     assert [float(ds[int(i)]["x"][0]) for i in order] == [float(i) for i in order]
-    assert sorted(g for g, _ in spy.calls) == [0, 1, 2]  # each group decoded once per epoch
+    # Each group decoded once per epoch: the first alone, the others' small columns with the whole file's (one read
+    # on the file's second group), their _bytes from their pages.
+    assert [g for g, _ in spy.calls] == [int(order[0]) // 4] and spy.file_reads == [("id", "x_shape", "x_dtype")]
 
 
 def test_two_level_order():
