@@ -77,10 +77,10 @@ def test_each_group_is_decoded_once_per_epoch(grouped_rows, monkeypatch):
     each of the 3 files, the first group read alone, the other's small columns with the whole file's (the reader
     decodes a file's small columns at once on its second group), its _bytes from their pages."""
     calls, file_reads = [], []
-    original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read
+    original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read_row_groups
     monkeypatch.setattr(pq.ParquetFile, "read_row_group",
                         lambda self, i, *a, **k: calls.append(i) or original(self, i, *a, **k))
-    monkeypatch.setattr(pq.ParquetFile, "read",
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
                         lambda self, *a, **k: file_reads.append(1) or original_read(self, *a, **k))
     dl = DataflowLoader(GroupedSamplerDistributor(grouped_rows, window=2, seed=1),
                         TensorRowProcessor(grouped_rows, COLUMNS), collator=TensorRowCollator(), batch_size=4,

@@ -217,23 +217,23 @@ def test_reference_layout_several_rows_per_group(tmp_path):
 
 class Spy:
     """Records every ``ParquetFile.read_row_group(group, columns)`` call (pyarrow's, not ff's code), and in
-    ``file_reads`` the columns of every whole-file ``ParquetFile.read``."""
+    ``file_reads`` the columns of every ``ParquetFile.read_row_groups`` (the reader's whole-file reads)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, tuple[str, ...]]] = []
         self.file_reads: list[tuple[str, ...]] = []
-        original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read
+        original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read_row_groups
 
         def spy(pf, i, columns=None, **kw):
             self.calls.append((i, tuple(columns)))
             return original(pf, i, columns=columns, **kw)
 
-        def spy_read(pf, columns=None, **kw):
+        def spy_read(pf, groups, columns=None, **kw):
             self.file_reads.append(tuple(columns))
-            return original_read(pf, columns=columns, **kw)
+            return original_read(pf, groups, columns=columns, **kw)
 
         monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
-        monkeypatch.setattr(pq.ParquetFile, "read", spy_read)
+        monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy_read)
 
 
 def test_a_read_touches_one_row_group_and_the_requested_columns(tmp_path, monkeypatch):
