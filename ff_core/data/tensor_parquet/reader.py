@@ -420,9 +420,9 @@ class _Mapped:
         self.small_failed = False  # the small columns of the whole file could not be decoded at once
 
     def read_all(self, columns: list[str]) -> pa.Table:
-        """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: faulting
-        in (and unmapping again) the pages of every group's small chunks costs more than reading them, and would
-        raise the resident set by about 0.5 MB a group until released."""
+        """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,
+        and faulting in every group's small chunks (with their neighbours) would raise the peak resident set by
+        about 0.5 MB a group until unmapped."""
         file = pq.ParquetFile(self.path, metadata=self.meta, memory_map=False)
         return file.read_row_groups(range(self.meta.num_row_groups), columns=columns, use_threads=False)
 
