@@ -415,20 +415,23 @@ def test_bad_arguments(tmp_path):
 def test_per_file_caches_follow_a_rewritten_file(tmp_path):
     """A file rewritten atomically (ff's writer replaces a chunk by renaming a new file over it): a dataset opened
     after it reads the new rows (new index, new caches); one opened before keeps reading the old file it mapped,
-    small columns and tensors alike, never a mix."""
+    small columns and tensors alike, never a mix, whether its caches were filled before the rename or after (the
+    new file has the old one's exact layout, so a read by path with the old footer would not fail: it would mix)."""
     def write(k: int) -> None:
         with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=4) as writer:
             for i in range(4):
-                writer.write({"id": f"v{k}-{i}", "x": torch.full((2 + k,), float(10 * k + i))})
+                writer.write({"id": f"v{k}-{i}", "x": torch.full((2,), float(10 * k + i))})  # same layout
 
     write(0)
-    old = TensorParquetDataset(tmp_path)
-    assert [old[i]["id"] for i in range(4)] == [f"v0-{i}" for i in range(4)]
-    assert old._small_files and len(old._handles[0].locations) == 4  # every cache filled
+    old, cached = TensorParquetDataset(tmp_path), TensorParquetDataset(tmp_path)
+    assert old[0]["id"] == "v0-0"  # the file opened; its small columns not decoded whole yet
+    assert [cached[i]["id"] for i in range(4)] == [f"v0-{i}" for i in range(4)]
+    assert cached._small_files and len(cached._handles[0].locations) == 4  # every cache filled
     old.files[0].unlink()
     write(1)
     new = TensorParquetDataset(tmp_path)
     assert not new.index_cached
     for i in range(4):
-        assert new[i]["id"] == f"v1-{i}" and torch.equal(new[i]["x"], torch.full((3,), float(10 + i)))
-        assert old[i]["id"] == f"v0-{i}" and torch.equal(old[i]["x"], torch.full((2,), float(i)))
+        assert new[i]["id"] == f"v1-{i}" and torch.equal(new[i]["x"], torch.full((2,), float(10 + i)))
+        for ds in (old, cached):  # old decodes the whole file's small columns now: from the file it opened
+            assert ds[i]["id"] == f"v0-{i}" and torch.equal(ds[i]["x"], torch.full((2,), float(i)))

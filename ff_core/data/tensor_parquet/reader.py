@@ -422,8 +422,17 @@ class _Mapped:
     def read_all(self, columns: list[str]) -> pa.Table:
         """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,
         and faulting in every group's small chunks (with their neighbours) would raise the peak resident set by
-        about 0.5 MB a group until unmapped."""
-        file = pq.ParquetFile(self.path, metadata=self.meta, memory_map=False)
+        about 0.5 MB a group until unmapped. Read through this handle's descriptor, never the path: the file mapped
+        and the file read must be the same one even if another was renamed over the path since (Linux
+        ``/proc/self/fd``; elsewhere an ``OSError``, and the caller reads group by group through the mapping).
+
+        Raises:
+            OSError: no ``/proc/self/fd``.
+        """
+        same_file = f"/proc/self/fd/{self.fd}"
+        if not os.path.exists(same_file):
+            raise OSError(f"{same_file}: not available")
+        file = pq.ParquetFile(same_file, metadata=self.meta, memory_map=False)
         return file.read_row_groups(range(self.meta.num_row_groups), columns=columns, use_threads=False)
 
     def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
