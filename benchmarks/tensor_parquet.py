@@ -1,7 +1,8 @@
 """Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
 
-Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick]``. Prints markdown
-tables. Shards are generated in a temporary folder (removed at the end) in two layouts holding the same rows:
+Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]``.
+Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory figures). Shards are
+generated in a temporary folder (removed at the end) in two layouts holding the same rows:
 
 * ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
   (16), pyarrow's ``write_table`` defaults otherwise (snappy, dictionary attempted);
@@ -293,6 +294,8 @@ def main() -> None:
     parser.add_argument("--group-rows", type=int, default=16, help="rows per row group of the reference layout")
     parser.add_argument("--workdir", help="where to generate the shards (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="tiny rows (~100 kB), short budgets: a smoke test")
+    parser.add_argument("--layouts", nargs="+", choices=list(READERS), default=list(READERS),
+                        help="the layouts to measure (both are written; the copy ceilings are always measured)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -310,7 +313,7 @@ def main() -> None:
         row_bytes = payload / rows
         print(f"{rows} rows of {row_bytes / 1e6:.2f} MB per layout ({payload / 1e9:.2f} GB), written in "
               f"{time.perf_counter() - t:.0f} s; {args.group_rows} rows per row group in the reference layout\n")
-        results = measure(work, rows, row_bytes, budget, args.quick)
+        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts)
         print(json.dumps(results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -329,14 +332,16 @@ def row_line(layout: str, name: str, r: dict) -> str:
 LOADERS = [("ff", False, 0), ("ff", False, 1), ("ff", False, 2), ("reference", True, 0), ("reference", True, 2)]
 
 
-def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool) -> dict:
+def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool,
+            layouts: list[str] | None = None) -> dict:
+    layouts = list(READERS) if layouts is None else layouts
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     results: dict = {}
     consume = Consumer(int(row_bytes * 1.1) + 4096)
     print("| layout | reader | rows read | rows/s | GB/s | ms/row read | ms/row consume | ms/row read + consume | "
           "cpu ms/row |\n|---|---|---|---|---|---|---|---|---|")
     for layout, names in READERS.items():
-        for name in names:
+        for name in names if layout in layouts else ():
             r = results[f"{layout}/{name}"] = best_of(ROUNDS, lambda: run_reader(work / layout, name, order, budget,
                                                                                  row_bytes, consume))
             print(row_line(layout, name, r))
@@ -347,7 +352,7 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
         print(row_line("-", name, r))
     print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered + consumed | main process: cpu ms/row "
           "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|")
-    for layout, two_level, workers in LOADERS:
+    for layout, two_level, workers in (x for x in LOADERS if x[0] in layouts):
         ds = TensorParquetDataset(work / layout, cached_groups=4)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
         r = results[f"{layout}/loader{workers}"] = best_of(
@@ -358,7 +363,7 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool)
     r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
     print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
           f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
-    if not quick:
+    if not quick and "ff" in layouts:
         print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
         for root in (work / "ff" / "shard000", work / "ff"):
             r = results[f"rss/{r_rows(root)}"] = rss(root)

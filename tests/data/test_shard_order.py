@@ -73,16 +73,20 @@ def test_grouped_epochs_traverse_every_row_and_keep_windows_together(grouped_row
 
 
 def test_each_group_is_decoded_once_per_epoch(grouped_rows, monkeypatch):
-    """With window 2 and readers keeping 2 decoded groups, one epoch decodes each of the 6 groups exactly once."""
-    calls = []
-    original = pq.ParquetFile.read_row_group
+    """With window 2 and readers keeping 2 decoded groups, one epoch decodes each of the 6 groups exactly once: in
+    each of the 3 files, the first group read alone, the other's small columns with the whole file's (the reader
+    decodes a file's small columns at once on its second group), its _bytes from their pages."""
+    calls, file_reads = [], []
+    original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read_row_groups
     monkeypatch.setattr(pq.ParquetFile, "read_row_group",
                         lambda self, i, *a, **k: calls.append(i) or original(self, i, *a, **k))
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, *a, **k: file_reads.append(1) or original_read(self, *a, **k))
     dl = DataflowLoader(GroupedSamplerDistributor(grouped_rows, window=2, seed=1),
                         TensorRowProcessor(grouped_rows, COLUMNS), collator=TensorRowCollator(), batch_size=4,
                         coords=DataParallelCoords(0, 1))
     seen = [i for batch in dl for i in batch["index"].tolist()]
-    assert sorted(seen) == list(range(26)) and len(calls) == 6
+    assert sorted(seen) == list(range(26)) and len(calls) == 3 and len(file_reads) == 3
     for batch in dl:  # row i's latent holds i: the cached groups serve the right rows
         for i, value in zip(batch["index"].tolist(), batch["latents"]["latent"]):
             assert torch.equal(value, torch.full((3,), float(i)))

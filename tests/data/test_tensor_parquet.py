@@ -216,17 +216,24 @@ def test_reference_layout_several_rows_per_group(tmp_path):
 
 
 class Spy:
-    """Records every ``ParquetFile.read_row_group(group, columns)`` call (pyarrow's, not ff's code)."""
+    """Records every ``ParquetFile.read_row_group(group, columns)`` call (pyarrow's, not ff's code), and in
+    ``file_reads`` the columns of every ``ParquetFile.read_row_groups`` (the reader's whole-file reads)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, tuple[str, ...]]] = []
-        original = pq.ParquetFile.read_row_group
+        self.file_reads: list[tuple[str, ...]] = []
+        original, original_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read_row_groups
 
         def spy(pf, i, columns=None, **kw):
             self.calls.append((i, tuple(columns)))
             return original(pf, i, columns=columns, **kw)
 
+        def spy_read(pf, groups, columns=None, **kw):
+            self.file_reads.append(tuple(columns))
+            return original_read(pf, groups, columns=columns, **kw)
+
         monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+        monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy_read)
 
 
 def test_a_read_touches_one_row_group_and_the_requested_columns(tmp_path, monkeypatch):
@@ -266,7 +273,9 @@ def test_decoded_groups_are_reused(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     order = two_level_order(ds.group_bounds, seed=3, epoch=0, window=2)
     assert [float(ds[int(i)]["x"][0]) for i in order] == [float(i) for i in order]
-    assert sorted(g for g, _ in spy.calls) == [0, 1, 2]  # each group decoded once per epoch
+    # Each group decoded once per epoch: the first alone, the others' small columns with the whole file's (one read
+    # on the file's second group), their _bytes from their pages.
+    assert [g for g, _ in spy.calls] == [int(order[0]) // 4] and spy.file_reads == [("id", "x_shape", "x_dtype")]
 
 
 def test_two_level_order():
@@ -401,3 +410,28 @@ def test_bad_arguments(tmp_path):
         TensorParquetDataset(tmp_path, cached_groups=-1)
     with pytest.raises(ValueError, match="open_files must be >= 1, got 0"):
         TensorParquetDataset(tmp_path, open_files=0)
+
+
+def test_per_file_caches_follow_a_rewritten_file(tmp_path):
+    """A file rewritten atomically (ff's writer replaces a chunk by renaming a new file over it): a dataset opened
+    after it reads the new rows (new index, new caches); one opened before keeps reading the old file it mapped,
+    small columns and tensors alike, never a mix, whether its caches were filled before the rename or after (the
+    new file has the old one's exact layout, so a read by path with the old footer would not fail: it would mix)."""
+    def write(k: int) -> None:
+        with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=4) as writer:
+            for i in range(4):
+                writer.write({"id": f"v{k}-{i}", "x": torch.full((2,), float(10 * k + i))})  # same layout
+
+    write(0)
+    old, cached = TensorParquetDataset(tmp_path), TensorParquetDataset(tmp_path)
+    assert old[0]["id"] == "v0-0"  # the file opened; its small columns not decoded whole yet
+    assert [cached[i]["id"] for i in range(4)] == [f"v0-{i}" for i in range(4)]
+    assert cached._small_files and len(cached._handles[0].locations) == 4  # every cache filled
+    old.files[0].unlink()
+    write(1)
+    new = TensorParquetDataset(tmp_path)
+    assert not new.index_cached
+    for i in range(4):
+        assert new[i]["id"] == f"v1-{i}" and torch.equal(new[i]["x"], torch.full((2,), float(10 + i)))
+        for ds in (old, cached):  # old decodes the whole file's small columns now: from the file it opened
+            assert ds[i]["id"] == f"v0-{i}" and torch.equal(ds[i]["x"], torch.full((2,), float(i)))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tensor_parquet_helpers import card_decode
 
-from ff_core.data.tensor_parquet import TENSOR_DTYPES, TensorParquetDataset, encode_tensor, tensor_schema
+from ff_core.data.tensor_parquet import TENSOR_DTYPES, TensorParquetDataset, encode_tensor, reader, tensor_schema
 from ff_core.data.tensor_parquet.pages import Unsupported, hybrid
 from ff_core.errors import DatasetError
 
@@ -259,3 +259,72 @@ def test_damaged_bytes_anywhere_in_a_chunk_read_as_pyarrow_reads_them(tmp_path, 
                         (trial, i, options)
                 outcomes["pyarrow only refused"] += 1
     assert outcomes["error"] and outcomes["read"]  # both kinds of damage were met
+
+
+def _write_files(root, rows: list[dict], per_file: int, per_group: int, **options) -> list:
+    schema = tensor_schema({"id": pa.string()}, list(TENSOR_DTYPES))
+    paths = []
+    for k in range(0, len(rows), per_file):
+        path = root / "part" / f"f{k // per_file}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows[k: k + per_file], schema=schema), path, row_group_size=per_group,
+                       **options)
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("per_group, options", [(1, "plain"), (1, "v2-plain"), (2, "dictionary-snappy")])
+def test_per_file_caches_serve_the_same_rows_as_pyarrow_and_stay_bounded(tmp_path, monkeypatch, per_group, options):
+    """Several epochs in shuffled orders over three files: the per-file small-column cache (here bounded to 6 rows,
+    so files are evicted and decoded again) and the per-handle page locations give pyarrow's rows every time; an
+    epoch after the first parses no page header of an uncompressed chunk."""
+    rows = rows_of_every_dtype(nulls=True)  # 9 rows: 3 files of 3 rows
+    _write_files(tmp_path, rows, 3, per_group, **WRITE_OPTIONS[options])
+    direct, arrow = both(tmp_path)
+    direct.small_rows = 6
+    parsed = Counter()
+    original = reader.chunk_values
+    monkeypatch.setattr(reader, "chunk_values",
+                        lambda *a: parsed.update([(id(a[0]), a[1].data_page_offset)]) or original(*a))
+    for epoch in range(3):
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(epoch)).tolist()
+        for i in order:
+            assert_same_rows_at(direct, arrow, rows, i)
+        assert sum(direct._small_counts.values()) <= direct.small_rows and len(direct._small_files) <= 2
+        if epoch == 0:
+            first = sum(parsed.values())
+    assert direct._small_files  # the cache was used
+    compressed = options == "dictionary-snappy"
+    # Values in a decompressed page are not kept (that would keep the page): such chunks are parsed again.
+    assert (sum(parsed.values()) > first) if compressed else (sum(parsed.values()) == first == len(parsed))
+    assert direct.chunk_reads["pyarrow"] == 0
+
+
+def assert_same_rows_at(direct: TensorParquetDataset, arrow: TensorParquetDataset, rows: list[dict], i: int) -> None:
+    a, b = read(direct, i), read(arrow, i)
+    if isinstance(b, str) or isinstance(a, str):
+        assert a == b, i
+        return
+    assert a.keys() == b.keys() and all(
+        encode_tensor(a[k]) == encode_tensor(v) if isinstance(v, torch.Tensor) else a[k] == v for k, v in b.items())
+
+
+def test_a_small_column_pyarrow_cannot_decode_is_named_by_its_row_group(tmp_path):
+    """Damage in one row group's small column: the whole-file decode fails, the reader falls back to reading group
+    by group, so the other rows still read and the damaged group's error is pyarrow's, as with ``direct=False``."""
+    rows = [{"id": f"row{i}", **encode_tensor(torch.arange(6, dtype=torch.float32) + i, "x")} for i in range(4)]
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=tensor_schema({"id": pa.string()}, ["x"])), path,
+                   row_group_size=1, use_dictionary=False, compression="none")
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(0)  # row 2's id
+    assert chunk.path_in_schema == "id"
+    data = bytearray(path.read_bytes())
+    data[chunk.data_page_offset: chunk.data_page_offset + chunk.total_compressed_size] = b"\xff" * (
+        chunk.total_compressed_size)
+    path.write_bytes(bytes(data))
+    direct, arrow = both(tmp_path)
+    for i in (0, 1, 3, 2):  # row 1 is the file's second group read: the whole-file decode is tried there
+        assert_same_rows_at(direct, arrow, rows, i)
+    assert [direct[i]["id"] for i in (0, 1, 3)] == ["row0", "row1", "row3"]
+    assert read(direct, 2).startswith(f"error: {path}: row group 2: cannot be read: ")
+    assert direct._handles[0].small_failed and not direct._small_files

@@ -10,6 +10,10 @@ as with ``direct=False``). The file pages a read touched through the mapping are
 (:class:`_Mapped`), so the resident set stays flat however much of the dataset is read. A tensor viewing a decoded
 buffer is read-only: clone before editing one in place, or pass ``copy=True``.
 
+What a row read costs besides its copy is per-row setup, so two bounded per-process caches hold what is fixed per
+file: the small columns of a whole file, decoded at once (:meth:`TensorParquetDataset._file_small`), and where each
+row group's uncompressed ``_bytes`` values lie (:attr:`_Mapped.locations`), so a row read again parses no header.
+
 Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
 so a read decodes exactly one row. Files of other writers often hold many rows per group and Parquet cannot decode
 part of a group: the last ``cached_groups`` decoded groups are kept so their other rows are served without
@@ -79,7 +83,11 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         index: the :class:`~ff_core.data.tensor_parquet.index.RowIndex`.
         index_cached: whether the index came from its cache (no footer read).
         chunk_reads: ``_bytes`` column chunks read in this process, by path (``"direct"``, ``"pyarrow"``).
+        small_rows: the most rows whose small columns (scalars, ``_shape``, ``_dtype``) are kept decoded per process,
+            over whole files (a larger file is read group by group): see :meth:`_file_small`.
     """
+
+    small_rows: int = 1 << 14  # about 1-2 kB of Python values a row with the card's 33 columns
 
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
@@ -115,11 +123,13 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         self._handles: OrderedDict[int, _Mapped] = OrderedDict()
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._shape_groups: OrderedDict[int, pa.Table] = OrderedDict()
+        self._small_files: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()  # file -> its small columns
+        self._small_counts: dict[int, int] = {}  # file -> rows in _small_files
         self.chunk_reads: Counter[str] = Counter()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_handles", "_groups", "_shape_groups", "_pid", "chunk_reads"):
+        for key in ("_handles", "_groups", "_shape_groups", "_small_files", "_small_counts", "_pid", "chunk_reads"):
             state.pop(key)
         return state
 
@@ -268,25 +278,73 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             return self._groups[gid]
         mapped = self._file(f)
         rows = self.index.group_rows[f][g]
-        values: dict[str, list[Value]] = {}
-        for t in self.tensor_names if self.direct else ():
-            try:
-                values[t] = mapped.values(g, t + BYTES, rows)
-            except Unsupported:
-                continue  # decoded by pyarrow below, which reads it or names what is wrong with it
+        values = self._direct_values(mapped, g, rows) if self.direct else {}
         rest = [t + BYTES for t in self.tensor_names if t not in values]
         self.chunk_reads.update({"direct": len(values), "pyarrow": len(rest)})
-        # A chunk the page reader refused is the likeliest culprit when pyarrow fails: name it.
-        table = self._read(f, g, self._small_columns + rest, rest[0] if rest and self.direct else None)
-        for t in self.tensor_names:
-            if t not in values:
-                values[t] = _arrow_values(table.column(t + BYTES))
-        group = _Group(mapped, {c: table.column(c).to_pylist() for c in self._small_columns}, values)
+        small = None if rest else self._file_small(mapped, f, gid, rows)
+        if small is None:
+            # A chunk the page reader refused is the likeliest culprit when pyarrow fails: name it.
+            table = self._read(f, g, self._small_columns + rest, rest[0] if rest and self.direct else None)
+            for t in self.tensor_names:
+                if t not in values:
+                    values[t] = _arrow_values(table.column(t + BYTES))
+            small = {c: table.column(c).to_pylist() for c in self._small_columns}
+        group = _Group(mapped, small, values)
         if rows > 1 and self.cached_groups > 0:
             self._groups[gid] = group
             while len(self._groups) > self.cached_groups:
                 self._groups.popitem(last=False)
         return group
+
+    def _direct_values(self, mapped: _Mapped, g: int, rows: int) -> dict[str, list[Value]]:
+        """Where each row's ``_bytes`` values of row group ``g`` lie, for the chunks the page reader reads.
+
+        Uncompressed locations are kept with the file's handle (:attr:`_Mapped.locations`): a row group read again
+        (the next epoch) parses no page header. Values in a decompressed page are not kept (that would keep the page).
+        """
+        cached = mapped.locations.get(g)
+        if cached is not None:
+            return dict(cached)
+        values: dict[str, list[Value]] = {}
+        for t in self.tensor_names:
+            try:
+                values[t] = mapped.values(g, t + BYTES, rows)
+            except Unsupported:
+                continue  # decoded by pyarrow, which reads it or names what is wrong with it
+        if len(values) == len(self.tensor_names) and all(
+                v is None or v[0] is mapped.buffer for found in values.values() for v in found):
+            mapped.locations[g] = values
+        return dict(values)
+
+    def _file_small(self, mapped: _Mapped, f: int, gid: int, rows: int) -> dict[str, list[Any]] | None:
+        """The small columns of row group ``gid`` cut from its file's, decoded for the whole file at once (one pyarrow
+        read per file instead of one per row group: ~25 tiny columns cost about as much to set up as to decode);
+        ``None``: read the group alone.
+
+        A file's small columns are decoded on its second row-group read while its handle is open (a file read once
+        costs no more than before), only when the file has at most :attr:`small_rows` rows, and kept in an LRU of at
+        most :attr:`small_rows` rows over all files. A file pyarrow cannot decode whole is read group by group, so
+        the error names the damaged group and the others stay readable.
+        """
+        cached = self._small_files.get(f)
+        if cached is None:
+            mapped.small_reads += 1
+            if mapped.small_reads < 2 or mapped.small_failed or sum(self.index.group_rows[f]) > self.small_rows:
+                return None
+            try:
+                table = mapped.read_all(self._small_columns)
+            except (OSError, pa.ArrowException):
+                mapped.small_failed = True
+                return None
+            cached = self._small_files[f] = {c: table.column(c).to_pylist() for c in self._small_columns}
+            self._small_counts[f] = table.num_rows
+            while sum(self._small_counts.values()) > self.small_rows:
+                oldest = next(iter(self._small_files))
+                del self._small_files[oldest], self._small_counts[oldest]
+        else:
+            self._small_files.move_to_end(f)
+        start = int(self.index.group_start[gid] - self.index.file_start[f])
+        return {c: column[start: start + rows] for c, column in cached.items()}
 
     def _shape_table(self, gid: int, f: int, g: int) -> pa.Table:
         """The ``_shape`` columns of row group ``g`` of file ``f``; the last 64 multi-row groups are kept."""
@@ -355,6 +413,27 @@ class _Mapped:
         # and maximum definition level by name.
         self.columns = {schema.column(c).path: (c, schema.column(c).max_definition_level)
                         for c in range(len(schema)) if not schema.column(c).max_repetition_level}
+        # Per-file caches of the reader, gone with the handle (bounded by ``open_files``); the file is mapped as it
+        # was opened (an atomic rewrite makes a new file, which a new dataset indexes and opens anew).
+        self.locations: dict[int, dict[str, list[Value]]] = {}  # row group -> uncompressed _bytes values' places
+        self.small_reads = 0  # row groups whose small columns were read while this handle was open
+        self.small_failed = False  # the small columns of the whole file could not be decoded at once
+
+    def read_all(self, columns: list[str]) -> pa.Table:
+        """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,
+        and faulting in every group's small chunks (with their neighbours) would raise the peak resident set by
+        about 0.5 MB a group until unmapped. Read through this handle's descriptor, never the path: the file mapped
+        and the file read must be the same one even if another was renamed over the path since (Linux
+        ``/proc/self/fd``; elsewhere an ``OSError``, and the caller reads group by group through the mapping).
+
+        Raises:
+            OSError: no ``/proc/self/fd``.
+        """
+        same_file = f"/proc/self/fd/{self.fd}"
+        if not os.path.exists(same_file):
+            raise OSError(f"{same_file}: not available")
+        file = pq.ParquetFile(same_file, metadata=self.meta, memory_map=False)
+        return file.read_row_groups(range(self.meta.num_row_groups), columns=columns, use_threads=False)
 
     def read_row_group(self, g: int, columns: list[str]) -> pa.Table:
         table = self.file.read_row_group(g, columns=columns, use_threads=False)
@@ -378,11 +457,20 @@ class _Mapped:
             raise DatasetError(self.path, None, None, f"bytes {start}..{start + out.numel()}: only {got} could be read")
 
     def release(self, start: int, end: int) -> None:
-        """Drop the file pages of bytes ``start`` to ``end`` from the resident set (they stay in the page cache)."""
+        """Drop the file pages of bytes ``start`` to ``end`` from the resident set (they stay in the page cache).
+
+        A fault on one page maps the page-cache pages around it too (Linux ``fault_around_bytes``, 64 KiB by
+        default, aligned): the range is widened by that much, else reading a header (one page) would leave its
+        neighbours mapped and the resident set would grow with the files read.
+        """
+        start = max(0, start - _FAULT_AROUND)
         start -= start % mmap.PAGESIZE
-        end = min(end, len(self.map))
+        end = min(end + _FAULT_AROUND, len(self.map))
         if hasattr(self.map, "madvise") and end > start:
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+_FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes (see _Mapped.release)
 
 
 def _allocate(nbytes: int, shared: bool) -> torch.Tensor:
