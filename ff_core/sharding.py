@@ -140,8 +140,10 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 @contextmanager
 def summoned(root: nn.Module | None) -> Iterator[None]:
-    """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only; a no-op for any
-    other module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it.
+    """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only and gathered into
+    CPU memory (``offload_to_cpu``: the whole network at once never sits on the accelerator); a no-op for any other
+    module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it. The gathered
+    storage is freed on exit: copy what must outlive it (:func:`full_parameters` does).
 
     Args:
         root: the strategy's model (``trainer.strategy.model``), or ``None``.
@@ -149,17 +151,20 @@ def summoned(root: nn.Module | None) -> Iterator[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = root is not None and any(isinstance(m, FullyShardedDataParallel) for m in root.modules())
-    with FullyShardedDataParallel.summon_full_params(root, writeback=False) if fsdp1 else nullcontext():
+    summon = FullyShardedDataParallel.summon_full_params
+    with summon(root, writeback=False, offload_to_cpu=True) if fsdp1 else nullcontext():
         yield
 
 
 def full_parameters(network: nn.Module, keep: Callable[[str], bool] = lambda name: True) -> dict[str, Tensor]:
-    """The parameters of ``network`` whose name passes ``keep``, whole and detached, by their ``named_parameters()``
-    name (wrapper components included: peft finds its layers by those names; :func:`clean_name` them for a state
-    dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under FSDP1.
+    """The parameters of ``network`` whose name passes ``keep``, whole, as CPU copies owning their storage, by their
+    ``named_parameters()`` name (wrapper components included: peft finds its layers by those names; :func:`clean_name`
+    them for a state dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under
+    FSDP1: its parameters there are views into gathered flat storage that is freed when the context exits, hence the
+    copies, which the caller may keep and write after it.
 
     Args:
         network: a trained network (``Adapter.denoisers()``).
         keep: which names to read (gathering only what is needed: a LoRA's tensors, not the base weights).
     """
-    return {name: full_tensor(p.detach()) for name, p in network.named_parameters() if keep(name)}
+    return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in network.named_parameters() if keep(name)}

@@ -186,3 +186,22 @@ def test_fsdp1_wraps_each_adapter_block(tiny_sd3):
     policy = strategy.kwargs["auto_wrap_policy"]
     assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {JointTransformerBlock}
     assert strategy.kwargs["use_orig_params"] is True  # Lightning's default, which a LoRA needs
+
+
+def test_lora_export_owns_its_storage(tiny_sd3):
+    """Under FSDP1 the exported tensors were views of the summoned flat parameters, written after
+    ``summon_full_params`` had freed them (resized their storage to 0). Freeing the parameters' storage the same way
+    after the export must leave the exported values readable and unchanged."""
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    lora = {n: p for n, p in module.adapter.transformer.named_parameters() if "lora_" in n}
+    with torch.no_grad():  # peft initialises lora_B to zero: give every tensor distinct values
+        for p in lora.values():
+            p.copy_(torch.randn_like(p))
+    want = {n: p.detach().clone() for n, p in lora.items()}
+    exported = lora_state_dicts(module.adapter)["transformer"]
+    for p in lora.values():  # what FSDP1 does to the gathered storage when the summoning context exits
+        p.data.untyped_storage().resize_(0)
+    assert len(exported) == len(want)
+    for name, value in exported.items():
+        source = next(n for n in want if n.replace(".default", "") == name)
+        assert value.device.type == "cpu" and torch.equal(value, want[source])
