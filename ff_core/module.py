@@ -222,6 +222,13 @@ class FlowModule(L.LightningModule):
             raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
                               f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
                               "trainer.strategy arguments; drop model.sharding")  # fmt: skip
+        if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "full":
+            # FSDP1's sharded state dict is built from the wrapped module's state_dict(), where FlowModule sits under
+            # the root unit's _fsdp_wrapped_module. prefix: _keep_trained cannot drop the frozen base there (the root
+            # unit's own hook requires every parameter it holds), so the checkpoint would expect them back on resume.
+            raise ConfigError("trainer.strategy", f"FSDPStrategy with state_dict_type: {strategy._state_dict_type!r} "
+                              "is not supported: set init_args state_dict_type: full (one gathered file), or use "
+                              "ModelParallelStrategy (FSDP2) for sharded checkpoints")  # fmt: skip
         if isinstance(strategy, DeepSpeedStrategy) and not strategy.exclude_frozen_parameters:
             # DeepSpeed writes its engine's parameters, not the filtered state dict on_save_checkpoint returns.
             raise ConfigError("trainer.strategy", "DeepSpeedStrategy: set init_args exclude_frozen_parameters: true, "

@@ -205,3 +205,15 @@ def test_lora_export_owns_its_storage(tiny_sd3):
     for name, value in exported.items():
         source = next(n for n in want if n.replace(".default", "") == name)
         assert value.device.type == "cpu" and torch.equal(value, want[source])
+
+
+def test_fsdp1_sharded_checkpoints_are_refused(tiny_sd3):
+    """FSDP1's sharded state dict keeps the frozen base (FlowModule's keep-list cannot act under the root unit), so
+    resuming from it failed; the setting is refused before weights load, naming the key."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    with pytest.raises(ConfigError, match="state_dict_type: full"):
+        module._check_strategy(FSDPStrategy(state_dict_type="sharded"))
+    module._check_strategy(FSDPStrategy(state_dict_type="full"))
+    assert module.adapter is None
