@@ -137,6 +137,10 @@ class Adapter(nn.Module):
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
             to tensor-parquet condition columns alike.
+        full_precision_inputs: keyword inputs of the trained networks that FSDP2's ``model.sharding.param_dtype``
+            must not cast (:func:`ff_core.sharding.fully_shard_networks` casts the others): diffusers embeds the
+            timestep (and FLUX.1's embedded guidance, scaled alike) sinusoidally in fp32, and ``sigma * 1000`` in
+            bf16 would round to steps of up to 4.
     """
 
     name: ClassVar[str]
@@ -148,6 +152,7 @@ class Adapter(nn.Module):
     tensor_columns: ClassVar[TensorColumns | None] = None
     condition_collation: ClassVar[dict[str, str]] = {}
     interface_version: ClassVar[str | None] = None
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "guidance")
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None

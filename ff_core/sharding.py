@@ -70,12 +70,18 @@ class ShardingConfig:
             if value is not None and value not in _DTYPES:
                 raise ValueError(f"model.sharding.{key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
 
-    def fsdp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside)."""
+    def fsdp_kwargs(self, root: bool = False) -> dict[str, Any]:
+        """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside).
+
+        Args:
+            root: for the trained network itself rather than one of its blocks: its forward inputs are not cast to
+                ``param_dtype`` by FSDP (which would cast every floating input, the fp32 timestep included), but by
+                :func:`cast_forward_inputs`, which keeps the adapter's ``full_precision_inputs``.
+        """
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.param_dtype), reduce_dtype=_DTYPES.get(
-            self.reduce_dtype))  # fmt: skip
+            self.reduce_dtype), cast_forward_inputs=not root)  # fmt: skip
         return {"mp_policy": policy, "reshard_after_forward": self.reshard_after_forward,
                 "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}  # fmt: skip
 
@@ -121,7 +127,30 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
     for name, network in adapter.denoisers().items():
         for block in blocks.get(name, ()):
             fully_shard(block, mesh=mesh, **kwargs)
-        fully_shard(network, mesh=mesh, **kwargs)
+        fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
+        if config.param_dtype is not None:
+            cast_forward_inputs(network, _DTYPES[config.param_dtype], adapter.full_precision_inputs)
+
+
+def cast_forward_inputs(network: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> None:
+    """Cast the floating tensors ``network`` is called with to ``dtype`` (a forward pre-hook), except the keyword
+    inputs named in ``keep``: what FSDP2's ``cast_forward_inputs`` does, less the inputs the network embeds in fp32
+    itself (``Adapter.full_precision_inputs``: the timestep).
+
+    Args:
+        network: a trained network, ``fully_shard``ed with ``cast_forward_inputs=False``.
+        dtype: the compute dtype (``model.sharding.param_dtype``).
+        keep: keyword names passed through unchanged.
+    """
+    from torch.utils._pytree import tree_map
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map(cast, args), {k: v if k in keep else tree_map(cast, v) for k, v in kwargs.items()}
+
+    network.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def local_numel(tensor: Tensor) -> int:

@@ -217,3 +217,29 @@ def test_fsdp1_sharded_checkpoints_are_refused(tiny_sd3):
         module._check_strategy(FSDPStrategy(state_dict_type="sharded"))
     module._check_strategy(FSDPStrategy(state_dict_type="full"))
     assert module.adapter is None
+
+
+def test_fsdp2_compute_dtype_keeps_the_timestep_fp32(tiny_sd3):
+    """FSDP2's own input cast (cast_forward_inputs) turned the fp32 timestep into bf16 (437.6 -> 438) before the
+    network's sinusoidal embedding; the root now casts through cast_forward_inputs, which keeps the adapter's
+    full_precision_inputs. Checked on the real network in the dtype FSDP2 computes in (its bf16 gathered parameters)
+    against a direct call with the inputs cast by hand."""
+    from ff_core.sharding import cast_forward_inputs
+
+    config = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert config.fsdp_kwargs(root=True)["mp_policy"].cast_forward_inputs is False
+    assert config.fsdp_kwargs()["mp_policy"].cast_forward_inputs is True  # the blocks' inputs are all activations
+    module = loaded(tiny_sd3, None)
+    transformer = module.adapter.transformer.to(torch.bfloat16)
+    seen = []
+    transformer.time_text_embed.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    embeds, pooled = torch.randn(2, 7, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    sigma = torch.tensor([0.4376, 0.9071])
+    inputs = {"encoder_hidden_states": embeds, "pooled_projections": pooled, "timestep": sigma * 1000}
+    want = transformer(hidden_states=x.bfloat16(), **{**inputs, "encoder_hidden_states": embeds.bfloat16(),
+                       "pooled_projections": pooled.bfloat16()}, return_dict=False)[0]  # fmt: skip
+    cast_forward_inputs(transformer, torch.bfloat16, module.adapter.full_precision_inputs)
+    got = transformer(hidden_states=x, **inputs, return_dict=False)[0]
+    assert seen == [torch.float32, torch.float32] and torch.equal(got, want)
