@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -386,7 +386,10 @@ class FlowModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
-        if "state_dict" not in checkpoint:  # ModelParallelStrategy loaded the tensors itself, into the shards
+        if "state_dict" not in checkpoint:
+            # FSDP1, FSDP2 and DeepSpeed load the tensors themselves and drop "state_dict" before this hook: compare
+            # the settings the checkpoint was written with instead.
+            self._check_checkpoint_hparams(checkpoint.get("hyper_parameters") or {})
             return
         missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
@@ -394,6 +397,30 @@ class FlowModule(L.LightningModule):
                 f"checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. {sorted(missing)[0]!r}: "
                 "was it written with a different model.lora setting?"
             )
+
+    def _check_checkpoint_hparams(self, hparams: dict[str, Any]) -> None:
+        """Refuse resuming a checkpoint written with another adapter or another LoRA shape (``None``-ness, rank,
+        alpha, targets; dropout may change) when the strategy leaves no state dict to compare keys with."""
+        if "adapter" in hparams:
+            try:
+                other = get_adapter_class(hparams["adapter"])
+            except KeyError:
+                other = None
+            if other is not self.adapter_cls:
+                raise ConfigError("model.adapter", f"the checkpoint was written by adapter {hparams['adapter']!r}, "
+                                  f"this run is {self.adapter_cls.name!r}")  # fmt: skip
+        if "lora" not in hparams:
+            return
+
+        def shape(lora: Any) -> dict[str, Any] | None:
+            if lora is None:
+                return None
+            values = asdict(lora) if is_dataclass(lora) else dict(lora)
+            return {k: values.get(k, getattr(LoRAConfig, k)) for k in ("rank", "alpha", "target_modules")}
+
+        if shape(hparams["lora"]) != shape(self.lora):
+            raise ConfigError("model.lora", f"the checkpoint was written with model.lora {shape(hparams['lora'])}, "
+                              f"this run has {shape(self.lora)}: resume with the same setting")  # fmt: skip
 
     # -- modes -------------------------------------------------------------------------------------------
     # Lightning (2.x) never calls train(): it keeps each module's mode, and restores the modes it saw before a

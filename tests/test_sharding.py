@@ -243,3 +243,21 @@ def test_fsdp2_compute_dtype_keeps_the_timestep_fp32(tiny_sd3):
     cast_forward_inputs(transformer, torch.bfloat16, module.adapter.full_precision_inputs)
     got = transformer(hidden_states=x, **inputs, return_dict=False)[0]
     assert seen == [torch.float32, torch.float32] and torch.equal(got, want)
+
+
+def test_resuming_another_lora_is_refused_without_a_state_dict(tiny_sd3):
+    """FSDP1, FSDP2 and DeepSpeed drop "state_dict" before on_load_checkpoint, which skipped the guard against resuming
+    with another model.lora; the checkpoint's hyper-parameters are compared instead (no weights needed)."""
+    lora = LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q"])
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=lora)
+    same = {"adapter": "sd3-5", "lora": LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q"], dropout=0.1)}
+    module.on_load_checkpoint({"hyper_parameters": same})  # dropout may change
+    module.on_load_checkpoint({"hyper_parameters": {**same, "lora": {"rank": 2, "alpha": 2.0,
+                                                                     "target_modules": ["to_q"]}}})  # fmt: skip
+    for other in (LoRAConfig(rank=4, alpha=2.0, target_modules=["to_q"]), None,
+                  LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q", "to_k"])):  # fmt: skip
+        with pytest.raises(ConfigError, match="model.lora"):
+            module.on_load_checkpoint({"hyper_parameters": {**same, "lora": other}})
+    with pytest.raises(ConfigError, match="model.adapter"):
+        module.on_load_checkpoint({"hyper_parameters": {**same, "adapter": "wan2_t2v"}})
+    assert module.adapter is None
