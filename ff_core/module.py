@@ -318,6 +318,7 @@ class FlowModule(L.LightningModule):
                               f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
                               "a step); use DDP or DeepSpeed ZeRO-2")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
+            self._check_unsharded_reference()
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
         elif isinstance(strategy, FSDPStrategy):
             # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
@@ -329,6 +330,19 @@ class FlowModule(L.LightningModule):
             kinds = {type(block) for blocks in adapter.sharding_blocks().values() for block in blocks}
             if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
                 strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
+
+    def _check_unsharded_reference(self) -> None:
+        """Full fine-tuning with a reference policy (offline DPO) copies the trained networks whole; FSDP2 would shard
+        the policy but leave a whole fp32 copy of it on every rank (more memory than DDP's share of the policy's),
+        computed outside ``model.sharding``'s dtype. Refused until the copies are sharded too (docs/scaling.md)."""
+        from ff_core.objectives.reference import ReferenceModel
+
+        reference = getattr(self.objective, "reference", None)
+        if isinstance(reference, ReferenceModel) and reference.copies():
+            raise ConfigError("model.lora", f"{type(self.objective).__name__} fine-tunes fully (no model.lora) under "
+                              "ModelParallelStrategy (FSDP2), whose reference copy would stay whole on every rank: "
+                              "train a LoRA (its reference is the base with the LoRA disabled, sharded with it), or "
+                              "use trainer.strategy: ddp")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it

@@ -261,3 +261,15 @@ def test_resuming_another_lora_is_refused_without_a_state_dict(tiny_sd3):
     with pytest.raises(ConfigError, match="model.adapter"):
         module.on_load_checkpoint({"hyper_parameters": {**same, "adapter": "wan2_t2v"}})
     assert module.adapter is None
+
+
+def test_fsdp2_refuses_full_fine_tuning_dpo(fake_world, tiny_sd3):
+    """Offline DPO without LoRA copies the denoiser as its reference: under FSDP2 the copy stayed whole (and fp32) on
+    every rank beside the sharded policy. Refused once the copy exists, naming model.lora."""
+    from ff_core.objectives import DPOObjective
+
+    fake_world(0)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=DPOObjective())
+    module.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="model.lora"):
+        module.configure_model()
