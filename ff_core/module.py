@@ -316,7 +316,7 @@ class FlowModule(L.LightningModule):
             # different collectives.
             raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(networks)} networks "
                               f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
-                              "a step); use DDP or DeepSpeed ZeRO-2")  # fmt: skip
+                              "a step); use DDP (trainer.strategy: ddp)")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
             self._check_unsharded_reference()
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
