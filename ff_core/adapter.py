@@ -208,6 +208,8 @@ class Adapter(nn.Module):
         if mode:
             trained = {id(m) for m in self.trained_networks()}
             self._eval_frozen(self, trained)
+        for module in self.detached_modules().values():  # outside the tree, so super().train() misses them
+            module.eval()
         return self
 
     @staticmethod
@@ -338,7 +340,8 @@ class Adapter(nn.Module):
         names = [name for name, child in self._modules.items()
                  if child is not None and not any(id(m) in trained for m in child.modules())]  # fmt: skip
         for name in names:
-            object.__setattr__(self, name, self._modules.pop(name))  # a plain attribute: nn.Module skips it
+            # A plain attribute: nn.Module skips it. Frozen: eval mode, which train() keeps (it walks them too).
+            object.__setattr__(self, name, self._modules.pop(name).eval())
         self._detached = (*self._detached, *names)
         return names
 

@@ -273,3 +273,15 @@ def test_fsdp2_refuses_full_fine_tuning_dpo(fake_world, tiny_sd3):
     module.trainer = trainer_with_mesh(2, 1)
     with pytest.raises(ConfigError, match="model.lora"):
         module.configure_model()
+
+
+def test_detached_frozen_components_stay_in_eval_mode(tiny_sd3):
+    """train() walked the module tree only, so a detached text encoder put in train mode (dropout) stayed there."""
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    detached = module.adapter.detached_modules()
+    assert detached and not any(m.training for d in detached.values() for m in d.modules())
+    for component in detached.values():
+        component.train()
+    module.train()
+    assert module.adapter.transformer.training
+    assert not any(m.training for d in detached.values() for m in d.modules())
