@@ -54,9 +54,9 @@ class ShardingConfig:
         reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3 style, least memory);
             ``False`` keeps them until the backward (ZeRO-2 style, one all-gather fewer per block).
         cpu_offload: keep the parameter shards, their gradients and the optimiser state on the CPU (FSDP2's
-            ``CPUOffloadPolicy``): much less accelerator memory, slower steps. Only meaningful on GPUs, and not yet
-            run there (Lightning's strategy moves the module to the device after ``configure_model``; check that
-            the shards stay on the CPU before relying on it).
+            ``CPUOffloadPolicy``). Refused for now (``True`` raises a ``ConfigError``): it has never run on a GPU, and
+            Lightning's strategy moves the module to the device after ``configure_model``, which would undo the
+            offload. Kept as a field so that recipes name it once it is checked.
     """
 
     param_dtype: str | None = None
@@ -69,6 +69,12 @@ class ShardingConfig:
             value = getattr(self, key)
             if value is not None and value not in _DTYPES:
                 raise ValueError(f"model.sharding.{key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        if self.cpu_offload:
+            from ff_core.errors import ConfigError
+
+            raise ConfigError("model.sharding.cpu_offload", "true is not supported yet: FSDP2's CPU offload has not "
+                              "been run on a GPU under ff (Lightning moves the module to the device after sharding); "
+                              "use activation checkpointing, bf16 or more GPUs (docs/scaling.md, Memory)")  # fmt: skip
 
     def fsdp_kwargs(self, root: bool = False) -> dict[str, Any]:
         """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside).

@@ -91,6 +91,8 @@ def test_sharding_blocks_default_reads_the_diffusers_no_split_modules(tiny_sd3):
 def test_sharding_config_names_a_bad_dtype():
     with pytest.raises(ValueError, match="model.sharding.param_dtype"):
         ShardingConfig(param_dtype="bf17")
+    with pytest.raises(ConfigError, match="model.sharding.cpu_offload"):  # never run on a GPU: refused, not shipped
+        ShardingConfig(cpu_offload=True)
     kwargs = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32").fsdp_kwargs()
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
 
