@@ -238,7 +238,9 @@ class FlowModule(L.LightningModule):
             # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
             # built there (text encoders and VAE too), although they run outside the engine's forward.
             raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 is not supported (it partitions the frozen text "
-                              "encoders and VAE as they load); use ZeRO-2 (deepspeed_stage_2) or FSDP2 "
+                              "encoders and VAE as they load); use ZeRO-2 (class_path: lightning.pytorch.strategies."
+                              "DeepSpeedStrategy, init_args: {stage: 2, exclude_frozen_parameters: true}; the "
+                              "deepspeed_stage_2 shorthand keeps the frozen base in its checkpoints) or FSDP2 "
                               "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
 
     def _build_eval_rewards(self) -> Rewards | None:

@@ -287,3 +287,21 @@ def test_detached_frozen_components_stay_in_eval_mode(tiny_sd3):
     module.train()
     assert module.adapter.transformer.training
     assert not any(m.training for d in detached.values() for m in d.modules())
+
+
+def test_deepspeed_zero3_refusal_names_a_setting_that_is_accepted(tiny_sd3):
+    """The ZeRO-3 refusal suggested deepspeed_stage_2, whose exclude_frozen_parameters=False is refused too. DeepSpeed
+    is not installed here, so the strategies are built without their __init__ (only the read attributes set)."""
+    import re
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    def deepspeed(stage: int) -> DeepSpeedStrategy:
+        strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+        strategy.exclude_frozen_parameters, strategy.config = True, {"zero_optimization": {"stage": stage}}
+        return strategy
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    with pytest.raises(ConfigError, match=re.escape("{stage: 2, exclude_frozen_parameters: true}")):
+        module._check_strategy(deepspeed(3))
+    module._check_strategy(deepspeed(2))  # what it suggests is accepted
