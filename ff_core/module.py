@@ -29,6 +29,7 @@ from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sharding import (
     ShardingConfig,
+    check_sharded,
     clean_name,
     data_parallel_mesh,
     full_parameters,
@@ -322,6 +323,7 @@ class FlowModule(L.LightningModule):
         if isinstance(strategy, ModelParallelStrategy):
             self._check_unsharded_reference()
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
+            check_sharded(self)  # a trained parameter outside every sharded network would never be reduced
         elif isinstance(strategy, FSDPStrategy):
             # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
             # a policy it would flatten the whole denoiser into one unit (gathered whole for every forward), so each

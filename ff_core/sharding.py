@@ -138,6 +138,23 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
             cast_forward_inputs(network, _DTYPES[config.param_dtype], adapter.full_precision_inputs)
 
 
+def check_sharded(module: nn.Module) -> None:
+    """Raise, naming the first one, when a trained parameter of ``module`` is not a DTensor after
+    :func:`fully_shard_networks`: it lies outside every ``Adapter.denoisers()`` network, so no FSDP2 unit reduces its
+    gradient and the ranks would silently diverge.
+
+    Args:
+        module: the FlowModule, its trained networks sharded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain = [name for name, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"FSDP2: {len(plain)} trained parameter(s) are not sharded, e.g. {plain[0]!r}: they lie "
+                           "outside the adapter's denoisers(), which ff shards, so their gradients would not be "
+                           "reduced across ranks; list their network in Adapter.denoisers() (docs/plugins.md)")
+
+
 def cast_forward_inputs(network: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> None:
     """Cast the floating tensors ``network`` is called with to ``dtype`` (a forward pre-hook), except the keyword
     inputs named in ``keep``: what FSDP2's ``cast_forward_inputs`` does, less the inputs the network embeds in fp32

@@ -305,3 +305,20 @@ def test_deepspeed_zero3_refusal_names_a_setting_that_is_accepted(tiny_sd3):
     with pytest.raises(ConfigError, match=re.escape("{stage: 2, exclude_frozen_parameters: true}")):
         module._check_strategy(deepspeed(3))
     module._check_strategy(deepspeed(2))  # what it suggests is accepted
+
+
+def test_a_trained_parameter_outside_the_sharded_networks_is_named(fake_world, tiny_sd3):
+    """Safety net after fully_shard_networks: every trained parameter must be a DTensor (sharded, its gradient
+    reduce-scattered); one outside Adapter.denoisers() would train unreduced on each rank. Sharded here over a fake
+    2-rank group (no collective runs while sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ff_core.sharding import check_sharded, fully_shard_networks
+
+    fake_world(0)
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    fully_shard_networks(module.adapter, init_device_mesh("cpu", (2,)), ShardingConfig())
+    check_sharded(module)
+    module.adapter.head = torch.nn.Linear(2, 2)  # trains, but is no denoiser
+    with pytest.raises(RuntimeError, match="'adapter.head.weight'"):
+        check_sharded(module)
