@@ -404,6 +404,7 @@ class FlowModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
+        self._check_optimizer_numbering(checkpoint)
         if "state_dict" not in checkpoint:
             # FSDP1, FSDP2 and DeepSpeed load the tensors themselves and drop "state_dict" before this hook: compare
             # the settings the checkpoint was written with instead.
@@ -415,6 +416,27 @@ class FlowModule(L.LightningModule):
                 f"checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. {sorted(missing)[0]!r}: "
                 "was it written with a different model.lora setting?"
             )
+
+    def _check_optimizer_numbering(self, checkpoint: dict[str, Any]) -> None:
+        """Under FSDP2, Lightning maps a gathered checkpoint's optimizer state (keyed by parameter index) to parameter
+        names by position among *all* the module's parameters, frozen ones included; FSDP2 writes it that way, but DDP
+        and single-device runs number the optimizer's (trained) parameters only. With frozen parameters in the tree
+        (a LoRA's base) the Adam state would go to other tensors: such a resume is refused."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self._trainer.strategy, ModelParallelStrategy):
+            return
+        states = checkpoint.get("optimizer_states") or []
+        saved = [i for state in states for group in state.get("param_groups", []) for i in group.get("params", [])]
+        if not saved or not all(isinstance(i, int) for i in saved):  # a sharded folder: keyed by name
+            return
+        expected = [i for i, p in enumerate(self.parameters()) if p.requires_grad]
+        if saved != expected:
+            raise ConfigError("ckpt_path", "this checkpoint numbers its optimizer state as a DDP or single-device run "
+                              "does (trained parameters only), and FSDP2 (ModelParallelStrategy) would map it by "
+                              "position among all parameters, frozen ones included, giving the Adam state to the "
+                              "wrong tensors: resume it under the strategy that wrote it (DDP or one device); FSDP2 "
+                              "checkpoints resume under FSDP2, DDP and one device")  # fmt: skip
 
     def _check_checkpoint_hparams(self, hparams: dict[str, Any]) -> None:
         """Refuse resuming a checkpoint written with another adapter or another LoRA shape (``None``-ness, rank,

@@ -322,3 +322,32 @@ def test_a_trained_parameter_outside_the_sharded_networks_is_named(fake_world, t
     module.adapter.head = torch.nn.Linear(2, 2)  # trains, but is no denoiser
     with pytest.raises(RuntimeError, match="'adapter.head.weight'"):
         check_sharded(module)
+
+
+def test_fsdp2_refuses_a_ddp_numbered_optimizer_state(tiny_sd3):
+    """Lightning's FSDP2 loader maps a file checkpoint's optimizer state by index among all parameters (FSDP2 saves
+    it so); a DDP checkpoint numbers the trained parameters only, so with a LoRA's frozen base in the tree the Adam
+    moments went to other tensors. Both numberings built here as the two strategies write them: DDP's is
+    torch's own optimizer.state_dict(), FSDP2's torch's rekey_optim_state_dict(PARAM_ID) on the same module."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+    from torch.distributed.fsdp._optim_utils import _get_param_to_fqns
+
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    optimizer = module.configure_optimizers()
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ddp = optimizer.state_dict()
+    names = {id(p): fqns[0] for p, fqns in _get_param_to_fqns(module).items()}
+    params = optimizer.param_groups[0]["params"]
+    by_name = {"state": {names[id(p)]: ddp["state"][i] for i, p in enumerate(params)},
+               "param_groups": [{**ddp["param_groups"][0], "params": [names[id(p)] for p in params]}]}  # fmt: skip
+    fsdp2 = FSDP.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, module)
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    module._check_optimizer_numbering({"optimizer_states": [fsdp2]})
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        module._check_optimizer_numbering({"optimizer_states": [ddp]})
