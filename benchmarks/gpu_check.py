@@ -1,16 +1,25 @@
-"""One-GPU check of the strategies and one throughput figure (docs/scaling.md, "Checking on a GPU").
+"""GPU check of the strategies and one throughput figure (docs/scaling.md, "Checking on a GPU").
 
 1. Each plugin's tiny recipes (built by ``scripts/setup.sh`` into ``build/``) for a few steps under single-device,
    FSDP1 (``FSDPStrategy``), FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2, each a separate ``ff fit``
-   process on GPU 0: status, wall time, the last step's loss. DeepSpeed rows are skipped (with the reason) when it
-   is not installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``) with
-   ``devices: 1``; Wan runs its ``sft_tiny.yaml`` with the same strategies given on the command line.
+   process: status, wall time, the last step's loss. DeepSpeed rows are skipped (with the reason) when it is not
+   installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan runs its
+   ``sft_tiny.yaml`` with the same strategies given on the command line. The sharded strategies run on 2 GPUs when 2
+   are visible (per-device batch halved: the same samples a step as single-device) and on 1 otherwise: **a one-GPU
+   run shards nothing** (every rank holds every parameter), so it checks that the strategy runs, not that its
+   gathering is right. Every run saves a checkpoint (and its LoRA export) halfway, a second process resumes from it
+   (``--ckpt_path``) to the last step, and the table reports how far the resumed run's last loss and exported LoRA
+   are from the uninterrupted run's (0 when resuming is exact) and how far that LoRA is from the single-device
+   run's.
 2. Throughput at a realistic size: a random-initialised ``SD3Transformer2DModel`` with SD3.5-medium's config (2.24 B
    parameters; ``benchmarks/memory_budget.py``) in bf16, 1024x1024 images (4096 image tokens, patch 2 over 128x128
    latents) and 333 text tokens (77 CLIP + 256 T5), forward and backward per step. Tokens/s counts image tokens.
    Model FLOPs per step: ``6 * N * T`` for the N parameters of the matmuls applied to T = image + text tokens, plus
    attention ``12 * L * T^2 * D`` (QK^T and AV, forward and backward, L joint blocks of width D); MFU divides the
-   achieved rate by the GPU's dense bf16 peak (``--peak-tflops``, default from the device name).
+   achieved rate by the GPU's dense bf16 peak (``--peak-tflops``, default from the device name). The count is an
+   approximation: it applies every parameter to every token (the context-only and image-only projections of each
+   joint block, the embedders and the output layer each see only part of T) and leaves out the image-only
+   self-attention (``attn2``) of SD3.5-medium's layers 0-12, so it is an estimate to compare runs, not an exact MFU.
 
 Writes a Markdown table to ``--out`` (default ``benchmarks/gpu_check.md``) and prints it.
 """
@@ -24,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,45 +51,100 @@ SD3_RECIPES = {"fsdp": "configs/sd3/sft_tiny_fsdp.yaml", "fsdp2": "configs/sd3/s
                "deepspeed": "configs/sd3/sft_tiny_deepspeed.yaml"}  # fmt: skip
 
 
-def cases() -> list[tuple[str, str, list[str]]]:
-    """(recipe, strategy, extra arguments) of every tiny-recipe run."""
+def gpu_count(accelerator: str) -> int:
+    """GPUs the sharded runs use: 2 when 2 are visible (sharding over a real mesh), else 1."""
+    if accelerator == "cpu":
+        return 1
+    import torch
+
+    return min(2, torch.cuda.device_count())
+
+
+def cases(devices: int) -> list[tuple[str, str, list[str]]]:
+    """(recipe, strategy, extra arguments) of every tiny-recipe run; the sharded ones on ``devices`` devices."""
     out = []
     for strategy, args in STRATEGIES.items():
-        if strategy in SD3_RECIPES:  # the shipped recipe, on one device
-            out.append((SD3_RECIPES[strategy], strategy, ["--trainer.devices", "1"] + (
-                ["--trainer.strategy.init_args.data_parallel_size", "1"] if strategy == "fsdp2" else [])))
+        n = 1 if strategy == "single" else devices
+        if strategy in SD3_RECIPES:  # the shipped recipe (4 samples per device on 2 devices)
+            extra = ["--trainer.devices", str(n), "--data.per_device_batch_size", str(8 // n)]
+            out.append((SD3_RECIPES[strategy], strategy, extra + (
+                ["--trainer.strategy.init_args.data_parallel_size", str(n)] if strategy == "fsdp2" else [])))
         else:
             out.append(("configs/sd3/sft_tiny.yaml", strategy, list(args)))
-        out.append(("configs/wan/sft_tiny.yaml", strategy, list(args)))
+        wan = ["--trainer.devices", str(n), "--data.per_device_batch_size", str(4 // n), *args]  # 4 samples a step
+        if strategy == "fsdp2":
+            wan += ["--trainer.strategy.init_args.data_parallel_size", str(n)]
+        out.append(("configs/wan/sft_tiny.yaml", strategy, wan))
     return out
 
 
-def run_recipe(recipe: str, strategy: str, extra: list[str], steps: int, timeout: float, accelerator: str) -> dict:
+def lora_files(checkpoint_dir: Path, step: int) -> dict[str, dict]:
+    """The LoRA export FlowCheckpoint wrote beside the step's checkpoint: file name -> tensors."""
+    from safetensors.torch import load_file
+
+    folder = next(checkpoint_dir.glob(f"*step={step}.lora"))
+    return {f.name: load_file(f) for f in sorted(folder.glob("*.safetensors"))}
+
+
+def max_difference(a: dict[str, dict], b: dict[str, dict]) -> float:
+    """Largest absolute difference of two LoRA exports (infinite when their files or keys differ)."""
+    if a.keys() != b.keys() or any(a[f].keys() != b[f].keys() for f in a):
+        return float("inf")
+    return max((float((a[f][k].float() - b[f][k].float()).abs().max()) for f in a for k in a[f]), default=0.0)
+
+
+def fit(cmd: list[str], root: Path, timeout: float) -> tuple[dict | None, dict]:
+    """Runs one ``ff fit``; (its last SampleLog row or None, status and wall time)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+    start = time.monotonic()
+    try:
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, {"status": f"timeout after {timeout:.0f} s", "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    if result.returncode != 0:
+        last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
+        return None, {"status": f"FAILED: {last[0][:160]}", "seconds": seconds}
+    rows = [json.loads(line) for line in (root / "ids" / "rank0.jsonl").read_text().splitlines()]
+    return rows[-1], {"status": "ok", "seconds": seconds}
+
+
+def run_recipe(recipe: str, strategy: str, extra: list[str], steps: int, timeout: float, accelerator: str,
+               reference: Callable[[], dict[str, dict] | None]) -> dict:
+    """The uninterrupted run (checkpoint halfway and at the end), then the run resumed from the halfway checkpoint;
+    ``reference`` gives the single-device run's final LoRA export of the same recipe family, if any."""
     if strategy == "deepspeed":
         try:
             import deepspeed  # noqa: F401
         except ImportError:
             return {"status": "skipped: deepspeed not installed"}
-    with tempfile.TemporaryDirectory(prefix="ff-gpu-check-") as root:
-        callbacks = [{"class_path": "ff_core.callbacks.SampleLog",
-                      "init_args": {"dirpath": f"{root}/ids", "outputs": ["loss"]}}]  # fmt: skip
-        cmd = [sys.executable, "-m", "ff_core.cli", "fit", "--config", recipe, "--trainer.accelerator", accelerator,
-               "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
-               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-               "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", root,
-               "--trainer.callbacks", json.dumps(callbacks), *extra]  # fmt: skip
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-        start = time.monotonic()
-        try:
-            result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"status": f"timeout after {timeout:.0f} s", "seconds": time.monotonic() - start}
-        seconds = time.monotonic() - start
-        if result.returncode != 0:
-            last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
-            return {"status": f"FAILED: {last[0][:160]}", "seconds": seconds}
-        rows = [json.loads(line) for line in Path(f"{root}/ids/rank0.jsonl").read_text().splitlines()]
-        return {"status": "ok", "seconds": seconds, "loss": rows[-1]["loss"], "steps": rows[-1]["step"]}
+    half = max(1, steps // 2)
+    with tempfile.TemporaryDirectory(prefix="ff-gpu-check-") as tmp:
+        out = {}
+        for phase in ("full", "resumed"):
+            root = Path(tmp) / phase
+            callbacks = [{"class_path": "ff_core.callbacks.SampleLog",
+                          "init_args": {"dirpath": f"{root}/ids", "outputs": ["loss"]}},
+                         {"class_path": "ff_core.callbacks.FlowCheckpoint",
+                          "init_args": {"dirpath": f"{root}/ckpt", "every_n_train_steps": half, "save_top_k": -1}}]
+            cmd = [sys.executable, "-m", "ff_core.cli", "fit", "--config", recipe, "--trainer.accelerator",
+                   accelerator, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+                   "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                   "--trainer.default_root_dir", str(root), "--trainer.callbacks", json.dumps(callbacks), *extra]
+            if phase == "resumed":
+                cmd += ["--ckpt_path", str(next((Path(tmp) / "full" / "ckpt").glob(f"*step={half}.ckpt")))]
+            row, result = fit(cmd, root, timeout)
+            out[phase] = {"row": row, **result}
+            if row is None:
+                return {**result, "seconds": sum(o["seconds"] for o in out.values())}
+            out[phase]["lora"] = lora_files(root / "ckpt", steps)
+        full, resumed = out["full"], out["resumed"]
+        want = reference()
+        return {"status": "ok", "seconds": full["seconds"] + resumed["seconds"], "loss": full["row"]["loss"],
+                "steps": full["row"]["step"], "resume_loss": abs(resumed["row"]["loss"] - full["row"]["loss"]),
+                "resume_lora": max_difference(resumed["lora"], full["lora"]),
+                "vs_single": max_difference(full["lora"], want) if want is not None else None,
+                "lora": full["lora"]}  # fmt: skip
 
 
 def throughput(batch: int, steps: int, peak_tflops: float | None) -> dict:
@@ -131,20 +196,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "gpu_check.md"))
     parser.add_argument("--steps", type=int, default=4, help="optimiser steps per tiny-recipe run")
-    parser.add_argument("--timeout", type=float, default=90, help="seconds per tiny-recipe run")
+    parser.add_argument("--timeout", type=float, default=90, help="seconds per tiny-recipe process")
     parser.add_argument("--batch", type=int, default=2, help="images per throughput step")
     parser.add_argument("--throughput-steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU")
     parser.add_argument("--skip-recipes", action="store_true")
+    parser.add_argument("--strategies", default="", help="comma-separated subset of: " + ", ".join(STRATEGIES))
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--accelerator", default="gpu", help="cpu: smoke-test the recipe runs without a GPU")
     a = parser.parse_args()
-    lines = ["| recipe | strategy | status | wall s | last loss |", "|---|---|---|---|---|"]
+    devices = gpu_count(a.accelerator)
+    lines = [f"Sharded strategies on {devices} device(s)" + (": one device shards nothing." if devices == 1 else "."),
+             "", "| recipe | strategy | status | wall s | last loss | resumed: loss, LoRA max diff | LoRA vs single |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    single: dict[str, dict] = {}  # the single-device run's final LoRA export, by plugin
     if not a.skip_recipes:
-        for recipe, strategy, extra in cases():
-            r = run_recipe(recipe, strategy, extra, a.steps, a.timeout, a.accelerator)
+        for recipe, strategy, extra in cases(devices):
+            if a.strategies and strategy not in a.strategies.split(","):
+                continue
+            family = recipe.split("/")[1]
+            r = run_recipe(recipe, strategy, extra, a.steps, a.timeout, a.accelerator, lambda: single.get(family))
+            if strategy == "single" and "lora" in r:
+                single[family] = r["lora"]
             loss = f"{r['loss']:.4f} (step {r['steps']})" if "loss" in r else ""
-            lines.append(f"| `{recipe}` | {strategy} | {r['status']} | {r.get('seconds', 0):.1f} | {loss} |")
+            resume = f"{r['resume_loss']:.1e}, {r['resume_lora']:.1e}" if "loss" in r else ""
+            vs = f"{r['vs_single']:.1e}" if r.get("vs_single") is not None else ""
+            lines.append(f"| `{recipe}` | {strategy} | {r['status']} | {r.get('seconds', 0):.1f} | {loss} | {resume} "
+                         f"| {vs} |")
             print(lines[-1], flush=True)
     if not a.skip_throughput:
         lines += throughput_table(throughput(a.batch, a.throughput_steps, a.peak_tflops))

@@ -137,6 +137,10 @@ class Adapter(nn.Module):
             (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
             to tensor-parquet condition columns alike.
+        full_precision_inputs: keyword inputs of the trained networks that FSDP2's ``model.sharding.param_dtype``
+            must not cast (:func:`ff_core.sharding.fully_shard_networks` casts the others): diffusers embeds the
+            timestep (and FLUX.1's embedded guidance, scaled alike) sinusoidally in fp32, and ``sigma * 1000`` in
+            bf16 would round to steps of up to 4.
     """
 
     name: ClassVar[str]
@@ -148,6 +152,7 @@ class Adapter(nn.Module):
     tensor_columns: ClassVar[TensorColumns | None] = None
     condition_collation: ClassVar[dict[str, str]] = {}
     interface_version: ClassVar[str | None] = None
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "guidance")
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None
@@ -203,6 +208,8 @@ class Adapter(nn.Module):
         if mode:
             trained = {id(m) for m in self.trained_networks()}
             self._eval_frozen(self, trained)
+        for module in self.detached_modules().values():  # outside the tree, so super().train() misses them
+            module.eval()
         return self
 
     @staticmethod
@@ -246,6 +253,9 @@ class Adapter(nn.Module):
         Default: the outermost submodules whose class is named in the network's diffusers ``_no_split_modules``
         (``JointTransformerBlock`` for SD3, ``WanTransformerBlock`` for Wan); a network without it gets no blocks (it
         is sharded whole: correct, but all of it is gathered at once). Override it to name the blocks explicitly.
+        The conformance kit requires at least one block per trained network (``AdapterConformance``'s
+        ``test_sharding_blocks_are_repeated_blocks_of_each_network``): a plugin whose network really has none
+        overrides that test, saying why.
         """
         out: dict[str, list[nn.Module]] = {}
         for name, network in self.denoisers().items():
@@ -333,7 +343,8 @@ class Adapter(nn.Module):
         names = [name for name, child in self._modules.items()
                  if child is not None and not any(id(m) in trained for m in child.modules())]  # fmt: skip
         for name in names:
-            object.__setattr__(self, name, self._modules.pop(name))  # a plain attribute: nn.Module skips it
+            # A plain attribute: nn.Module skips it. Frozen: eval mode, which train() keeps (it walks them too).
+            object.__setattr__(self, name, self._modules.pop(name).eval())
         self._detached = (*self._detached, *names)
         return names
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -29,6 +29,7 @@ from ff_core.pretrained import load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sharding import (
     ShardingConfig,
+    check_sharded,
     clean_name,
     data_parallel_mesh,
     full_parameters,
@@ -222,6 +223,13 @@ class FlowModule(L.LightningModule):
             raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
                               f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
                               "trainer.strategy arguments; drop model.sharding")  # fmt: skip
+        if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type != "full":
+            # FSDP1's sharded state dict is built from the wrapped module's state_dict(), where FlowModule sits under
+            # the root unit's _fsdp_wrapped_module. prefix: _keep_trained cannot drop the frozen base there (the root
+            # unit's own hook requires every parameter it holds), so the checkpoint would expect them back on resume.
+            raise ConfigError("trainer.strategy", f"FSDPStrategy with state_dict_type: {strategy._state_dict_type!r} "
+                              "is not supported: set init_args state_dict_type: full (one gathered file), or use "
+                              "ModelParallelStrategy (FSDP2) for sharded checkpoints")  # fmt: skip
         if isinstance(strategy, DeepSpeedStrategy) and not strategy.exclude_frozen_parameters:
             # DeepSpeed writes its engine's parameters, not the filtered state dict on_save_checkpoint returns.
             raise ConfigError("trainer.strategy", "DeepSpeedStrategy: set init_args exclude_frozen_parameters: true, "
@@ -231,7 +239,9 @@ class FlowModule(L.LightningModule):
             # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
             # built there (text encoders and VAE too), although they run outside the engine's forward.
             raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 is not supported (it partitions the frozen text "
-                              "encoders and VAE as they load); use ZeRO-2 (deepspeed_stage_2) or FSDP2 "
+                              "encoders and VAE as they load); use ZeRO-2 (class_path: lightning.pytorch.strategies."
+                              "DeepSpeedStrategy, init_args: {stage: 2, exclude_frozen_parameters: true}; the "
+                              "deepspeed_stage_2 shorthand keeps the frozen base in its checkpoints) or FSDP2 "
                               "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
 
     def _build_eval_rewards(self) -> Rewards | None:
@@ -309,9 +319,11 @@ class FlowModule(L.LightningModule):
             # different collectives.
             raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(networks)} networks "
                               f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
-                              "a step); use DDP or DeepSpeed ZeRO-2")  # fmt: skip
+                              "a step); use DDP (trainer.strategy: ddp)")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
+            self._check_unsharded_reference()
             fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
+            check_sharded(self)  # a trained parameter outside every sharded network would never be reduced
         elif isinstance(strategy, FSDPStrategy):
             # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
             # a policy it would flatten the whole denoiser into one unit (gathered whole for every forward), so each
@@ -322,6 +334,19 @@ class FlowModule(L.LightningModule):
             kinds = {type(block) for blocks in adapter.sharding_blocks().values() for block in blocks}
             if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
                 strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
+
+    def _check_unsharded_reference(self) -> None:
+        """Full fine-tuning with a reference policy (offline DPO) copies the trained networks whole; FSDP2 would shard
+        the policy but leave a whole fp32 copy of it on every rank (more memory than DDP's share of the policy's),
+        computed outside ``model.sharding``'s dtype. Refused until the copies are sharded too (docs/scaling.md)."""
+        from ff_core.objectives.reference import ReferenceModel
+
+        reference = getattr(self.objective, "reference", None)
+        if isinstance(reference, ReferenceModel) and reference.copies():
+            raise ConfigError("model.lora", f"{type(self.objective).__name__} fine-tunes fully (no model.lora) under "
+                              "ModelParallelStrategy (FSDP2), whose reference copy would stay whole on every rank: "
+                              "train a LoRA (its reference is the base with the LoRA disabled, sharded with it), or "
+                              "use trainer.strategy: ddp")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it
@@ -379,7 +404,11 @@ class FlowModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
-        if "state_dict" not in checkpoint:  # ModelParallelStrategy loaded the tensors itself, into the shards
+        self._check_optimizer_numbering(checkpoint)
+        if "state_dict" not in checkpoint:
+            # FSDP1, FSDP2 and DeepSpeed load the tensors themselves and drop "state_dict" before this hook: compare
+            # the settings the checkpoint was written with instead.
+            self._check_checkpoint_hparams(checkpoint.get("hyper_parameters") or {})
             return
         missing = self._checkpoint_keys(self.state_dict()) - set(checkpoint["state_dict"])
         if missing:
@@ -387,6 +416,51 @@ class FlowModule(L.LightningModule):
                 f"checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. {sorted(missing)[0]!r}: "
                 "was it written with a different model.lora setting?"
             )
+
+    def _check_optimizer_numbering(self, checkpoint: dict[str, Any]) -> None:
+        """Under FSDP2, Lightning maps a gathered checkpoint's optimizer state (keyed by parameter index) to parameter
+        names by position among *all* the module's parameters, frozen ones included; FSDP2 writes it that way, but DDP
+        and single-device runs number the optimizer's (trained) parameters only. With frozen parameters in the tree
+        (a LoRA's base) the Adam state would go to other tensors: such a resume is refused."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self._trainer.strategy, ModelParallelStrategy):
+            return
+        states = checkpoint.get("optimizer_states") or []
+        saved = [i for state in states for group in state.get("param_groups", []) for i in group.get("params", [])]
+        if not saved or not all(isinstance(i, int) for i in saved):  # a sharded folder: keyed by name
+            return
+        expected = [i for i, p in enumerate(self.parameters()) if p.requires_grad]
+        if saved != expected:
+            raise ConfigError("ckpt_path", "this checkpoint numbers its optimizer state as a DDP or single-device run "
+                              "does (trained parameters only), and FSDP2 (ModelParallelStrategy) would map it by "
+                              "position among all parameters, frozen ones included, giving the Adam state to the "
+                              "wrong tensors: resume it under the strategy that wrote it (DDP or one device); FSDP2 "
+                              "checkpoints resume under FSDP2, DDP and one device")  # fmt: skip
+
+    def _check_checkpoint_hparams(self, hparams: dict[str, Any]) -> None:
+        """Refuse resuming a checkpoint written with another adapter or another LoRA shape (``None``-ness, rank,
+        alpha, targets; dropout may change) when the strategy leaves no state dict to compare keys with."""
+        if "adapter" in hparams:
+            try:
+                other = get_adapter_class(hparams["adapter"])
+            except KeyError:
+                other = None
+            if other is not self.adapter_cls:
+                raise ConfigError("model.adapter", f"the checkpoint was written by adapter {hparams['adapter']!r}, "
+                                  f"this run is {self.adapter_cls.name!r}")  # fmt: skip
+        if "lora" not in hparams:
+            return
+
+        def shape(lora: Any) -> dict[str, Any] | None:
+            if lora is None:
+                return None
+            values = asdict(lora) if is_dataclass(lora) else dict(lora)
+            return {k: values.get(k, getattr(LoRAConfig, k)) for k in ("rank", "alpha", "target_modules")}
+
+        if shape(hparams["lora"]) != shape(self.lora):
+            raise ConfigError("model.lora", f"the checkpoint was written with model.lora {shape(hparams['lora'])}, "
+                              f"this run has {shape(self.lora)}: resume with the same setting")  # fmt: skip
 
     # -- modes -------------------------------------------------------------------------------------------
     # Lightning (2.x) never calls train(): it keeps each module's mode, and restores the modes it saw before a

@@ -54,9 +54,9 @@ class ShardingConfig:
         reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3 style, least memory);
             ``False`` keeps them until the backward (ZeRO-2 style, one all-gather fewer per block).
         cpu_offload: keep the parameter shards, their gradients and the optimiser state on the CPU (FSDP2's
-            ``CPUOffloadPolicy``): much less accelerator memory, slower steps. Only meaningful on GPUs, and not yet
-            run there (Lightning's strategy moves the module to the device after ``configure_model``; check that
-            the shards stay on the CPU before relying on it).
+            ``CPUOffloadPolicy``). Refused for now (``True`` raises a ``ConfigError``): it has never run on a GPU, and
+            Lightning's strategy moves the module to the device after ``configure_model``, which would undo the
+            offload. Kept as a field so that recipes name it once it is checked.
     """
 
     param_dtype: str | None = None
@@ -69,13 +69,25 @@ class ShardingConfig:
             value = getattr(self, key)
             if value is not None and value not in _DTYPES:
                 raise ValueError(f"model.sharding.{key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        if self.cpu_offload:
+            from ff_core.errors import ConfigError
 
-    def fsdp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside)."""
+            raise ConfigError("model.sharding.cpu_offload", "true is not supported yet: FSDP2's CPU offload has not "
+                              "been run on a GPU under ff (Lightning moves the module to the device after sharding); "
+                              "use activation checkpointing, bf16 or more GPUs (docs/scaling.md, Memory)")  # fmt: skip
+
+    def fsdp_kwargs(self, root: bool = False) -> dict[str, Any]:
+        """Keyword arguments of ``torch.distributed.fsdp.fully_shard`` (mesh aside).
+
+        Args:
+            root: for the trained network itself rather than one of its blocks: its forward inputs are not cast to
+                ``param_dtype`` by FSDP (which would cast every floating input, the fp32 timestep included), but by
+                :func:`cast_forward_inputs`, which keeps the adapter's ``full_precision_inputs``.
+        """
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.param_dtype), reduce_dtype=_DTYPES.get(
-            self.reduce_dtype))  # fmt: skip
+            self.reduce_dtype), cast_forward_inputs=not root)  # fmt: skip
         return {"mp_policy": policy, "reshard_after_forward": self.reshard_after_forward,
                 "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}  # fmt: skip
 
@@ -121,7 +133,47 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
     for name, network in adapter.denoisers().items():
         for block in blocks.get(name, ()):
             fully_shard(block, mesh=mesh, **kwargs)
-        fully_shard(network, mesh=mesh, **kwargs)
+        fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
+        if config.param_dtype is not None:
+            cast_forward_inputs(network, _DTYPES[config.param_dtype], adapter.full_precision_inputs)
+
+
+def check_sharded(module: nn.Module) -> None:
+    """Raise, naming the first one, when a trained parameter of ``module`` is not a DTensor after
+    :func:`fully_shard_networks`: it lies outside every ``Adapter.denoisers()`` network, so no FSDP2 unit reduces its
+    gradient and the ranks would silently diverge.
+
+    Args:
+        module: the FlowModule, its trained networks sharded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain = [name for name, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"FSDP2: {len(plain)} trained parameter(s) are not sharded, e.g. {plain[0]!r}: they lie "
+                           "outside the adapter's denoisers(), which ff shards, so their gradients would not be "
+                           "reduced across ranks; list their network in Adapter.denoisers() (docs/plugins.md)")
+
+
+def cast_forward_inputs(network: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> None:
+    """Cast the floating tensors ``network`` is called with to ``dtype`` (a forward pre-hook), except the keyword
+    inputs named in ``keep``: what FSDP2's ``cast_forward_inputs`` does, less the inputs the network embeds in fp32
+    itself (``Adapter.full_precision_inputs``: the timestep).
+
+    Args:
+        network: a trained network, ``fully_shard``ed with ``cast_forward_inputs=False``.
+        dtype: the compute dtype (``model.sharding.param_dtype``).
+        keep: keyword names passed through unchanged.
+    """
+    from torch.utils._pytree import tree_map
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map(cast, args), {k: v if k in keep else tree_map(cast, v) for k, v in kwargs.items()}
+
+    network.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def local_numel(tensor: Tensor) -> int:
@@ -140,8 +192,10 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 @contextmanager
 def summoned(root: nn.Module | None) -> Iterator[None]:
-    """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only; a no-op for any
-    other module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it.
+    """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only and gathered into
+    CPU memory (``offload_to_cpu``: the whole network at once never sits on the accelerator); a no-op for any other
+    module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it. The gathered
+    storage is freed on exit: copy what must outlive it (:func:`full_parameters` does).
 
     Args:
         root: the strategy's model (``trainer.strategy.model``), or ``None``.
@@ -149,17 +203,20 @@ def summoned(root: nn.Module | None) -> Iterator[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = root is not None and any(isinstance(m, FullyShardedDataParallel) for m in root.modules())
-    with FullyShardedDataParallel.summon_full_params(root, writeback=False) if fsdp1 else nullcontext():
+    summon = FullyShardedDataParallel.summon_full_params
+    with summon(root, writeback=False, offload_to_cpu=True) if fsdp1 else nullcontext():
         yield
 
 
 def full_parameters(network: nn.Module, keep: Callable[[str], bool] = lambda name: True) -> dict[str, Tensor]:
-    """The parameters of ``network`` whose name passes ``keep``, whole and detached, by their ``named_parameters()``
-    name (wrapper components included: peft finds its layers by those names; :func:`clean_name` them for a state
-    dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under FSDP1.
+    """The parameters of ``network`` whose name passes ``keep``, whole, as CPU copies owning their storage, by their
+    ``named_parameters()`` name (wrapper components included: peft finds its layers by those names; :func:`clean_name`
+    them for a state dict). Call it on every rank (DTensor shards are all-gathered), inside :func:`summoned` under
+    FSDP1: its parameters there are views into gathered flat storage that is freed when the context exits, hence the
+    copies, which the caller may keep and write after it.
 
     Args:
         network: a trained network (``Adapter.denoisers()``).
         keep: which names to read (gathering only what is needed: a LoRA's tensors, not the base weights).
     """
-    return {name: full_tensor(p.detach()) for name, p in network.named_parameters() if keep(name)}
+    return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in network.named_parameters() if keep(name)}

@@ -363,7 +363,7 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     # Multi-process strategy recipes (FSDP2, FSDP1, DeepSpeed) build here on one CPU process; their strategies run in
     # tests/test_fsdp2.py (FSDP2) and benchmarks/gpu_check.sh (all), and parse in tests/test_sharding.py.
     single = ["--trainer.strategy", "auto", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-              "--trainer.precision", "32-true", "--model.sharding", "null"] if "strategy:" in recipe.read_text() else []
+              "--trainer.precision", "32-true"] if "strategy:" in recipe.read_text() else []
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
         "--data.datasets", datasets, "--trainer.default_root_dir", str(tmp_path), *single])

@@ -6,7 +6,8 @@ Runs of the real console entry, both ranks started at once as torchrun would (ne
 * A: configs/sd3/sft_tiny_fsdp2.yaml (the same recipe under FSDP2, sharded checkpoints), SIGKILLed once its step-2
   checkpoint is written;
 * B: A resumed from that checkpoint to step 6;
-* DF / F: full fine-tuning (``--model.lora null``) under DDP and FSDP2 (with activation checkpointing), 3 steps.
+* DF / F: full fine-tuning (``--model.lora null``) under DDP and FSDP2 (with activation checkpointing), 4 steps;
+* FR: F resumed from its gathered step-2 file to step 4.
 
 FSDP2 must train exactly what DDP trains: the same samples and noise per rank and step, the same per-rank losses and
 the same final weights (within float tolerance: reduce-scatter sums in another order than all-reduce), each rank
@@ -44,7 +45,7 @@ from tests.test_ddp_resume import LAUNCHER_VARS, free_port
 REPO = Path(__file__).resolve().parents[1]
 DDP_RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
 FSDP2_RECIPE = REPO / "configs" / "sd3" / "sft_tiny_fsdp2.yaml"
-KILL_AT, MAX_STEPS, FULL_STEPS = 2, 6, 3
+KILL_AT, MAX_STEPS, FULL_STEPS = 2, 6, 4  # FULL_STEPS: a multiple of the checkpoint interval (2)
 # The LoRA runs write sharded checkpoints (one file per rank, nothing gathered); full fine-tuning the recipe's
 # gathered file.
 SHARDED = ("--trainer.strategy.init_args.save_distributed_checkpoint", "true")
@@ -183,14 +184,18 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp2_full")
-    ddp, fsdp2 = base / "DF", base / "F"
+    ddp, fsdp2, resumed = base / "DF", base / "F", base / "FR"
     begin = time.monotonic()
+    # Activation checkpointing inside the sharded blocks: recomputation changes no gradient.
+    full = ("--model.lora", "null", "--model.gradient_checkpointing", "true")
     wait({**start(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, FULL_STEPS, "--model.lora", "null", ddp=True),
-          # Activation checkpointing inside the sharded blocks: recomputation changes no gradient.
-          **start(FSDP2_RECIPE, tiny_sd3, shapes_dir, fsdp2, FULL_STEPS, "--model.lora", "null",
-                  "--model.gradient_checkpointing", "true")})
+          **start(FSDP2_RECIPE, tiny_sd3, shapes_dir, fsdp2, FULL_STEPS, *full)})
     print(f"full fine-tuning runs, side by side (s): {time.monotonic() - begin:.1f}")
-    return ddp, fsdp2
+    begin = time.monotonic()
+    ckpt = next((fsdp2 / "ckpt").glob(f"*step={KILL_AT}.ckpt"))  # the gathered file (the recipe's setting)
+    wait(start(FSDP2_RECIPE, tiny_sd3, shapes_dir, resumed, FULL_STEPS, *full, "--ckpt_path", str(ckpt)))
+    print(f"full fine-tuning FSDP2 resumed from its step-{KILL_AT} file (s): {time.monotonic() - begin:.1f}")
+    return ddp, fsdp2, resumed
 
 
 def assert_same_run(fsdp2_rows: list[dict], ddp_rows: list[dict]) -> None:
@@ -252,7 +257,7 @@ def test_fsdp2_shards_the_lora_denoiser_and_nothing_else(lora_runs):
 
 
 def test_fsdp2_full_fine_tuning_trains_as_ddp(full_runs):
-    ddp, fsdp2 = full_runs
+    ddp, fsdp2, _ = full_runs
     for rank in (0, 1):
         assert_same_run(rows(fsdp2, rank), rows(ddp, rank))
         shards = report(fsdp2, rank)
@@ -263,12 +268,23 @@ def test_fsdp2_full_fine_tuning_trains_as_ddp(full_runs):
     assert_same_weights(final, weights(ddp))
 
 
+def test_fsdp2_full_fine_tuning_resumes_from_its_gathered_file(full_runs):
+    """The gathered file (optimizer state keyed by index among all parameters, as FSDP2 writes it) resumes under
+    FSDP2: the resumed run takes the uninterrupted run's samples, noise and losses and ends with its weights."""
+    _, fsdp2, resumed = full_runs
+    for rank in (0, 1):
+        tail = rows(resumed, rank)
+        assert tail and tail[0]["step"] == KILL_AT + 1  # the steps after the checkpoint's
+        assert_same_run(tail, rows(fsdp2, rank)[-len(tail):])
+    assert_same_weights(weights(resumed), weights(fsdp2))
+
+
 def test_fsdp2_checkpoint_loads_on_a_single_device(full_runs, tiny_sd3):
     """The gathered FSDP2 checkpoint is an ordinary Lightning checkpoint: a single-device module takes its weights and
     its optimiser state (keyed by parameter index, shapes of the whole parameters) as Lightning's restore does."""
     from ff_core.module import FlowModule
 
-    _, fsdp2 = full_runs
+    _, fsdp2, _ = full_runs
     saved = torch.load(fsdp2 / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=None)
     module.configure_model()

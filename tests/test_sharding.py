@@ -91,6 +91,8 @@ def test_sharding_blocks_default_reads_the_diffusers_no_split_modules(tiny_sd3):
 def test_sharding_config_names_a_bad_dtype():
     with pytest.raises(ValueError, match="model.sharding.param_dtype"):
         ShardingConfig(param_dtype="bf17")
+    with pytest.raises(ConfigError, match="model.sharding.cpu_offload"):  # never run on a GPU: refused, not shipped
+        ShardingConfig(cpu_offload=True)
     kwargs = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32").fsdp_kwargs()
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
 
@@ -186,3 +188,166 @@ def test_fsdp1_wraps_each_adapter_block(tiny_sd3):
     policy = strategy.kwargs["auto_wrap_policy"]
     assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {JointTransformerBlock}
     assert strategy.kwargs["use_orig_params"] is True  # Lightning's default, which a LoRA needs
+
+
+def test_lora_export_owns_its_storage(tiny_sd3):
+    """Under FSDP1 the exported tensors were views of the summoned flat parameters, written after
+    ``summon_full_params`` had freed them (resized their storage to 0). Freeing the parameters' storage the same way
+    after the export must leave the exported values readable and unchanged."""
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    lora = {n: p for n, p in module.adapter.transformer.named_parameters() if "lora_" in n}
+    with torch.no_grad():  # peft initialises lora_B to zero: give every tensor distinct values
+        for p in lora.values():
+            p.copy_(torch.randn_like(p))
+    want = {n: p.detach().clone() for n, p in lora.items()}
+    exported = lora_state_dicts(module.adapter)["transformer"]
+    for p in lora.values():  # what FSDP1 does to the gathered storage when the summoning context exits
+        p.data.untyped_storage().resize_(0)
+    assert len(exported) == len(want)
+    for name, value in exported.items():
+        source = next(n for n in want if n.replace(".default", "") == name)
+        assert value.device.type == "cpu" and torch.equal(value, want[source])
+
+
+def test_fsdp1_sharded_checkpoints_are_refused(tiny_sd3):
+    """FSDP1's sharded state dict keeps the frozen base (FlowModule's keep-list cannot act under the root unit), so
+    resuming from it failed; the setting is refused before weights load, naming the key."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    with pytest.raises(ConfigError, match="state_dict_type: full"):
+        module._check_strategy(FSDPStrategy(state_dict_type="sharded"))
+    module._check_strategy(FSDPStrategy(state_dict_type="full"))
+    assert module.adapter is None
+
+
+def test_fsdp2_compute_dtype_keeps_the_timestep_fp32(tiny_sd3):
+    """FSDP2's own input cast (cast_forward_inputs) turned the fp32 timestep into bf16 (437.6 -> 438) before the
+    network's sinusoidal embedding; the root now casts through cast_forward_inputs, which keeps the adapter's
+    full_precision_inputs. Checked on the real network in the dtype FSDP2 computes in (its bf16 gathered parameters)
+    against a direct call with the inputs cast by hand."""
+    from ff_core.sharding import cast_forward_inputs
+
+    config = ShardingConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert config.fsdp_kwargs(root=True)["mp_policy"].cast_forward_inputs is False
+    assert config.fsdp_kwargs()["mp_policy"].cast_forward_inputs is True  # the blocks' inputs are all activations
+    module = loaded(tiny_sd3, None)
+    transformer = module.adapter.transformer.to(torch.bfloat16)
+    seen = []
+    transformer.time_text_embed.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    embeds, pooled = torch.randn(2, 7, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    sigma = torch.tensor([0.4376, 0.9071])
+    inputs = {"encoder_hidden_states": embeds, "pooled_projections": pooled, "timestep": sigma * 1000}
+    want = transformer(hidden_states=x.bfloat16(), **{**inputs, "encoder_hidden_states": embeds.bfloat16(),
+                       "pooled_projections": pooled.bfloat16()}, return_dict=False)[0]  # fmt: skip
+    cast_forward_inputs(transformer, torch.bfloat16, module.adapter.full_precision_inputs)
+    got = transformer(hidden_states=x, **inputs, return_dict=False)[0]
+    assert seen == [torch.float32, torch.float32] and torch.equal(got, want)
+
+
+def test_resuming_another_lora_is_refused_without_a_state_dict(tiny_sd3):
+    """FSDP1, FSDP2 and DeepSpeed drop "state_dict" before on_load_checkpoint, which skipped the guard against resuming
+    with another model.lora; the checkpoint's hyper-parameters are compared instead (no weights needed)."""
+    lora = LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q"])
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=lora)
+    same = {"adapter": "sd3-5", "lora": LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q"], dropout=0.1)}
+    module.on_load_checkpoint({"hyper_parameters": same})  # dropout may change
+    module.on_load_checkpoint({"hyper_parameters": {**same, "lora": {"rank": 2, "alpha": 2.0,
+                                                                     "target_modules": ["to_q"]}}})  # fmt: skip
+    for other in (LoRAConfig(rank=4, alpha=2.0, target_modules=["to_q"]), None,
+                  LoRAConfig(rank=2, alpha=2.0, target_modules=["to_q", "to_k"])):  # fmt: skip
+        with pytest.raises(ConfigError, match="model.lora"):
+            module.on_load_checkpoint({"hyper_parameters": {**same, "lora": other}})
+    with pytest.raises(ConfigError, match="model.adapter"):
+        module.on_load_checkpoint({"hyper_parameters": {**same, "adapter": "wan2_t2v"}})
+    assert module.adapter is None
+
+
+def test_fsdp2_refuses_full_fine_tuning_dpo(fake_world, tiny_sd3):
+    """Offline DPO without LoRA copies the denoiser as its reference: under FSDP2 the copy stayed whole (and fp32) on
+    every rank beside the sharded policy. Refused once the copy exists, naming model.lora."""
+    from ff_core.objectives import DPOObjective
+
+    fake_world(0)
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=DPOObjective())
+    module.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="model.lora"):
+        module.configure_model()
+
+
+def test_detached_frozen_components_stay_in_eval_mode(tiny_sd3):
+    """train() walked the module tree only, so a detached text encoder put in train mode (dropout) stayed there."""
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    detached = module.adapter.detached_modules()
+    assert detached and not any(m.training for d in detached.values() for m in d.modules())
+    for component in detached.values():
+        component.train()
+    module.train()
+    assert module.adapter.transformer.training
+    assert not any(m.training for d in detached.values() for m in d.modules())
+
+
+def test_deepspeed_zero3_refusal_names_a_setting_that_is_accepted(tiny_sd3):
+    """The ZeRO-3 refusal suggested deepspeed_stage_2, whose exclude_frozen_parameters=False is refused too. DeepSpeed
+    is not installed here, so the strategies are built without their __init__ (only the read attributes set)."""
+    import re
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    def deepspeed(stage: int) -> DeepSpeedStrategy:
+        strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+        strategy.exclude_frozen_parameters, strategy.config = True, {"zero_optimization": {"stage": stage}}
+        return strategy
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    with pytest.raises(ConfigError, match=re.escape("{stage: 2, exclude_frozen_parameters: true}")):
+        module._check_strategy(deepspeed(3))
+    module._check_strategy(deepspeed(2))  # what it suggests is accepted
+
+
+def test_a_trained_parameter_outside_the_sharded_networks_is_named(fake_world, tiny_sd3):
+    """Safety net after fully_shard_networks: every trained parameter must be a DTensor (sharded, its gradient
+    reduce-scattered); one outside Adapter.denoisers() would train unreduced on each rank. Sharded here over a fake
+    2-rank group (no collective runs while sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ff_core.sharding import check_sharded, fully_shard_networks
+
+    fake_world(0)
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    fully_shard_networks(module.adapter, init_device_mesh("cpu", (2,)), ShardingConfig())
+    check_sharded(module)
+    module.adapter.head = torch.nn.Linear(2, 2)  # trains, but is no denoiser
+    with pytest.raises(RuntimeError, match="'adapter.head.weight'"):
+        check_sharded(module)
+
+
+def test_fsdp2_refuses_a_ddp_numbered_optimizer_state(tiny_sd3):
+    """Lightning's FSDP2 loader maps a file checkpoint's optimizer state by index among all parameters (FSDP2 saves
+    it so); a DDP checkpoint numbers the trained parameters only, so with a LoRA's frozen base in the tree the Adam
+    moments went to other tensors. Both numberings built here as the two strategies write them: DDP's is
+    torch's own optimizer.state_dict(), FSDP2's torch's rekey_optim_state_dict(PARAM_ID) on the same module."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+    from torch.distributed.fsdp._optim_utils import _get_param_to_fqns
+
+    module = loaded(tiny_sd3, LoRAConfig(rank=2, alpha=2.0))
+    optimizer = module.configure_optimizers()
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ddp = optimizer.state_dict()
+    names = {id(p): fqns[0] for p, fqns in _get_param_to_fqns(module).items()}
+    params = optimizer.param_groups[0]["params"]
+    by_name = {"state": {names[id(p)]: ddp["state"][i] for i, p in enumerate(params)},
+               "param_groups": [{**ddp["param_groups"][0], "params": [names[id(p)] for p in params]}]}  # fmt: skip
+    fsdp2 = FSDP.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, module)
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    module._check_optimizer_numbering({"optimizer_states": [fsdp2]})
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        module._check_optimizer_numbering({"optimizer_states": [ddp]})

@@ -629,8 +629,9 @@ class AdapterConformance:
 
     def test_sharding_blocks_are_repeated_blocks_of_each_network(self, adapter):
         """FSDP2's units (docs/scaling.md): for every trained network, distinct submodules of it, none inside another
-        (several kinds are fine: FLUX.1's double- and single-stream blocks);
-        empty would shard the network whole (correct, but gathered whole for every forward)."""
+        (several kinds are fine: FLUX.1's double- and single-stream blocks). At least one per network: empty would
+        shard the network whole (correct, but gathered whole for every forward), which ff allows but the kit does not;
+        a plugin whose network has no repeated blocks overrides this test, saying why."""
         blocks = adapter.sharding_blocks()
         assert set(blocks) <= set(adapter.denoisers())
         for name, network in adapter.denoisers().items():
