@@ -3,8 +3,8 @@
 1. Each plugin's tiny recipes (built by ``scripts/setup.sh`` into ``build/``) for a few steps under single-device,
    FSDP1 (``FSDPStrategy``), FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2, each a separate ``ff fit``
    process: status, wall time, the last step's loss. DeepSpeed rows are skipped (with the reason) when it is not
-   installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan runs its
-   ``sft_tiny.yaml`` with the same strategies given on the command line. The sharded strategies run on 2 GPUs when 2
+   installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan
+   and LTX-2 run their ``sft_tiny.yaml`` with the same strategies given on the command line. The sharded strategies run on 2 GPUs when 2
    are visible (per-device batch halved: the same samples a step as single-device) and on 1 otherwise: **a one-GPU
    run shards nothing** (every rank holds every parameter), so it checks that the strategy runs, not that its
    gathering is right. Every run saves a checkpoint (and its LoRA export) halfway, a second process resumes from it
@@ -47,6 +47,7 @@ DEEPSPEED = json.dumps({"class_path": "lightning.pytorch.strategies.DeepSpeedStr
                         "init_args": {"stage": 2, "exclude_frozen_parameters": True}})
 STRATEGIES = {"single": [], "fsdp": ["--trainer.strategy", FSDP1], "fsdp2": ["--trainer.strategy", FSDP2],
               "deepspeed": ["--trainer.strategy", DEEPSPEED]}  # fmt: skip
+VIDEO_RECIPES = ("configs/wan/sft_tiny.yaml", "configs/ltx2/sft_tiny.yaml")
 SD3_RECIPES = {"fsdp": "configs/sd3/sft_tiny_fsdp.yaml", "fsdp2": "configs/sd3/sft_tiny_fsdp2.yaml",
                "deepspeed": "configs/sd3/sft_tiny_deepspeed.yaml"}  # fmt: skip
 
@@ -71,10 +72,11 @@ def cases(devices: int) -> list[tuple[str, str, list[str]]]:
                 ["--trainer.strategy.init_args.data_parallel_size", str(n)] if strategy == "fsdp2" else [])))
         else:
             out.append(("configs/sd3/sft_tiny.yaml", strategy, list(args)))
-        wan = ["--trainer.devices", str(n), "--data.per_device_batch_size", str(4 // n), *args]  # 4 samples a step
-        if strategy == "fsdp2":
-            wan += ["--trainer.strategy.init_args.data_parallel_size", str(n)]
-        out.append(("configs/wan/sft_tiny.yaml", strategy, wan))
+        for recipe in VIDEO_RECIPES:  # their own strategy flags; 4 samples a step
+            video = ["--trainer.devices", str(n), "--data.per_device_batch_size", str(4 // n), *args]
+            if strategy == "fsdp2":
+                video += ["--trainer.strategy.init_args.data_parallel_size", str(n)]
+            out.append((recipe, strategy, video))
     return out
 
 
