@@ -57,6 +57,8 @@ class Objective:
             dp_world_size: data-parallel ranks of the run.
         """
 
+    curve_metric: ClassVar[str] = "loss"
+    """The training metric (logged as ``train/<name>``) ``LossCurve`` draws by default."""
     frozen_components: frozenset[str] = frozenset()
     """Latent components left out of the loss (``model.frozen_components``; set by :meth:`freeze_components`)."""
     supports_frozen_components: ClassVar[bool] = False

@@ -137,6 +137,8 @@ def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path)
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
     assert float(metrics["train/ratio_first_max_dev"]) == 0.0
+    [curve] = (tmp_path / "run").glob("lightning_logs/version_*/loss.csv")  # the recipe's LossCurve: mean rewards
+    assert curve.read_text().splitlines()[0] == "step,reward_mean" and len(curve.read_text().splitlines()) == 3
 
 
 def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path):
