@@ -576,10 +576,11 @@ def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[
 
 
 def _frozen_modules(network: torch.nn.Module, frozen: set[str]) -> list[str]:
-    """The modules of ``network`` whose parameters are all ``frozen`` (no LoRA wraps them)."""
+    """The modules of ``network`` whose own parameters are all ``frozen`` (no LoRA wraps them). Own parameters only:
+    peft wraps layers that hold their weights (``Linear``, ``Conv``, ...), never a container of them."""
     out = []
     for name, module in network.named_modules():
-        names = [f"{name}.{n}" if name else n for n, _ in module.named_parameters()]
+        names = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
         if names and all(n in frozen for n in names):
             out.append(name)
     return out
