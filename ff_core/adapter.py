@@ -288,6 +288,21 @@ class Adapter(nn.Module):
         """
         return {self.lora_prefix: self.denoiser}
 
+    def component_parameters(self, component: str) -> dict[str, list[str]]:
+        """The parameters of the trained networks that belong to one latent component's branch alone: per network
+        (keyed as :meth:`denoisers`), names as its ``named_parameters()`` gives them.
+
+        ``model.frozen_components`` (docs/config.md) keeps these frozen (LoRA wraps no module whose parameters all
+        belong here; full fine-tuning leaves them ``requires_grad=False``, out of the optimiser and the checkpoint)
+        and drops the component from the loss. Default: the adapter declares no branches, and freezing is refused.
+        Raise ``ValueError`` for a name that is not one of the adapter's latent components.
+
+        Args:
+            component: a latent component name (a :class:`LatentState` key, e.g. ``audio``).
+        """
+        raise ValueError(f"adapter {self.name!r} does not declare which parameters belong to which latent component, "
+                         "so none can be frozen")  # fmt: skip
+
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         """Encode conditions (text, condition media) under no_grad; one dict of CPU tensors per sample."""
         raise NotImplementedError

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,10 @@ class FlowModule(L.LightningModule):
             read. Plain mappings, not dataclasses, on purpose: jsonargparse merges a list of dataclasses given on the
             command line into the recipe's item by item (a reward would inherit the recipe's ``args`` and ``label``);
             a list of mappings is replaced whole.
+        frozen_components: latent components whose branch of the denoiser does not train (``[audio]``: LTX-2's
+            audio stream): the adapter names their parameters (:meth:`~ff_core.adapter.Adapter.component_parameters`),
+            which stay frozen under LoRA and full fine-tuning alike, and the objective leaves them out of the loss
+            (SFT and offline DPO; GRPO refuses). docs/config.md.
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class FlowModule(L.LightningModule):
         sharding: ShardingConfig | None = None,
         noise_seed: int | None = None,
         eval_rewards: list[dict[str, Any]] | None = None,
+        frozen_components: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -159,6 +165,8 @@ class FlowModule(L.LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.sharding = sharding
         self.noise_seed = noise_seed
+        self.frozen_components = list(dict.fromkeys(frozen_components or ()))
+        objective.freeze_components(self.frozen_components)  # before any weights load: GRPO refuses here
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
@@ -280,11 +288,14 @@ class FlowModule(L.LightningModule):
         self._check_embedded_guidance(adapter)
         adapter.requires_grad_(False)
         networks = adapter.denoisers()
+        frozen = frozen_parameters(adapter, self.frozen_components)
         if self.lora is not None:
-            apply_lora(adapter, self.lora)
+            apply_lora(adapter, self.lora, frozen)
         else:
-            for network in networks.values():
+            for name, network in networks.items():
                 network.requires_grad_(True)
+                for parameter in frozen[name]:
+                    network.get_parameter(parameter).requires_grad_(False)
         if self.gradient_checkpointing:
             for name, network in networks.items():
                 if not hasattr(network, "enable_gradient_checkpointing"):
@@ -392,7 +403,7 @@ class FlowModule(L.LightningModule):
 
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
-        whole, buffers included."""
+        whole, buffers included, less the parameters ``frozen_components`` keeps frozen (they reload from the base)."""
         # named_parameters() carries the names wrappers insert (FSDP1's _fsdp_wrapped_module., activation
         # checkpointing's _checkpoint_wrapped_module.); state dicts do not.
         trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
@@ -400,7 +411,8 @@ class FlowModule(L.LightningModule):
             return trainable
         networks = {id(m) for m in self.adapter.denoisers().values()}
         prefixes = tuple(f"{clean_name(n)}." for n, m in self.named_modules() if id(m) in networks)
-        return trainable | {k for k in state_dict if k.startswith(prefixes)}
+        frozen = {clean_name(n) for n, p in self.named_parameters() if not p.requires_grad and n.startswith(prefixes)}
+        return trainable | {k for k in state_dict if k.startswith(prefixes) and k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
@@ -623,17 +635,46 @@ def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> in
     return derive_seed(seed, dp_rank, step, micro_batch)
 
 
-def apply_lora(adapter: Adapter, cfg: LoRAConfig) -> None:
+def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[str]]:
+    """Per trained network (``adapter.denoisers()``), the names of the parameters of the frozen latent components'
+    branches (:meth:`~ff_core.adapter.Adapter.component_parameters`); empty sets without any."""
+    frozen: dict[str, set[str]] = {name: set() for name in adapter.denoisers()}
+    for component in components:
+        try:
+            declared = adapter.component_parameters(component)
+        except ValueError as exc:
+            raise ConfigError("model.frozen_components", str(exc)) from None
+        for network, names in declared.items():
+            frozen[network].update(names)
+    return frozen
+
+
+def _frozen_modules(network: torch.nn.Module, frozen: set[str]) -> list[str]:
+    """The modules of ``network`` whose own parameters are all ``frozen`` (no LoRA wraps them). Own parameters only:
+    peft wraps layers that hold their weights (``Linear``, ``Conv``, ...), never a container of them."""
+    out = []
+    for name, module in network.named_modules():
+        names = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
+        if names and all(n in frozen for n in names):
+            out.append(name)
+    return out
+
+
+def apply_lora(adapter: Adapter, cfg: LoRAConfig, frozen: dict[str, set[str]] | None = None) -> None:
     """Wrap the target modules of every trained network (``adapter.denoisers()``) with peft LoRA layers, one adapter
-    per network with the same settings; only those layers train."""
+    per network with the same settings; only those layers train. ``frozen`` (:func:`frozen_parameters`): per network,
+    parameters of frozen branches; a module whose parameters are all frozen gets no LoRA (peft ``exclude_modules``)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = cfg.target_modules or list(adapter.default_lora_targets)
     if not targets:
         raise ValueError(f"model.lora.target_modules: adapter {adapter.name!r} has no defaults; name the modules")
-    for network in adapter.denoisers().values():
+    for name, network in adapter.denoisers().items():
+        excluded = _frozen_modules(network, (frozen or {}).get(name, set()))
+        # A regex peft full-matches: a list entry would also exclude every module whose name merely ends with it.
+        excluded = "|".join(re.escape(m) for m in excluded) if excluded else None
         config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                            init_lora_weights="gaussian")  # fmt: skip
+                            exclude_modules=excluded, init_lora_weights="gaussian")  # fmt: skip
         if hasattr(network, "add_adapter"):  # diffusers ModelMixin: keeps peft bookkeeping for load/save
             network.add_adapter(config)
         else:

@@ -59,7 +59,8 @@ def grpo_run(tiny_sd3, prompts_dir, tmp_path_factory):
         tiny_sd3, prompts_dir, root, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
         "--trainer.callbacks", json.dumps([{"class_path": "ff_core.callbacks.FlowCheckpoint",
                                             "init_args": {"every_n_train_steps": 1, "save_last": True,
-                                                          "save_top_k": -1}}]))]  # fmt: skip
+                                                          "save_top_k": -1}},
+                                           {"class_path": "ff_core.callbacks.LossCurve"}]))]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return root
@@ -82,6 +83,13 @@ def test_recipe_runs_rollout_reward_update_and_eval(grpo_run):
     assert last["global_step"] == 3
     assert last["state_dict"] and all("lora_" in k for k in last["state_dict"])
     assert last["optimizer_states"][0]["state"]
+    # LossCurve draws what GRPO logs (it logs no "loss"): the mean reward of each step, as in metrics.csv (whose
+    # step column is the global step before the iteration's optimiser step, LossCurve's the one after).
+    curve = list(csv.DictReader(open(grpo_run / "logs" / "version_0" / "loss.csv")))
+    assert [int(r["step"]) for r in curve] == [1, 2, 3]
+    assert [float(r["reward_mean"]) for r in curve] == [
+        pytest.approx(float(r["train/reward_mean"]), abs=1e-6) for r in rows]
+    assert (grpo_run / "logs" / "version_0" / "loss.png").stat().st_size > 0
 
 
 def fit(tiny_sd3, prompts_dir, root, *extra) -> FlowCLI:

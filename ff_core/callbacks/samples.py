@@ -146,24 +146,36 @@ class SampleGrid(L.Callback):
 
 
 class LossCurve(L.Callback):
-    """Records the training loss every step and writes ``loss.csv`` and ``loss.png`` at each validation.
+    """Records a logged training metric every step and writes ``loss.csv`` and ``loss.png`` at each validation.
 
     Args:
         smoothing: window of the moving average drawn over the raw curve.
+        metric: the training metric drawn, as the objective logs it without ``train/`` (``loss``, GRPO's
+            ``reward_mean`` or ``policy_loss``); ``None``: the objective's ``curve_metric`` (SFT and offline DPO:
+            ``loss``; GRPO, which logs no ``loss``: ``reward_mean``). The CSV's second column is named after it.
     """
 
-    def __init__(self, smoothing: int = 20) -> None:
+    def __init__(self, smoothing: int = 20, metric: str | None = None) -> None:
         self.smoothing = smoothing
+        self.metric = metric
         self.history: list[tuple[int, float]] = []
         self.out_dir: Path | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.out_dir = log_dir(trainer)
+        if self.metric is None:
+            self.metric = getattr(getattr(pl_module, "objective", None), "curve_metric", "loss")
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.history.append((trainer.global_step, float(loss)))
+        # What the step logged (``self.log(..., on_step=True)``), not its return value: an objective that optimises
+        # itself (GRPO) returns nothing, and logs its own keys.
+        key = f"train/{self.metric}"
+        value = trainer.callback_metrics.get(key)
+        if value is None:
+            logged = sorted(k for k in trainer.callback_metrics if k.startswith("train/"))
+            raise KeyError(f"LossCurve: the training step logged no {key!r} (it logged {logged}); set the "
+                           "callback's init_args.metric to one of them")  # fmt: skip
+        self.history.append((trainer.global_step, float(value)))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer)
@@ -175,13 +187,14 @@ class LossCurve(L.Callback):
         if not self.history or not trainer.is_global_zero:
             return
         out = self.out_dir
-        csv = "step,loss\n" + "".join(f"{s},{v:.6f}\n" for s, v in self.history)
+        csv = f"step,{self.metric}\n" + "".join(f"{s},{v:.6f}\n" for s, v in self.history)
         write_bytes_atomic(out / "loss.csv", csv.encode())
         save_png(self.plot(), out / "loss.png")
 
     def plot(
-        self, width: int = 480, height: int = 240, title: str = "training loss (raw, moving average)"
+        self, width: int = 480, height: int = 240, title: str | None = None
     ) -> Image.Image:
+        title = title or f"training {self.metric or 'loss'} (raw, moving average)"
         image = Image.new("RGB", (width, height), "white")
         draw = ImageDraw.Draw(image)
         steps = [s for s, _ in self.history]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+from ff_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
@@ -53,6 +56,22 @@ class Objective:
         Args:
             dp_world_size: data-parallel ranks of the run.
         """
+
+    curve_metric: ClassVar[str] = "loss"
+    """The training metric (logged as ``train/<name>``) ``LossCurve`` draws by default."""
+    frozen_components: frozenset[str] = frozenset()
+    """Latent components left out of the loss (``model.frozen_components``; set by :meth:`freeze_components`)."""
+    supports_frozen_components: ClassVar[bool] = False
+    """``True``: the objective leaves :attr:`frozen_components` out of its loss (SFT and offline DPO do)."""
+
+    def freeze_components(self, names: Collection[str]) -> None:
+        """Leave these latent components out of the loss: ``FlowModule`` calls it for ``model.frozen_components``
+        (their branch of the denoiser does not train, so their error has nothing to train). An objective that cannot
+        (``supports_frozen_components`` false) refuses with a ``ConfigError``."""
+        if names and not self.supports_frozen_components:
+            raise ConfigError("model.frozen_components", f"{type(self).__name__} cannot leave a latent component out "
+                              "of its loss; use SFT or offline DPO, or train every component")  # fmt: skip
+        self.frozen_components = frozenset(names)
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
         """Prepare what the objective needs from the loaded adapter (a frozen reference policy, say).

@@ -22,6 +22,7 @@ or a frozen copy for full fine-tuning (:mod:`ff_core.objectives.reference`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -102,18 +103,20 @@ def preference_errors(
     sigma: Tensor,
     noise: LatentState,
     component_weights: dict[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> PreferenceErrors:
     """Both arms' errors under the policy and the reference, all four at this one ``sigma`` and ``noise``.
 
     The reference runs first, under no_grad, so no LoRA toggling or network swap happens while a policy graph waits
     for its backward pass.
     """
+    args = (condition, sigma, noise, component_weights, frozen_components)
     with torch.no_grad(), reference.active(adapter):
-        reference_chosen = flow_matching_error(adapter, chosen, condition, sigma, noise, component_weights)
-        reference_rejected = flow_matching_error(adapter, rejected, condition, sigma, noise, component_weights)
+        reference_chosen = flow_matching_error(adapter, chosen, *args)
+        reference_rejected = flow_matching_error(adapter, rejected, *args)
     return PreferenceErrors(
-        policy_chosen=flow_matching_error(adapter, chosen, condition, sigma, noise, component_weights),
-        policy_rejected=flow_matching_error(adapter, rejected, condition, sigma, noise, component_weights),
+        policy_chosen=flow_matching_error(adapter, chosen, *args),
+        policy_rejected=flow_matching_error(adapter, rejected, *args),
         reference_chosen=reference_chosen,
         reference_rejected=reference_rejected,
     )
@@ -137,6 +140,7 @@ class DPOObjective(Objective):
     """
 
     trainer_type = "offline-dpo"
+    supports_frozen_components = True
 
     def __init__(
         self,
@@ -196,7 +200,7 @@ class DPOObjective(Objective):
         terms, errors, sigmas = [], [], []
         for sigma, noise in monte_carlo_draws(self.timesteps, adapter, chosen, self.num_train_timesteps, generator):
             errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise,
-                                            self.component_weights))
+                                            self.component_weights, self.frozen_components))
             terms.append(diffusion_dpo_loss(errors[-1], self.beta))
             sigmas.append(sigma)
         per_sample = torch.stack([t.loss for t in terms]).mean(0)

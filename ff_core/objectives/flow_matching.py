@@ -9,7 +9,7 @@ predicting the velocity ``v = eps - x0``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -199,7 +199,10 @@ def check_component_weights(weights: Mapping[str, float] | None, key: str) -> di
 
 
 def per_sample_squared_error(
-    pred: LatentState, target: LatentState, component_weights: Mapping[str, float] | None = None
+    pred: LatentState,
+    target: LatentState,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> Tensor:
     """Mean squared error per sample in fp32, over every active element of every component.
 
@@ -212,8 +215,15 @@ def per_sample_squared_error(
     Args:
         pred: the predicted velocity.
         target: the regression target.
-        component_weights: per component name its weight; every component of ``pred`` must be named.
+        component_weights: per component name its weight; every component of ``pred`` must be named (frozen ones
+            may be left out).
+        frozen_components: components left out of the error altogether (``model.frozen_components``: their
+            branch does not train, docs/config.md); the rest reduce as above.
     """
+    if frozen_components:
+        pred, target = without_components(pred, frozen_components), without_components(target, frozen_components)
+        if component_weights is not None:
+            component_weights = {k: w for k, w in component_weights.items() if k not in frozen_components}
     if component_weights is not None:
         missing = sorted(set(pred.components) - set(component_weights))
         extra = sorted(set(component_weights) - set(pred.components))
@@ -231,6 +241,15 @@ def per_sample_squared_error(
     if component_weights is not None:
         return weighted / sum(float(component_weights[name]) for name in pred.components)
     return total / count.clamp_min(1)
+
+
+def without_components(state: LatentState, names: Collection[str]) -> LatentState:
+    """``state`` without the named components (and their masks); an error if nothing is left."""
+    kept = {k: v for k, v in state.components.items() if k not in names}
+    if not kept:
+        raise ValueError(f"model.frozen_components {sorted(names)} freezes every latent component "
+                         f"{list(state.components)}: nothing left to train")  # fmt: skip
+    return replace(state, components=kept, masks={k: m for k, m in state.masks.items() if k not in names})
 
 
 def _component_error(p: Tensor, t: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -125,6 +125,7 @@ class GRPOObjective(Objective):
 
     trainer_type = "grpo"
     automatic_optimization = False
+    curve_metric = "reward_mean"  # it logs no single "loss": LossCurve draws the batch's mean reward
     sharded_training = False  # it all-reduces its accumulated gradients itself, a DDP wrapper's job switched off
 
     def __init__(

@@ -13,6 +13,7 @@ equal the encoded ones gives the same loss.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ class SFTObjective(Objective):
     """
 
     trainer_type = "sft"
+    supports_frozen_components = True
 
     def __init__(
         self,
@@ -78,7 +80,8 @@ class SFTObjective(Objective):
         """
         terms, sigmas = [], []
         for sigma, noise in monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator):
-            terms.append(flow_matching_error(adapter, clean, condition, sigma, noise, self.component_weights))
+            terms.append(flow_matching_error(adapter, clean, condition, sigma, noise, self.component_weights,
+                                             self.frozen_components))
             sigmas.append(sigma)
         per_sample = torch.stack(terms).mean(0)
         sigma = torch.stack(sigmas).detach()
@@ -93,13 +96,15 @@ def flow_matching_error(
     sigma: torch.Tensor,
     noise: LatentState,
     component_weights: dict[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> torch.Tensor:
     """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements
     (over components as ``component_weights`` says: :func:`~ff_core.objectives.flow_matching.per_sample_squared_error`).
 
     Elements the clean state's masks pin (mask 0, e.g. an I2AV first frame) enter the denoiser clean and are
-    left out of the error.
+    left out of the error, and so are the ``frozen_components`` (noised and denoised all the same).
     """
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
-    return per_sample_squared_error(adapter.velocity(noisy, sigma, condition), target, component_weights)
+    pred = adapter.velocity(noisy, sigma, condition)
+    return per_sample_squared_error(pred, target, component_weights, frozen_components)

@@ -25,6 +25,7 @@ instantiating it:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,6 +51,14 @@ TEXT_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mas
 # audio_attn2 / video_to_audio_attn. peft matches a target on a "." boundary, so "attn1.to_q" is not "audio_attn1".
 VIDEO_LORA_TARGETS: tuple[str, ...] = tuple(f"{m}.{p}" for m in ("attn1", "attn2", "audio_to_video_attn")
                                             for p in ("to_q", "to_k", "to_v", "to_out.0"))  # fmt: skip
+
+# The audio stream's own parameters (docs/ltx2.md, "Freezing the audio stream"): named ``audio_*`` at the top of the
+# transformer or of a block (projections, time and caption embeddings, norms, self/text attention, feed-forward,
+# modulation tables, including the audio side's table of the audio<->video attentions), the video-to-audio attention
+# (audio queries reading the video) and the audio-timestep modulation of the cross-modal attentions. The video stream
+# keeps the audio-to-video attention and its norm (video queries reading the audio) and everything else.
+_AUDIO_PARAMETER = re.compile(
+    r"^(transformer_blocks\.\d+\.)?(audio_(?!to_video_)|video_to_audio_|av_cross_attn_audio_)")
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:
@@ -277,6 +286,14 @@ class LTX2T2AVAdapter(Adapter):
         """The transformer's blocks (each one video + audio + cross-modal layer): the units FSDP2 shards one by one.
         Named explicitly: ``LTX2VideoTransformer3DModel`` declares no ``_no_split_modules``."""
         return {"transformer": list(self.transformer.transformer_blocks)}
+
+    def component_parameters(self, component: str) -> dict[str, list[str]]:
+        """``audio``: the audio stream's parameters (:data:`_AUDIO_PARAMETER`); ``video``: every other transformer
+        parameter. ``model.frozen_components: [audio]`` trains the video alone (docs/ltx2.md)."""
+        if component not in ("video", "audio"):
+            raise ValueError(f"{self.name} has the latent components ['video', 'audio'], not {component!r}")
+        names = [n for n, _ in self.transformer.named_parameters()]
+        return {self.lora_prefix: [n for n in names if bool(_AUDIO_PARAMETER.match(n)) == (component == "audio")]}
 
     @property
     def output_rates(self) -> tuple[float, float]:

@@ -57,6 +57,35 @@ def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
     assert lora.stat().st_size > 0
 
 
+def test_frozen_audio_trains_the_video_alone_under_full_fine_tuning(tiny_ltx2, clips, tmp_path):
+    """``model.frozen_components: [audio]`` without LoRA: after 2 steps every audio-stream parameter of the
+    transformer is bit-identical to the checkpoint's, the video stream's changed; the audio parameters are neither
+    in the optimiser nor in the checkpoint."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    base = LTX2VideoTransformer3DModel.from_pretrained(tiny_ltx2("t2av"), subfolder="transformer").state_dict()
+    cli = fit("sft_tiny.yaml", tiny_ltx2("t2av"), [{"name": "clips", "dataset_dir": str(clips)}], tmp_path,
+              "--data.per_device_batch_size", "2", "--model.lora", "null", "--model.frozen_components", "[audio]",
+              "--trainer.callbacks", json.dumps([{"class_path": "ff_core.callbacks.FlowCheckpoint",
+                                                  "init_args": {"save_last": True}}]))  # fmt: skip
+    assert cli.trainer.global_step == 2
+    transformer = cli.model.adapter.transformer
+    audio = set(cli.model.adapter.component_parameters("audio")["transformer"])
+    assert len(audio) > 20
+    trained = dict(transformer.named_parameters())
+    for name in audio:
+        assert not trained[name].requires_grad and torch.equal(trained[name], base[name]), name
+    video = [n for n in trained if n not in audio]
+    assert all(trained[n].requires_grad for n in video)
+    for name in ("proj_out.weight", "transformer_blocks.0.attn1.to_q.weight"):  # the video stream trained
+        assert not torch.equal(trained[name], base[name]), name
+    optimised = {id(p) for group in cli.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimised == {id(trained[n]) for n in video}
+    [ckpt] = (tmp_path / "lightning_logs").glob("version_*/checkpoints/last.ckpt")
+    keys = {k.removeprefix("adapter.transformer.") for k in torch.load(ckpt, weights_only=False)["state_dict"]}
+    assert not keys & audio and set(video) <= keys
+
+
 def test_i2av_recipe_trains_with_pinned_first_frames(tiny_ltx2, tmp_path):
     clips = write_av_clips(tmp_path / "clips", 2, i2av=True)
     cli = fit("i2av_sft_tiny.yaml", tiny_ltx2("i2av"), [{"name": "clips", "dataset_dir": str(clips), "eval": {}}],
@@ -108,6 +137,8 @@ def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path)
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
     assert float(metrics["train/ratio_first_max_dev"]) == 0.0
+    [curve] = (tmp_path / "run").glob("lightning_logs/version_*/loss.csv")  # the recipe's LossCurve: mean rewards
+    assert curve.read_text().splitlines()[0] == "step,reward_mean" and len(curve.read_text().splitlines()) == 3
 
 
 def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path):

@@ -282,6 +282,42 @@ def test_the_audio_stream_can_be_frozen(t2av, condition):
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_" in n)
 
 
+def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition):
+    """``model.frozen_components: [audio]`` (docs/ltx2.md, "Freezing the audio stream"): no audio-stream module gets a
+    LoRA, and the SFT loss is the video stream's mean squared error alone, computed here by hand from the same
+    sigma and noise draws."""
+    from ff_core.errors import ConfigError
+    from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
+    from ff_core.objectives import GRPOObjective, SFTObjective
+    from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
+
+    adapter = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+    frozen = frozen_parameters(adapter, ["audio"])
+    assert "audio_proj_out.weight" in frozen["transformer"]
+    assert "transformer_blocks.0.video_to_audio_attn.to_q.weight" in frozen["transformer"]
+    assert "transformer_blocks.0.audio_to_video_attn.to_q.weight" not in frozen["transformer"]  # the video reads
+    apply_lora(adapter, LoRAConfig(rank=2, alpha=2), frozen)
+    wrapped = {n.split(".lora_")[0].removeprefix("transformer.") for n, _ in adapter.named_parameters() if "lora_" in n}
+    assert wrapped and not any(f"{w}.base_layer.weight" in frozen["transformer"] or f"{w}.weight" in
+                               frozen["transformer"] for w in wrapped)  # fmt: skip
+    assert {w.split(".")[2] for w in wrapped} == {"attn1", "attn2", "audio_to_video_attn"}
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    audio = (torch.sin(2 * torch.pi * 220 * torch.arange(18000) / 16000) * 0.5).repeat(2, 1)
+    one = {k: v[:1] for k, v in condition.items()}
+    clean = adapter.encode_output([[video, audio]], one, generator=torch.Generator().manual_seed(0))
+    objective = SFTObjective(component_weights={"video": 1.0, "audio": 1.0})  # audio's weight is moot once frozen
+    objective.freeze_components(["audio"])
+    with torch.no_grad():
+        loss = objective.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss
+        [(sigma, noise)] = monte_carlo_draws(objective.timesteps, adapter, clean, 1, torch.Generator().manual_seed(1))
+        pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one).components["video"]
+        by_hand = ((pred.float() - velocity_target(clean.components["video"], noise.components["video"])) ** 2).mean()
+    torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=0)
+    with pytest.raises(ConfigError, match="model.frozen_components"):
+        GRPOObjective(rewards=[{"name": "colour", "args": {"target": [255, 0, 0]}}]).freeze_components(["audio"])
+
+
 def test_the_plugin_declares_a_compatible_interface_version():
     from ff_ltx2 import LTX2I2AVAdapter, plugin
 
