@@ -3,14 +3,13 @@
 1. Each plugin's tiny recipes (built by ``scripts/setup.sh`` into ``build/``) for a few steps under single-device,
    FSDP1 (``FSDPStrategy``), FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2, each a separate ``ff fit``
    process: status, wall time, the last step's loss. DeepSpeed rows are skipped (with the reason) when it is not
-   installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan
-   and LTX-2 run their ``sft_tiny.yaml`` with the same strategies given on the command line. The sharded strategies run on 2 GPUs when 2
-   are visible (per-device batch halved: the same samples a step as single-device) and on 1 otherwise: **a one-GPU
-   run shards nothing** (every rank holds every parameter), so it checks that the strategy runs, not that its
-   gathering is right. Every run saves a checkpoint (and its LoRA export) halfway, a second process resumes from it
-   (``--ckpt_path``) to the last step, and the table reports how far the resumed run's last loss and exported LoRA
-   are from the uninterrupted run's (0 when resuming is exact) and how far that LoRA is from the single-device
-   run's.
+   installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan and LTX-2
+   run their ``sft_tiny.yaml`` with the same strategies given on the command line. The sharded strategies run on 2
+   GPUs when 2 are visible (per-device batch halved: the same samples a step as single-device) and on 1 otherwise:
+   **a one-GPU run shards nothing** (every rank holds every parameter), so it checks that the strategy runs, not that
+   its gathering is right. Every run saves a checkpoint (and its LoRA export) halfway, a second process resumes from
+   it (``--ckpt_path``) to the last step, and the table reports how far the resumed run's last loss and exported LoRA
+   are from the uninterrupted run's (0 when resuming is exact) and how far that LoRA is from the single-device run's.
 2. Throughput at a realistic size: a random-initialised ``SD3Transformer2DModel`` with SD3.5-medium's config (2.24 B
    parameters; ``benchmarks/memory_budget.py``) in bf16, 1024x1024 images (4096 image tokens, patch 2 over 128x128
    latents) and 333 text tokens (77 CLIP + 256 T5), forward and backward per step. Tokens/s counts image tokens.
