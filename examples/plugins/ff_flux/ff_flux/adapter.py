@@ -34,6 +34,7 @@ from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
 from ff_core.errors import ConfigError
+from ff_core.image_latents import decode_images, encode_images, stack_image_targets
 
 DEFAULT_EMBEDDED_GUIDANCE = 3.5
 """``FluxPipeline.__call__``'s default ``guidance_scale`` (diffusers' FLUX training scripts' ``--guidance_scale``)."""
@@ -218,20 +219,8 @@ class FluxAdapter(Adapter):
     def encode_output(
         self, media: list[list[Tensor]], condition: Condition, generator: torch.Generator | None = None
     ) -> LatentState:
-        images = []
-        for i, outputs in enumerate(media):
-            if len(outputs) != 1 or outputs[0].ndim != 3 or outputs[0].shape[0] != 3:
-                shapes = [tuple(t.shape) for t in outputs]
-                raise ValueError(f"media[{i}]: expected one image tensor (3, H, W), got shapes {shapes}")
-            images.append(outputs[0])
-        if len({tuple(t.shape) for t in images}) > 1:
-            raise ValueError(f"images of one batch must share a size, got {sorted({tuple(t.shape) for t in images})} "
-                             "(the training loader fits targets to output_geometry(); fit others the same way)")
-        x = torch.stack(images).to(self.vae.device)
-        x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 or float in [0, 1]
-        z = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(generator=generator)
-        cfg = self.vae.config
-        z = (z - cfg.shift_factor) * cfg.scaling_factor  # FLUX.1's VAE has both (0.1159, 0.3611)
+        # FLUX.1's VAE has both shift_factor and scaling_factor (0.1159, 0.3611)
+        z = encode_images(self.vae, stack_image_targets(media), generator)
         return LatentState({"latent": z.to(self.transformer.dtype)})
 
     # -- the denoiser ----------------------------------------------------------------------------
@@ -263,12 +252,7 @@ class FluxAdapter(Adapter):
 
     @torch.no_grad()
     def decode(self, state: LatentState) -> list[list[Tensor]]:
-        cfg = self.vae.config
-        z = state.components["latent"].to(self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
-        images = self.vae.decode(z, return_dict=False)[0]
-        # VaeImageProcessor.postprocess: [-1, 1] -> [0, 1] -> round(x * 255)
-        images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-        return [[img] for img in images]
+        return decode_images(self.vae, state.components["latent"])  # VaeImageProcessor.postprocess to uint8
 
     # -- generation ------------------------------------------------------------------------------
     def initial_noise(self, condition: Condition, generator: torch.Generator | None = None) -> LatentState:
