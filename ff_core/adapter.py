@@ -54,6 +54,29 @@ def scheduler_sigma_table(scheduler: Any) -> Tensor:
     return type(scheduler).from_config(scheduler.config).sigmas.float().clone()
 
 
+def reject_input_media(inputs: list[ConditionInput], name: str) -> None:
+    """Raise a ``ValueError`` naming the first of ``inputs`` that carries input media, for an adapter (``name``)
+    conditioned on the prompt alone."""
+    for i, item in enumerate(inputs):
+        if item.media:
+            raise ValueError(f"inputs[{i}]: {name} takes no input media, got {len(item.media)} item(s)")
+
+
+def prompt_rows(positive: dict[str, Tensor], negative: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    """Per-sample cache rows of batched prompt encodings: ``positive``'s keys as they are, ``negative``'s prefixed
+    ``negative_`` (the keys :meth:`Adapter.unconditional` swaps in). Each tensor is a CPU clone, so every sample owns
+    compact storage (no view into the batch tensor reaches the cache)."""
+    n = len(next(iter(positive.values())))
+    return [{**{k: v[i].cpu().clone() for k, v in positive.items()},
+             **{f"negative_{k}": v[i].cpu().clone() for k, v in negative.items()}} for i in range(n)]  # fmt: skip
+
+
+def move_condition(batch: dict[str, Tensor], device: torch.device, dtype: torch.dtype) -> Condition:
+    """``batch`` on ``device``, floating tensors cast to ``dtype`` (the denoiser's), others (ids, masks) keeping
+    theirs: the usual :meth:`Adapter.prepare_condition`."""
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+
+
 @dataclass
 class ConditionInput:
     """The input side of one sample, before preprocessing.

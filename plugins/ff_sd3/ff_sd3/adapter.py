@@ -21,7 +21,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
+from ff_core.adapter import (
+    Adapter,
+    Condition,
+    ConditionInput,
+    LatentState,
+    move_condition,
+    prompt_rows,
+    reject_input_media,
+    scheduler_sigma_table,
+)
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
@@ -182,25 +191,14 @@ class SD3Adapter(Adapter):
 
     @torch.no_grad()
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
-        for i, item in enumerate(inputs):
-            if item.media:
-                raise ValueError(f"inputs[{i}]: {self.name} takes no input media, got {len(item.media)} item(s)")
+        reject_input_media(inputs, self.name)
         embeds, pooled = self.encode_prompt([item.prompt for item in inputs])
         neg_embeds, neg_pooled = self.encode_prompt([item.negative_prompt or "" for item in inputs])
-        # clone: each sample owns compact storage (no view into the batch tensor reaches the cache).
-        return [
-            {
-                "prompt_embeds": embeds[i].cpu().clone(),
-                "pooled_prompt_embeds": pooled[i].cpu().clone(),
-                "negative_prompt_embeds": neg_embeds[i].cpu().clone(),
-                "negative_pooled_prompt_embeds": neg_pooled[i].cpu().clone(),
-            }
-            for i in range(len(inputs))
-        ]
+        return prompt_rows({"prompt_embeds": embeds, "pooled_prompt_embeds": pooled},
+                           {"prompt_embeds": neg_embeds, "pooled_prompt_embeds": neg_pooled})  # fmt: skip
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        device, dtype = self.transformer.device, self.transformer.dtype
-        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+        return move_condition(batch, self.transformer.device, self.transformer.dtype)
 
     def unconditional(self, condition: Condition) -> Condition | None:
         if "negative_prompt_embeds" not in condition:
