@@ -32,9 +32,19 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
+from ff_core.adapter import (
+    Adapter,
+    Condition,
+    ConditionInput,
+    LatentState,
+    move_condition,
+    prompt_rows,
+    reject_input_media,
+    scheduler_sigma_table,
+)
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import MediaGeometry
+from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 from ff_ltx2.audio import clock_window, log_mel, to_model_rate
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -324,21 +334,15 @@ class LTX2T2AVAdapter(Adapter):
     def _text_rows(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         positive = self.encode_prompt([item.prompt for item in inputs])
         negative = self.encode_prompt([item.negative_prompt or "" for item in inputs])
-        # clone: each sample owns compact storage (no view into the batch tensor reaches the cache).
-        return [{**{k: v[i].cpu().clone() for k, v in positive.items()},
-                 **{f"negative_{k}": v[i].cpu().clone() for k, v in negative.items()}}
-                for i in range(len(inputs))]  # fmt: skip
+        return prompt_rows(positive, negative)
 
     @torch.no_grad()
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
-        for i, item in enumerate(inputs):
-            if item.media:
-                raise ValueError(f"inputs[{i}]: {self.name} takes no input media, got {len(item.media)} item(s)")
+        reject_input_media(inputs, self.name)
         return self._text_rows(inputs)
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        device, dtype = self.transformer.device, self.transformer.dtype
-        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
+        return move_condition(batch, self.transformer.device, self.transformer.dtype)
 
     def unconditional(self, condition: Condition) -> Condition | None:
         if "negative_video_prompt_embeds" not in condition:
@@ -454,7 +458,7 @@ class LTX2T2AVAdapter(Adapter):
             videos.append(video)
             starts.append(start)
         x = torch.stack(videos).to(self.vae.device)  # (B, F, 3, H, W)
-        x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1
+        x = pixels_to_signed(x)
         return x.permute(0, 2, 1, 3, 4).contiguous(), starts
 
     def target_mel(self, audio: Any, start: float, what: str) -> Tensor:
@@ -540,7 +544,7 @@ class LTX2T2AVAdapter(Adapter):
         if self.vae.config.timestep_conditioning:  # the pipeline's decode_timestep 0, decode_noise_scale 0
             timestep = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
         video = self.vae.decode(z, timestep, return_dict=False)[0]  # (B, 3, F, H, W)
-        video = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        video = signed_to_uint8(video)
         a = self.denormalize_audio(state.components["audio"].to(self.audio_vae.device, torch.float32))
         mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
         waveform = self.vocoder(mel.to(self.vocoder.dtype)).float().cpu()  # (B, channels, samples)

@@ -26,10 +26,19 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
+from ff_core.adapter import (
+    Adapter,
+    Condition,
+    ConditionInput,
+    LatentState,
+    move_condition,
+    prompt_rows,
+    reject_input_media,
+)
 from ff_core.contracts import VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
+from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
@@ -293,21 +302,16 @@ class WanT2VAdapter(Adapter):
     def _text_rows(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
         embeds = self.encode_prompt([item.prompt for item in inputs])
         negative = self.encode_prompt([item.negative_prompt or "" for item in inputs])
-        # clone: each sample owns compact storage (no view into the batch tensor reaches the cache).
-        return [{"prompt_embeds": embeds[i].cpu().clone(), "negative_prompt_embeds": negative[i].cpu().clone()}
-                for i in range(len(inputs))]  # fmt: skip
+        return prompt_rows({"prompt_embeds": embeds}, {"prompt_embeds": negative})
 
     @torch.no_grad()
     def preprocess(self, inputs: list[ConditionInput]) -> list[dict[str, Tensor]]:
-        for i, item in enumerate(inputs):
-            if item.media:
-                raise ValueError(f"inputs[{i}]: {self.name} takes no input media, got {len(item.media)} item(s)")
+        reject_input_media(inputs, self.name)
         return self._text_rows(inputs)
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        device, dtype = self.transformer.device, self.transformer.dtype
-        out = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()
-               if not k.endswith("_embeds_mask")}  # fmt: skip
+        out = move_condition({k: v for k, v in batch.items() if not k.endswith("_embeds_mask")},
+                             self.transformer.device, self.transformer.dtype)  # fmt: skip
         for key in ("prompt_embeds", "negative_prompt_embeds"):  # zero padding is the pipeline's: pad or trim to L
             if key in out and out[key].shape[1] != self.max_sequence_length:
                 t = out[key][:, : self.max_sequence_length]
@@ -373,7 +377,7 @@ class WanT2VAdapter(Adapter):
             raise ValueError(f"videos of one batch must share a shape, got {sorted({tuple(v.shape) for v in videos})} "
                              "(data.buckets batches one geometry at a time)")  # fmt: skip
         x = torch.stack(videos).to(self.vae.device)  # (B, F, 3, H, W)
-        x = x.float() / 127.5 - 1 if x.dtype == torch.uint8 else x.float() * 2 - 1  # uint8 -> [-1, 1], once
+        x = pixels_to_signed(x)  # uint8 -> [-1, 1], once
         return x.permute(0, 2, 1, 3, 4).contiguous()  # (B, 3, F, H, W)
 
     @torch.no_grad()
@@ -441,7 +445,7 @@ class WanT2VAdapter(Adapter):
         -> ``round(x * 255)``)."""
         z = self.denormalize(state.components["latent"].to(self.vae.device, self.vae.dtype))
         video = self.vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W)
-        video = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        video = signed_to_uint8(video)
         return [[v.permute(1, 0, 2, 3).contiguous()] for v in video]
 
     # -- generation ------------------------------------------------------------------------------
