@@ -16,6 +16,7 @@ from ff_core.cli import main
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
+from ff_core.testing.recipes import fit_tiny
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs" / "ltx2"
@@ -27,13 +28,7 @@ def clips(tmp_path_factory):
 
 
 def fit(recipe: str, pretrained: Path, datasets: list[dict], root: Path, *extra: str) -> FlowCLI:
-    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
-        "--config", str(CONFIGS / recipe), "--model.pretrained_model_name_or_path", str(pretrained),
-        "--data.datasets", json.dumps(datasets), "--model.sampling.num_steps", "2", "--trainer.max_steps", "2",
-        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1", "--data.num_workers", "0",
-        "--trainer.default_root_dir", str(root), *extra])  # fmt: skip
-    cli.trainer.fit(cli.model, cli.datamodule)
-    return cli
+    return fit_tiny(CONFIGS / recipe, pretrained, datasets, root, *extra)
 
 
 def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
