@@ -8,9 +8,10 @@ selection, and latent packing remain adapter-owned". In that order:
 1. :func:`clock_window`: the samples covering ``[start, start + duration)`` on the source clock (the declared rate
    when the manifest gives one), where ``duration = num_frames / frame_rate`` is the official LTX-2 clock. A clip
    shorter than that by more than ``tolerance`` seconds is rejected, never stretched.
-2. :func:`to_model_rate`: one PyAV ``AudioResampler`` pass from the clock rate to the model rate and channel layout
-   (mono <-> stereo), then right-padded with zeros or trimmed to exactly the model's sample count (the resampler's
-   rounding and filter delay move the count by a few samples).
+2. :func:`to_model_rate`: channels converted in torch (mono duplicated to stereo, N averaged to mono; ffmpeg's
+   mixing matrix would rescale them), then one PyAV ``AudioResampler`` pass from the clock rate to the model rate
+   (same layout in and out), then right-padded with zeros or trimmed to exactly the model's sample count (the
+   resampler's rounding and filter delay move the count by a few samples).
 3. :func:`log_mel`: ``torch.stft`` (Hann window, centred, reflect padding) magnitudes through a Slaney mel filter bank
    (:func:`mel_filter_bank`), ``log(clamp(mel, 1e-5))``: LTX-2's ``AudioProcessor`` (torchaudio ``MelSpectrogram``
    with ``power=1``, ``norm="slaney"``, ``mel_scale="slaney"``), without torchaudio, which does not import beside
@@ -50,24 +51,32 @@ def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: fl
 
 
 def to_model_rate(waveform: Tensor, clock_rate: float, rate: int, channels: int, samples: int) -> Tensor:
-    """``waveform`` (C, N) played at ``clock_rate``, converted once with PyAV to ``rate`` Hz and ``channels`` channels
-    (1 or 2; more source channels are averaged to mono first), then right-padded with zeros or trimmed to exactly
-    ``samples``; float32 (channels, samples)."""
+    """``waveform`` (C, N) played at ``clock_rate``, converted to ``channels`` channels (1 or 2) and once with PyAV to
+    ``rate`` Hz, then right-padded with zeros or trimmed to exactly ``samples``; float32 (channels, samples).
+
+    Channels are converted here, not by the resampler: ffmpeg's mixing matrix scales mono to stereo by 1/sqrt(2)
+    per channel and stereo to mono by 1/sqrt(2) of the sum, which would change the target's loudness. Mono is
+    duplicated to stereo; stereo is averaged to mono; more than two channels are averaged to mono (and duplicated
+    for a stereo VAE); PyAV then only changes the rate, with the same
+    layout in and out.
+    """
     import av
 
     if channels not in (1, 2):
         raise ValueError(f"the audio VAE takes 1 or 2 channels, its config says {channels}")
     x = waveform.detach().float().cpu()
-    if x.shape[0] > 2:
+    if x.shape[0] > channels:  # stereo to mono, or more than two channels: their mean
         x = x.mean(0, keepdim=True)
-    layouts = {1: "mono", 2: "stereo"}
+    if x.shape[0] < channels:  # mono to stereo: the same signal on both channels
+        x = x.repeat(channels, 1)
+    layout = {1: "mono", 2: "stereo"}[channels]
     in_rate = int(round(clock_rate))
-    if in_rate == rate and x.shape[0] == channels:
+    if in_rate == rate:
         out = x
     else:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x.numpy()), format="fltp", layout=layouts[x.shape[0]])
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x.numpy()), format="fltp", layout=layout)
         frame.sample_rate = in_rate
-        resampler = av.AudioResampler(format="fltp", layout=layouts[channels], rate=rate)
+        resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
         parts = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
         out = torch.from_numpy(np.concatenate(parts, axis=1)) if parts else x.new_zeros(channels, 0)
     out = out[:, :samples]

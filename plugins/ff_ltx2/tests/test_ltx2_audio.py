@@ -46,12 +46,33 @@ def test_one_conversion_to_the_model_rate_and_channels():
     assert y.shape == (2, 16000) and y.dtype == torch.float32
     torch.testing.assert_close(y[0], y[1])  # mono duplicated
     assert peak_hz(y, 16000) == pytest.approx(1000.0, abs=1.0)
-    # A declared (logical) clock of half the file's rate plays the same samples twice as slow: a 500 Hz tone.
-    assert peak_hz(to_model_rate(x, 11025, 16000, 2, 32000), 16000) == pytest.approx(500.0, abs=1.0)
+    # A declared (logical) clock of half the file's rate plays the same samples twice as slow: a 500 Hz tone, an
+    # octave lower (the FFT peak of 2 s at 16 kHz: 0.5 Hz bins).
+    slow = to_model_rate(x, 11025, 16000, 2, 32000)
+    assert peak_hz(slow, 16000) == pytest.approx(500.0, abs=1.0)
+    assert peak_hz(slow, 16000) == pytest.approx(peak_hz(y, 16000) / 2, abs=1.0)
     # Stereo at the model rate already: untouched; right-padded with silence to the asked length.
     z = to_model_rate(tone(440.0, 0.5, 16000, 2), 16000, 16000, 2, 9000)
     torch.testing.assert_close(z[:, :8000], tone(440.0, 0.5, 16000, 2))
     assert (z[:, 8000:] == 0).all()
+
+
+def test_channel_conversion_keeps_the_amplitude():
+    """Mono to stereo duplicates the signal (each channel keeps the 0.3 amplitude; ffmpeg's mixing matrix would give
+    0.3 / sqrt(2)); stereo to mono is the mean of the channels (ffmpeg: (L + R) / sqrt(2)); with and without a rate
+    change."""
+    mono = tone(1000.0, 1.0, 16000)
+    for rate in (16000, 22050):
+        y = to_model_rate(tone(1000.0, 1.0, rate), rate, 16000, 2, 16000)
+        torch.testing.assert_close(y[0], y[1])
+        # Away from the resampler's filter edges the peak amplitude is the input's.
+        assert float(y[:, 1000:-1000].abs().max()) == pytest.approx(0.3, abs=0.01)
+    torch.testing.assert_close(to_model_rate(mono, 16000, 16000, 2, 16000), mono.repeat(2, 1), rtol=0, atol=0)
+    left, right = tone(1000.0, 1.0, 16000), 0.5 * tone(440.0, 1.0, 16000)
+    stereo = torch.cat([left, right])
+    torch.testing.assert_close(to_model_rate(stereo, 16000, 16000, 1, 16000), (left + right) / 2, rtol=0, atol=1e-7)
+    down = to_model_rate(torch.cat([tone(1000.0, 1.0, 22050), tone(1000.0, 1.0, 22050)]), 22050, 16000, 1, 16000)
+    assert float(down[:, 1000:-1000].abs().max()) == pytest.approx(0.3, abs=0.01)
 
 
 # -- the mel spectrogram -------------------------------------------------------------------------------------------
