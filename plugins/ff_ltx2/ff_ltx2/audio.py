@@ -7,7 +7,8 @@ selection, and latent packing remain adapter-owned". In that order:
 
 1. :func:`clock_window`: the samples covering ``[start, start + duration)`` on the source clock (the declared rate
    when the manifest gives one), where ``duration = num_frames / frame_rate`` is the official LTX-2 clock. A clip
-   shorter than that by more than ``tolerance`` seconds is rejected, never stretched.
+   shorter than that by more than ``tolerance`` seconds is rejected, never stretched; the cut extends to ``keep``
+   seconds (the ``4 L`` mel hops' span, when longer) where the source has them.
 2. :func:`to_model_rate`: channels converted in torch (mono duplicated to stereo, N averaged to mono; ffmpeg's
    mixing matrix would rescale them), then one PyAV ``AudioResampler`` pass from the clock rate to the model rate
    (same layout in and out), then right-padded with zeros or trimmed to exactly the model's sample count (the
@@ -28,8 +29,9 @@ from torch import Tensor
 
 
 def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: float, *, tolerance: float,
-                 what: str) -> Tensor:  # fmt: skip
-    """The samples of ``waveform`` (C, N) covering ``[start, start + duration)`` seconds of its clock.
+                 what: str, keep: float | None = None) -> Tensor:  # fmt: skip
+    """The samples of ``waveform`` (C, N) covering ``[start, start + keep)`` seconds of its clock (as far as the
+    source goes), after checking that it covers ``[start, start + duration)``.
 
     Args:
         waveform: float (channels, samples), the file's own samples.
@@ -39,6 +41,9 @@ def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: fl
         tolerance: how many seconds short of ``duration`` are still accepted (padded later with silence): rounding
             of the source's length, never a stretch.
         what: names the target in the error.
+        keep: seconds to cut, ``>= duration`` (``None``: ``duration``): the model's sample count may run past the
+            clip's clock (``4 L`` mel hops with ``L`` rounded up); audio the source has there is kept rather than
+            padded with silence, and a source ending earlier is not an error.
     """
     first = max(int(round(start * clock_rate)), 0)
     count = int(round(duration * clock_rate))
@@ -47,7 +52,7 @@ def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: fl
         raise ValueError(f"{what}: the audio covers {max(have, 0) / clock_rate:.3f} s from {start:.3f} s at its clock "
                          f"rate {clock_rate:g} Hz, the clip needs {duration:.3f} s (num_frames / frame_rate); LTX-2 "
                          "rejects clips shorter than the video clock instead of stretching them")  # fmt: skip
-    return waveform[:, first : first + count]
+    return waveform[:, first : first + max(count, int(round((keep or 0.0) * clock_rate)))]
 
 
 def to_model_rate(waveform: Tensor, clock_rate: float, rate: int, channels: int, samples: int) -> Tensor:

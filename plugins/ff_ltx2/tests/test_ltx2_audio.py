@@ -128,6 +128,27 @@ def test_target_mel_is_aligned_to_the_audio_latents(adapter):
     assert adapter.target_mel(declared, 0.0, "declared").shape == low.shape
 
 
+def test_audio_past_the_clip_clock_is_kept_not_padded(tiny_ltx2):
+    """9 frames at 6 fps: a 1.5 s clip, L = round(37.5) = 38 latent frames, 4 L hops = 24,320 samples at 16 kHz,
+    past the clip's 24,000. A longer source fills them with its own audio (the mel of its first 24,320 samples, by
+    hand), not with 320 samples of silence; a source of exactly the clip's duration is still accepted (padded)."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    adapter = LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **{**ADAPTER_KWARGS, "frame_rate": 6.0})
+    assert adapter.audio_latent_frames == 38 and 4 * 38 * 160 > 1.5 * 16000
+    source = tone(220.0, 2.0, 16000, 2)
+    got = adapter.target_mel(source, 0.0, "long")
+    expected = log_mel(source[:, : 4 * 38 * 160], sample_rate=16000, n_fft=adapter.mel_n_fft, hop_length=160,
+                       n_mels=16)[:, : 4 * 38]  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert adapter.target_mel(source[:, :24000], 0.0, "exact").shape == got.shape
+    # Resampled from 22.05 kHz: the cut covers the 4 L hops, so the model-rate waveform ends in the tone, not silence.
+    keep = 4 * 38 * 160 / 16000
+    window = clock_window(tone(220.0, 2.0, 22050), 22050, 0.0, 1.5, tolerance=0.05, what="t", keep=keep)
+    x = to_model_rate(window, 22050, 16000, 2, 4 * 38 * 160)
+    assert float(x[:, -40:].abs().max()) > 0.1
+
+
 def test_encode_output_gives_both_streams_seeded_by_the_generator(adapter):
     condition = adapter.prepare_condition(torch.utils.data.default_collate(adapter.preprocess([ConditionInput("a")])))
     g = torch.Generator().manual_seed(0)
