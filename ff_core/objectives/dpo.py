@@ -135,7 +135,8 @@ class DPOObjective(Objective):
             weights to the device layer by layer for each forward (accelerate ``cpu_offload``); ignored with LoRA,
             whose reference is the base with the LoRA disabled.
         component_weights: how each candidate's error reduces over a multi-component latent state (video + audio):
-            ``None`` pools every latent element; a mapping averages each component's mean error with these weights
+            ``None`` uses the adapter's ``default_component_weights`` (``None`` there too: every latent element
+            pooled); a mapping averages each component's mean error with these weights
             (as :class:`~ff_core.objectives.sft.SFTObjective`). The implicit rewards are ``-beta/2`` times that error.
     """
 

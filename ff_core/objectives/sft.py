@@ -40,8 +40,9 @@ class SFTObjective(Objective):
         timesteps: how noise levels are drawn per sample (logit-normal with SD3 shift, or uniform).
         num_train_timesteps: independent Monte-Carlo (sigma, noise) terms averaged per microbatch.
         component_weights: how a multi-component latent state's error reduces per sample
-            (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`): ``None`` pools every latent element of
-            every component; ``{video: 1.0, audio: 1.0}`` averages each component's mean error with these weights
+            (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`): ``None`` uses the adapter's
+            ``default_component_weights`` (``None`` there too: every latent element of every component pooled);
+            ``{video: 1.0, audio: 1.0}`` averages each component's mean error with these weights
             (``audio: 0``: the audio stream is denoised but not trained on).
     """
 
@@ -99,7 +100,8 @@ def flow_matching_error(
     frozen_components: Collection[str] = (),
 ) -> torch.Tensor:
     """One Monte-Carlo term: per-sample ``|v_theta(x_sigma, sigma) - (noise - x0)|^2`` averaged over elements
-    (over components as ``component_weights`` says: :func:`~ff_core.objectives.flow_matching.per_sample_squared_error`).
+    (over components as ``component_weights`` says: :func:`~ff_core.objectives.flow_matching.per_sample_squared_error`;
+    ``None``: the adapter's ``default_component_weights``).
 
     Elements the clean state's masks pin (mask 0, e.g. an I2AV first frame) enter the denoiser clean and are
     left out of the error, and so are the ``frozen_components`` (noised and denoised all the same).
@@ -107,4 +109,6 @@ def flow_matching_error(
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
     pred = adapter.velocity(noisy, sigma, condition)
+    if component_weights is None:  # the config leaves the reduction to the model family (Adapter docstring)
+        component_weights = getattr(adapter, "default_component_weights", None)
     return per_sample_squared_error(pred, target, component_weights, frozen_components)

@@ -259,3 +259,9 @@ def test_sft_loss_with_component_weights_by_hand():
     assert_close(flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise), torch.tensor([17 / 3]))
     got = flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise, {"video": 1.0, "audio": 0.0})
     assert_close(got, torch.tensor([4.0]))
+    # An adapter's default_component_weights apply when none are given ((4 + 9) / 2, not pooled 17 / 3); given ones win.
+    per_stream = LinearVelocity(2.0)
+    per_stream.default_component_weights = {"video": 1.0, "audio": 1.0}
+    assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise), torch.tensor([6.5]))
+    assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise, {"video": 1.0, "audio": 0.0}),
+                 torch.tensor([4.0]))

@@ -46,12 +46,33 @@ def test_one_conversion_to_the_model_rate_and_channels():
     assert y.shape == (2, 16000) and y.dtype == torch.float32
     torch.testing.assert_close(y[0], y[1])  # mono duplicated
     assert peak_hz(y, 16000) == pytest.approx(1000.0, abs=1.0)
-    # A declared (logical) clock of half the file's rate plays the same samples twice as slow: a 500 Hz tone.
-    assert peak_hz(to_model_rate(x, 11025, 16000, 2, 32000), 16000) == pytest.approx(500.0, abs=1.0)
+    # A declared (logical) clock of half the file's rate plays the same samples twice as slow: a 500 Hz tone, an
+    # octave lower (the FFT peak of 2 s at 16 kHz: 0.5 Hz bins).
+    slow = to_model_rate(x, 11025, 16000, 2, 32000)
+    assert peak_hz(slow, 16000) == pytest.approx(500.0, abs=1.0)
+    assert peak_hz(slow, 16000) == pytest.approx(peak_hz(y, 16000) / 2, abs=1.0)
     # Stereo at the model rate already: untouched; right-padded with silence to the asked length.
     z = to_model_rate(tone(440.0, 0.5, 16000, 2), 16000, 16000, 2, 9000)
     torch.testing.assert_close(z[:, :8000], tone(440.0, 0.5, 16000, 2))
     assert (z[:, 8000:] == 0).all()
+
+
+def test_channel_conversion_keeps_the_amplitude():
+    """Mono to stereo duplicates the signal (each channel keeps the 0.3 amplitude; ffmpeg's mixing matrix would give
+    0.3 / sqrt(2)); stereo to mono is the mean of the channels (ffmpeg: (L + R) / sqrt(2)); with and without a rate
+    change."""
+    mono = tone(1000.0, 1.0, 16000)
+    for rate in (16000, 22050):
+        y = to_model_rate(tone(1000.0, 1.0, rate), rate, 16000, 2, 16000)
+        torch.testing.assert_close(y[0], y[1])
+        # Away from the resampler's filter edges the peak amplitude is the input's.
+        assert float(y[:, 1000:-1000].abs().max()) == pytest.approx(0.3, abs=0.01)
+    torch.testing.assert_close(to_model_rate(mono, 16000, 16000, 2, 16000), mono.repeat(2, 1), rtol=0, atol=0)
+    left, right = tone(1000.0, 1.0, 16000), 0.5 * tone(440.0, 1.0, 16000)
+    stereo = torch.cat([left, right])
+    torch.testing.assert_close(to_model_rate(stereo, 16000, 16000, 1, 16000), (left + right) / 2, rtol=0, atol=1e-7)
+    down = to_model_rate(torch.cat([tone(1000.0, 1.0, 22050), tone(1000.0, 1.0, 22050)]), 22050, 16000, 1, 16000)
+    assert float(down[:, 1000:-1000].abs().max()) == pytest.approx(0.3, abs=0.01)
 
 
 # -- the mel spectrogram -------------------------------------------------------------------------------------------
@@ -105,6 +126,27 @@ def test_target_mel_is_aligned_to_the_audio_latents(adapter):
     # The manifest's sample_rate is a clock: 0.75 s of samples declared at half their rate cover the 1.125 s clip.
     declared = DecodedAudio(tone(220.0, 0.75, 22050), 22050, declared_sample_rate=11025.0)
     assert adapter.target_mel(declared, 0.0, "declared").shape == low.shape
+
+
+def test_audio_past_the_clip_clock_is_kept_not_padded(tiny_ltx2):
+    """9 frames at 6 fps: a 1.5 s clip, L = round(37.5) = 38 latent frames, 4 L hops = 24,320 samples at 16 kHz,
+    past the clip's 24,000. A longer source fills them with its own audio (the mel of its first 24,320 samples, by
+    hand), not with 320 samples of silence; a source of exactly the clip's duration is still accepted (padded)."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    adapter = LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **{**ADAPTER_KWARGS, "frame_rate": 6.0})
+    assert adapter.audio_latent_frames == 38 and 4 * 38 * 160 > 1.5 * 16000
+    source = tone(220.0, 2.0, 16000, 2)
+    got = adapter.target_mel(source, 0.0, "long")
+    expected = log_mel(source[:, : 4 * 38 * 160], sample_rate=16000, n_fft=adapter.mel_n_fft, hop_length=160,
+                       n_mels=16)[:, : 4 * 38]  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert adapter.target_mel(source[:, :24000], 0.0, "exact").shape == got.shape
+    # Resampled from 22.05 kHz: the cut covers the 4 L hops, so the model-rate waveform ends in the tone, not silence.
+    keep = 4 * 38 * 160 / 16000
+    window = clock_window(tone(220.0, 2.0, 22050), 22050, 0.0, 1.5, tolerance=0.05, what="t", keep=keep)
+    x = to_model_rate(window, 22050, 16000, 2, 4 * 38 * 160)
+    assert float(x[:, -40:].abs().max()) > 0.1
 
 
 def test_encode_output_gives_both_streams_seeded_by_the_generator(adapter):

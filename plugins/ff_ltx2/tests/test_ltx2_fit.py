@@ -136,9 +136,21 @@ def test_grpo_recipe_trains_on_its_own_audio_video_rollouts(tiny_ltx2, tmp_path)
     assert curve.read_text().splitlines()[0] == "step,reward_mean" and len(curve.read_text().splitlines()) == 3
 
 
-def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path):
+def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path, monkeypatch):
     """ltx2_i2av through the other two objectives: DPO pairs sharing a first frame, GRPO rollouts from prompt +
-    first-frame rows (the pinned frame never stepped, its log-prob elements excluded: ratio exactly 1 first)."""
+    first-frame rows (the pinned frame never stepped: every rollout's final video latent starts with the row's
+    ``first_frame_latent`` exactly; its log-prob elements excluded: ratio exactly 1 first)."""
+    from ff_core.objectives import GRPOObjective
+
+    rollouts = []
+    real_rollout = GRPOObjective.rollout
+
+    def recording_rollout(self, *args, **kwargs):  # the real rollout, its results kept for the check below
+        out = real_rollout(self, *args, **kwargs)
+        rollouts.extend(out)
+        return out
+
+    monkeypatch.setattr(GRPOObjective, "rollout", recording_rollout)
     pairs = write_av_clips(tmp_path / "pairs", 2, i2av=True, preference=True)
     cli = fit("i2av_offline_dpo_tiny.yaml", tiny_ltx2("i2av"), [{"name": "pairs", "dataset_dir": str(pairs),
               "eval": {}}], tmp_path / "dpo", "--data.per_device_batch_size", "2")  # fmt: skip
@@ -153,6 +165,10 @@ def test_i2av_offline_dpo_and_grpo_recipes_train(tiny_ltx2, tmp_path):
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
     assert float(metrics["train/ratio_first_max_dev"]) == 0.0
+    assert rollouts
+    for r in rollouts:
+        final, pinned = r.trajectory.final.components["video"][:, :, :1], r.condition["first_frame_latent"]
+        torch.testing.assert_close(final, pinned.to(final.device, final.dtype), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("recipe", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)

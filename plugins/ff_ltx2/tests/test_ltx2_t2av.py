@@ -318,6 +318,33 @@ def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition)
         GRPOObjective(rewards=[{"name": "colour", "args": {"target": [255, 0, 0]}}]).freeze_components(["audio"])
 
 
+def test_the_default_loss_weighs_each_stream_by_its_mean(t2av, condition):
+    """Without ``component_weights`` the SFT loss is the adapter's ``default_component_weights`` reduction: the video
+    stream's mean squared error and the audio stream's, averaged (one mean per stream, as the LTX-2 trainers), by
+    hand from the same sigma and noise draws; not the element-count pooling, which would weigh the audio by its
+    share of the latent elements."""
+    from ff_core.objectives import SFTObjective
+    from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
+
+    adapter = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    audio = (torch.sin(2 * torch.pi * 220 * torch.arange(18000) / 16000) * 0.5).repeat(2, 1)
+    one = {k: v[:1] for k, v in condition.items()}
+    clean = adapter.encode_output([[video, audio]], one, generator=torch.Generator().manual_seed(0))
+    objective = SFTObjective()
+    with torch.no_grad():
+        loss = objective.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss
+        [(sigma, noise)] = monte_carlo_draws(objective.timesteps, adapter, clean, 1, torch.Generator().manual_seed(1))
+        pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one)
+        err = {k: (pred.components[k].float() - velocity_target(clean.components[k], noise.components[k])) ** 2
+               for k in ("video", "audio")}  # fmt: skip
+    by_hand = (err["video"].mean() + err["audio"].mean()) / 2
+    pooled = (err["video"].sum() + err["audio"].sum()) / (err["video"].numel() + err["audio"].numel())
+    torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=0)
+    assert not torch.allclose(loss, pooled, rtol=1e-3, atol=0)
+
+
 def test_the_plugin_declares_a_compatible_interface_version():
     from ff_ltx2 import LTX2I2AVAdapter, plugin
 
