@@ -33,7 +33,7 @@ from ff_core.sampling import sample_ode, shift_sigma
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
     from peft import LoraConfig
 
-    from ff_core.data.geometry import MediaGeometry
+    from ff_core.data.geometry import AudioSpan, MediaGeometry
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
@@ -168,6 +168,10 @@ class Adapter(nn.Module):
             objective's ``component_weights`` is unset (``per_sample_squared_error``): ``None`` (default) pools
             every element of every component; a family whose reference trainer sums one mean per stream (LTX-2:
             ``{video: 1, audio: 1}``) declares it here, so the audio is not drowned by the video's element count.
+        latent_components: the names of the :class:`LatentState` components the adapter's stages produce, in order
+            (``("video", "audio")``), read without weights: ``model.frozen_components`` and the objective's
+            ``component_weights`` keys are checked against them before any weight loads. ``None`` (default):
+            undeclared; they are checked once the model runs, as before.
     """
 
     name: ClassVar[str]
@@ -181,6 +185,7 @@ class Adapter(nn.Module):
     interface_version: ClassVar[str | None] = None
     full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "guidance")
     default_component_weights: ClassVar[dict[str, float] | None] = None
+    latent_components: ClassVar[tuple[str, ...] | None] = None
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None
@@ -218,6 +223,35 @@ class Adapter(nn.Module):
         image encoder needs its ``clip_feature`` column, say); same rules as :meth:`resolve_contract`. Default: the
         class attribute :attr:`tensor_columns`."""
         return cls.tensor_columns
+
+    @classmethod
+    def check_adapter_kwargs(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
+    ) -> None:
+        """Refuse ``model.adapter_kwargs`` values the checkpoint cannot serve, before any weight loads (``ff fit``'s
+        set-up, ``ff data validate --model``): raise :class:`~ff_core.errors.ConfigError` naming the key
+        (``model.adapter_kwargs.num_frames``) and the valid values. Same rules as :meth:`resolve_contract` (config
+        files only, cheap); check what needs no checkpoint first, so a bad value is reported even when the path is
+        wrong too, and with ``pretrained_model_name_or_path=None`` only that. Keys ``from_pretrained`` does not take
+        are refused before this is called (:func:`ff_core.pretrained.check_adapter_kwargs`). Default: nothing more.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint folder or hub id, or ``None`` when unknown.
+            adapter_kwargs: ``model.adapter_kwargs``.
+        """
+
+    @classmethod
+    def resolve_output_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> tuple[MediaGeometry | AudioSpan | None, ...] | None:
+        """What each output's training targets must cover, from config files and ``adapter_kwargs`` only (same rules
+        as :meth:`resolve_contract`), so a too-short target is reported from its header (PyAV container metadata)
+        before any weight loads, naming file, line and field: per output of the contract, the
+        :class:`~ff_core.data.geometry.MediaGeometry` :meth:`output_geometry` will return (a video clip: its frame
+        grid must lie inside the file, the rule decoding applies), an :class:`~ff_core.data.geometry.AudioSpan` (the
+        seconds an audio target must hold on its clock), or ``None`` (not checked). ``None`` (default): nothing is
+        checked before loading; decoding still rejects a short clip when it reaches it."""
+        return None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:

@@ -26,7 +26,7 @@ from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
-from ff_core.pretrained import load_pretrained, resolve_contract
+from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sharding import (
     ShardingConfig,
@@ -167,6 +167,9 @@ class FlowModule(L.LightningModule):
         self.noise_seed = noise_seed
         self.frozen_components = list(dict.fromkeys(frozen_components or ()))
         objective.freeze_components(self.frozen_components)  # before any weights load: GRPO refuses here
+        # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
+        check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
+        check_components(self.adapter_cls, self.frozen_components, getattr(objective, "component_weights", None))
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
@@ -204,6 +207,8 @@ class FlowModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.eval_reward_set is not None and datamodule is not None:
             self.eval_reward_set.check_records(getattr(datamodule, "eval_records", ()))
+        if self.adapter is None:
+            check_adapter_kwargs(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         if strategy is not None:
             self._check_strategy(strategy)
@@ -633,6 +638,26 @@ def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> in
         micro_batch: index of the micro-batch in its gradient-accumulation window.
     """
     return derive_seed(seed, dp_rank, step, micro_batch)
+
+
+def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dict[str, float] | None) -> None:
+    """Before any weight loads: ``model.frozen_components`` and the objective's ``component_weights`` name the
+    adapter's latent components (:attr:`~ff_core.adapter.Adapter.latent_components`; undeclared: checked once the
+    model runs), and an adapter that declares no branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not
+    overridden) freezes none. One :class:`ConfigError` naming the key and the valid names."""
+    names = getattr(adapter_cls, "latent_components", None)
+    if frozen and getattr(adapter_cls, "component_parameters", None) is Adapter.component_parameters:
+        raise ConfigError("model.frozen_components", f"adapter {adapter_cls.name!r} does not declare which "
+                          "parameters belong to which latent component, so none can be frozen")  # fmt: skip
+    if names is None:
+        return
+    for name in frozen:
+        if name not in names:
+            raise ConfigError("model.frozen_components", f"{name!r} is not a latent component of "
+                              f"{adapter_cls.name}; they are {list(names)}")  # fmt: skip
+    if weights is not None and sorted(weights) != sorted(names):
+        raise ConfigError("model.objective.init_args.component_weights", f"names {sorted(weights)}; "
+                          f"{adapter_cls.name}'s latent components are {list(names)} (name each once)")  # fmt: skip
 
 
 def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[str]]:

@@ -19,6 +19,7 @@ from ff_core.errors import ConfigError
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
     from ff_core.contracts import PipelineIOContract
+    from ff_core.data.geometry import AudioSpan, MediaGeometry
     from ff_core.data.tensor_rows import TensorColumns
 
 KEY = "model.pretrained_model_name_or_path"
@@ -121,8 +122,64 @@ def resolve_tensor_columns(
     return _resolve(adapter_cls.resolve_tensor_columns, adapter_cls, path, kwargs, key)
 
 
+def resolve_output_geometry(
+    adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None = None, key: str = KEY
+) -> tuple[MediaGeometry | AudioSpan | None, ...] | None:
+    """``adapter_cls.resolve_output_geometry(path, kwargs)`` (config files only), errors as in
+    :func:`resolve_contract`; ``None`` for an adapter that does not say (or a bare loader class)."""
+    if not hasattr(adapter_cls, "resolve_output_geometry"):
+        return None
+    return _resolve(adapter_cls.resolve_output_geometry, adapter_cls, path, kwargs, key, what="output geometry")
+
+
+ADAPTER_KWARGS_KEY = "model.adapter_kwargs"
+
+
+def check_adapter_kwargs(
+    adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None, key: str = KEY
+) -> None:
+    """Refuse ``model.adapter_kwargs`` before any weight loads, each error one :class:`ConfigError` naming the key:
+    a key ``adapter_cls.from_pretrained`` does not take (with the ones it does), then the adapter's own checks
+    (:meth:`~ff_core.adapter.Adapter.check_adapter_kwargs`, config files only; ``path=None``: those needing no
+    checkpoint). An unreadable config names ``key``.
+
+    Args:
+        adapter_cls: the adapter class (``model.adapter``).
+        path: ``model.pretrained_model_name_or_path``, or ``None`` when unknown.
+        kwargs: ``model.adapter_kwargs``.
+        key: the config key of the checkpoint, named when its configs cannot be read.
+    """
+    import inspect
+
+    kwargs = dict(kwargs or {})
+    loader = getattr(adapter_cls, "from_pretrained", None)
+    if loader is not None:
+        params = list(inspect.signature(loader).parameters.values())[1:]  # after the checkpoint
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            for name in kwargs:
+                if name not in accepted:
+                    raise ConfigError(f"{ADAPTER_KWARGS_KEY}.{name}", f"{_name(adapter_cls)} takes no such argument; "
+                                      f"it takes {', '.join(accepted) or 'none'}")  # fmt: skip
+    check = getattr(adapter_cls, "check_adapter_kwargs", None)
+    if check is None:
+        return
+    try:
+        check(None, kwargs)  # what needs no checkpoint first: reported even when the path is wrong too
+        if path is not None and _overridden(adapter_cls, "check_adapter_kwargs"):
+            problem = checkpoint_problem(path)
+            if problem:
+                raise ConfigError(key, problem)
+            local = Path(path).expanduser()
+            check(str(local) if local.is_dir() else os.fspath(path), kwargs)
+    except OSError as exc:  # a missing / unreadable config file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(key, f"cannot read {_name(adapter_cls)}'s configs from {os.fspath(path)!r}: {detail}"
+                          ) from exc
+
+
 def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | None,
-             kwargs: dict[str, Any] | None, key: str) -> Any:
+             kwargs: dict[str, Any] | None, key: str, what: str = "contract") -> Any:
     if path is None or not _overridden(adapter_cls, method.__name__):
         # The class-level default needs no checkpoint: a bad path is reported where the weights load, as before.
         return method(None, dict(kwargs or {}))
@@ -133,10 +190,16 @@ def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | 
     source = str(local) if local.is_dir() else os.fspath(path)
     try:
         return method(source, dict(kwargs or {}))
+    except ConfigError:  # the adapter named the key itself
+        raise
     except (OSError, ValueError) as exc:  # a missing / unreadable config file, or a variant the family lacks
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(key, f"cannot resolve {adapter_cls.name}'s contract from {os.fspath(path)!r}: {detail}"
+        raise ConfigError(key, f"cannot resolve {adapter_cls.name}'s {what} from {os.fspath(path)!r}: {detail}"
                           ) from exc
+
+
+def _name(adapter_cls: type) -> str:
+    return getattr(adapter_cls, "name", adapter_cls.__name__)
 
 
 def _overridden(adapter_cls: type[Adapter], name: str) -> bool:

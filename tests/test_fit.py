@@ -214,16 +214,15 @@ def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_di
 
 def test_frozen_components_need_declared_branches_and_an_objective_that_drops_them(tiny_sd3):
     """``model.frozen_components`` (docs/config.md): GRPO refuses it before any weights load; an adapter that declares
-    no branches (SD3) refuses it when they do, naming the key."""
+    no branches (SD3) refuses it as the module is built, naming the key."""
     from ff_core.errors import ConfigError
     from ff_core.objectives import GRPOObjective
 
     with pytest.raises(ConfigError, match="model.frozen_components.*GRPOObjective"):
         FlowModule("sd3-5", str(tiny_sd3), objective=GRPOObjective(rewards=[{"name": "colour", "args": {
             "target": [255, 0, 0]}}]), frozen_components=["audio"])  # fmt: skip
-    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, frozen_components=["audio"])
-    with pytest.raises(ConfigError, match="model.frozen_components.*'sd3-5' does not declare"):
-        module.configure_model()
+    with pytest.raises(ConfigError, match="model.frozen_components.*'sd3-5' does not declare"):  # no weights yet
+        FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, frozen_components=["audio"])
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3, shapes_dir):

@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--pretrained", metavar="PATH",
                    help="with --model: the checkpoint (folder or hub id) whose contract applies, read from its config "
                    "files only (families whose checkpoints differ, e.g. Wan I2V variants); default: the adapter's")
+    v.add_argument("--adapter-kwargs", metavar="JSON",
+                   help="with --model: the recipe's model.adapter_kwargs as a JSON object (clip geometry), checked; "
+                   "every target's header is checked against the clip the adapter cuts (too-short video or audio); "
+                   "default: {} (the adapter's defaults)")
     v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo"],
                    help="trainer type (default: detected; V2 records -> their supervision, else generation rows)")
     v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file "
@@ -164,17 +168,44 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 
 def _contract(
-    model: str | None, out: TextIO, pretrained: str | None = None
+    model: str | None, out: TextIO, pretrained: str | None = None, adapter_kwargs: str | None = None
 ) -> tuple[str, PipelineIOContract] | None | int:
     if model is None:
         if pretrained is not None:
             print("ff data: --pretrained needs --model", file=out)
+            return EXIT_INVALID
+        if adapter_kwargs is not None:
+            print("ff data: --adapter-kwargs needs --model", file=out)
             return EXIT_INVALID
         return None
     from ff_core.pretrained import resolve_contract
 
     found = _resolve(model, pretrained, resolve_contract, out)
     return found if isinstance(found, int) else (found[0].name, found[1])
+
+
+def _output_geometry(args: argparse.Namespace, out: TextIO) -> tuple[Any, ...] | None | int:
+    """``--adapter-kwargs`` checked (:func:`ff_core.pretrained.check_adapter_kwargs`) and the adapter's output geometry
+    from them (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), or the exit status after printing why not."""
+    from ff_core.errors import ConfigError
+    from ff_core.plugins import get_adapter_class
+    from ff_core.pretrained import check_adapter_kwargs, resolve_output_geometry
+
+    try:
+        kwargs = json.loads(args.adapter_kwargs) if args.adapter_kwargs else {}
+    except json.JSONDecodeError as exc:
+        print(f"ff data validate: --adapter-kwargs: not JSON: {exc}", file=out)
+        return EXIT_INVALID
+    if not isinstance(kwargs, dict):
+        print(f"ff data validate: --adapter-kwargs: expected a JSON object, got {args.adapter_kwargs}", file=out)
+        return EXIT_INVALID
+    cls = get_adapter_class(args.model)
+    try:
+        check_adapter_kwargs(cls, args.pretrained, kwargs, key="--pretrained")
+        return resolve_output_geometry(cls, args.pretrained, kwargs, key="--pretrained")
+    except ConfigError as exc:
+        print(f"ff data validate: {exc}", file=out)
+        return EXIT_INVALID
 
 
 def _resolve(model: str, pretrained: str | None, resolver: Any, out: TextIO) -> tuple[type, Any] | int:
@@ -235,9 +266,12 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
     """``ff data validate``: read, check and (optionally) decode; print a summary or every diagnostic."""
     if is_tensor_parquet_root(args.dataset_dir):
         return _tensor_parquet(args, out, "validate")
-    contract = _contract(args.model, out, args.pretrained)
+    contract = _contract(args.model, out, args.pretrained, args.adapter_kwargs)
     if isinstance(contract, int):
         return contract
+    geometry = _output_geometry(args, out) if contract is not None else None
+    if isinstance(geometry, int):
+        return geometry
     splits, errors = read_splits(_dataset(args), args.split, args.trainer)
     warnings: list[DatasetWarning] = []
     summaries: list[SplitSummary] = []
@@ -246,8 +280,13 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
             errors.extend(e for r in records for e in record_errors(r, contract[1]))
             warnings.extend(w for r in records for w in record_warnings(r, contract[1], contract[0]))
             records = [conform(r, contract[1]) for r in records]  # what the adapter will see, as in training
+        before = len(errors)
         summary, media_errors = _summarise(path.name, records, args.check_media)
         errors.extend(media_errors)
+        if geometry and len(errors) == before:  # the headers of files that exist, in records that hold
+            from ff_core.data.target_spans import target_span_errors
+
+            errors.extend(target_span_errors(records, geometry))
         summaries.append(summary)
     return _report(args, contract, summaries, errors, _grouped(warnings), out)
 

@@ -68,6 +68,7 @@ from ff_core.data.sources import (
     load_split,
     split_file,
 )
+from ff_core.data.target_spans import target_span_errors
 from ff_core.data.tensor_rows import (
     ShardSource,
     TensorColumns,
@@ -77,9 +78,14 @@ from ff_core.data.tensor_rows import (
     open_shards,
 )
 from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
-from ff_core.errors import ConfigError, DatasetErrors
+from ff_core.errors import ConfigError, DatasetErrors, raise_collected
 from ff_core.plugins import get_adapter_class
-from ff_core.pretrained import resolve_contract, resolve_tensor_columns
+from ff_core.pretrained import (
+    check_adapter_kwargs,
+    resolve_contract,
+    resolve_output_geometry,
+    resolve_tensor_columns,
+)
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +298,8 @@ class FlowDataModule(L.LightningDataModule):
                     source.records = records[start : start + len(source.records)]
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
+        if self.adapter_name is not None:
+            self._check_target_spans(get_adapter_class(self.adapter_name))
         if self.buckets is not None:
             if self.train_rows is not None:
                 raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
@@ -301,6 +309,15 @@ class FlowDataModule(L.LightningDataModule):
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    def _check_target_spans(self, cls: type[Adapter]) -> None:
+        """Targets too short for the adapter's clip (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), from
+        their headers: every one reported, naming file, line and field, before weights load (the adapter_kwargs
+        checked first: the geometry is computed from them)."""
+        check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        if geometry:
+            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None))
 
     def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
         """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""

@@ -70,6 +70,29 @@ class MediaGeometry:
         return self.num_frames is not None
 
 
+@dataclass(frozen=True)
+class AudioSpan:
+    """How much sound an audio output's training target must hold (:meth:`~ff_core.adapter.Adapter.
+    resolve_output_geometry`): checked from the file's header before weights load, on the target's clock (its manifest
+    ``sample_rate`` when declared: the samples are played at that rate).
+
+    Attributes:
+        seconds: the length the adapter cuts (LTX-2: the video clip's ``num_frames / frame_rate``).
+        start: where the cut starts, seconds on the clock.
+        tolerance: how many seconds short of ``seconds`` the adapter still accepts (and pads with silence).
+    """
+
+    seconds: float
+    start: float = 0.0
+    tolerance: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("seconds", "start", "tolerance"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"AudioSpan.{key} must be >= 0 seconds, got {value!r}")
+
+
 def resized_size(height: int, width: int, geometry: MediaGeometry) -> tuple[int, int]:
     """``(height, width)`` after the aspect-keeping resize that makes an image cover ``geometry``.
 

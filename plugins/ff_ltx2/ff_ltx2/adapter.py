@@ -24,6 +24,7 @@ instantiating it:
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from pathlib import Path
@@ -43,7 +44,8 @@ from ff_core.adapter import (
     scheduler_sigma_table,
 )
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.geometry import MediaGeometry
+from ff_core.data.geometry import AudioSpan, MediaGeometry
+from ff_core.errors import ConfigError
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 from ff_ltx2.audio import clock_window, log_mel, to_model_rate
 
@@ -102,6 +104,34 @@ def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
     return (int(spatial) if spatial is not None else s), (int(temporal) if temporal is not None else t)
 
 
+KWARGS = "model.adapter_kwargs"
+
+
+def check_geometry(num_frames: int, height: int, width: int, spatial: int, temporal: int, patch: int,
+                   patch_t: int) -> None:  # fmt: skip
+    """Refuse a clip geometry the checkpoint cannot encode: ``(num_frames - 1)`` divisible by the video VAE's temporal
+    compression x the transformer's temporal patch, the canvas by its spatial compression x patch. Used before
+    weights load (:meth:`LTX2T2AVAdapter.check_adapter_kwargs`, from the config files) and by the constructor."""
+    if (num_frames - 1) % (temporal * patch_t):
+        raise ConfigError(f"{KWARGS}.num_frames", f"(num_frames - 1) must be divisible by {temporal * patch_t} (the "
+                          f"video VAE's temporal compression x patch), got {num_frames}; valid: "
+                          f"{', '.join(str(1 + k * temporal * patch_t) for k in range(1, 4))}, ...")  # fmt: skip
+    for key, value in (("height", height), ("width", width)):
+        if value % (spatial * patch):
+            raise ConfigError(f"{KWARGS}.{key}", f"must be a multiple of {spatial * patch} (video VAE compression x "
+                              f"patch size), got {value}")  # fmt: skip
+
+
+def _check_number(key: str, value: Any, *, integer: bool, minimum: float, strict: bool = False) -> None:
+    """``adapter_kwargs[key]`` is a number (an integer when ``integer``) ``>= minimum`` (``> minimum`` when
+    ``strict``), else one ConfigError naming it."""
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"{KWARGS}.{key}", f"must be {what} {'>' if strict else '>='} {minimum:g}, got {value!r}")
+
+
 def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
     """One decoded target video as ``uint8`` (F, 3, H, W) and its start second on the file's clock."""
     frames = getattr(item, "frames", None)
@@ -132,6 +162,7 @@ class LTX2T2AVAdapter(Adapter):
     # The LTX-2 trainers add one mean error per stream; pooled by element count the audio would get ~2 % of the loss
     # at a 5 s 512x768 clip (16,128 of 802,560 latent elements). A config's component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
 
     def __init__(
         self,
@@ -184,22 +215,73 @@ class LTX2T2AVAdapter(Adapter):
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.spatial_stride, self.temporal_stride = video_vae_compression(dict(vae.config))
-        patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
-        if (num_frames - 1) % (self.temporal_stride * patch_t):
-            raise ValueError(f"model.adapter_kwargs.num_frames: (num_frames - 1) must be divisible by "
-                             f"{self.temporal_stride * patch_t} (the video VAE's temporal compression x patch), "
-                             f"got {num_frames}")  # fmt: skip
-        for key, value in (("height", height), ("width", width)):
-            if value % (self.spatial_stride * patch):
-                raise ValueError(f"model.adapter_kwargs.{key} must be a multiple of {self.spatial_stride * patch} "
-                                 f"(video VAE compression x patch size), got {value}")  # fmt: skip
-        if not frame_rate > 0:
-            raise ValueError(f"model.adapter_kwargs.frame_rate must be > 0, got {frame_rate}")
+        type(self)._check_values(height=height, width=width, num_frames=num_frames, frame_rate=frame_rate,
+                                 max_sequence_length=max_sequence_length, mel_n_fft=mel_n_fft,
+                                 audio_tolerance=audio_tolerance)  # fmt: skip
+        check_geometry(num_frames, height, width, self.spatial_stride, self.temporal_stride,
+                       transformer.config.patch_size, transformer.config.patch_size_t)  # fmt: skip
         self.height, self.width, self.num_frames, self.frame_rate = height, width, num_frames, float(frame_rate)
         self.max_sequence_length = min(max_sequence_length, tokenizer.model_max_length)
         self.use_cross_timestep, self.mel_n_fft, self.audio_tolerance = use_cross_timestep, mel_n_fft, audio_tolerance
         for frozen in (vae, audio_vae, vocoder, connectors, text_encoder):
             frozen.requires_grad_(False).eval()
+
+    # -- before weights: adapter_kwargs and the targets' geometry -------------------------------
+    @classmethod
+    def _settings(cls, adapter_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """``adapter_kwargs`` over :meth:`from_pretrained`'s defaults (one place for them: its signature)."""
+        params = list(inspect.signature(cls.from_pretrained).parameters.values())[1:]
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        return {**defaults, **(adapter_kwargs or {})}
+
+    @classmethod
+    def _check_values(cls, **values: Any) -> None:
+        """The checks of :meth:`check_adapter_kwargs` that need no checkpoint, on the given values."""
+        for key in ("height", "width", "num_frames", "max_sequence_length", "mel_n_fft"):
+            if key in values:
+                _check_number(key, values[key], integer=True, minimum=1)
+        if "frame_rate" in values:
+            _check_number("frame_rate", values["frame_rate"], integer=False, minimum=0, strict=True)
+        if "audio_tolerance" in values:
+            _check_number("audio_tolerance", values["audio_tolerance"], integer=False, minimum=0)
+
+    @classmethod
+    def check_adapter_kwargs(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
+    ) -> None:
+        """Before any weight loads: every number in range, ``dtype`` known, ``image_crf`` only for ``ltx2_i2av``;
+        with the checkpoint, the clip geometry against its video VAE's compression and the transformer's patch sizes
+        (:func:`check_geometry`, read from ``vae/config.json`` and ``transformer/config.json``)."""
+        from ff_core.pretrained import read_config
+
+        settings = cls._settings(adapter_kwargs)
+        cls._check_values(**{k: settings[k] for k in ("height", "width", "num_frames", "frame_rate",
+                                                      "max_sequence_length", "mel_n_fft", "audio_tolerance")})
+        try:
+            _dtype(settings["dtype"])
+            cls._extra_kwargs(settings["image_crf"])
+        except ValueError as exc:  # "model.adapter_kwargs.<key>: reason"
+            key, _, reason = str(exc).partition(": ")
+            raise ConfigError(key, reason) from None
+        if pretrained_model_name_or_path is None:
+            return
+        vae = read_config(pretrained_model_name_or_path, subfolder="vae")
+        transformer = read_config(pretrained_model_name_or_path, subfolder="transformer")
+        spatial, temporal = video_vae_compression(vae)
+        check_geometry(settings["num_frames"], settings["height"], settings["width"], spatial, temporal,
+                       int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1)))  # fmt: skip
+
+    @classmethod
+    def resolve_output_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> tuple[MediaGeometry, AudioSpan]:
+        """The video clip :meth:`output_geometry` decodes, and the audio span :meth:`target_mel` cuts (the clip's
+        ``num_frames / frame_rate`` seconds, ``audio_tolerance`` short at most): from ``adapter_kwargs`` alone."""
+        s = cls._settings(adapter_kwargs)
+        cls._check_values(**{k: s[k] for k in ("height", "width", "num_frames", "frame_rate", "audio_tolerance")})
+        duration = s["num_frames"] / float(s["frame_rate"])
+        return (MediaGeometry(s["height"], s["width"], num_frames=s["num_frames"], fps=float(s["frame_rate"])),
+                AudioSpan(duration, tolerance=float(s["audio_tolerance"])))  # fmt: skip
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -275,6 +357,11 @@ class LTX2T2AVAdapter(Adapter):
             revision: hub revision.
         """
         path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        # The geometry against the checkpoint's configs before any weight loads (ff fit checked it already).
+        cls.check_adapter_kwargs(path, {"height": height, "width": width, "num_frames": num_frames,
+                                        "frame_rate": frame_rate, "max_sequence_length": max_sequence_length,
+                                        "mel_n_fft": mel_n_fft, "audio_tolerance": audio_tolerance,
+                                        "image_crf": image_crf, "dtype": dtype})  # fmt: skip
         extra = cls._extra_kwargs(image_crf)
         adapter = cls(**cls._components(path, dt, revision), **extra, height=height, width=width, num_frames=num_frames,
                       frame_rate=frame_rate, max_sequence_length=max_sequence_length,

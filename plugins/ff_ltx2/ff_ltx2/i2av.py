@@ -49,6 +49,9 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
 
     @classmethod
     def _extra_kwargs(cls, image_crf: int | None) -> dict[str, Any]:
+        if image_crf is not None and (isinstance(image_crf, bool) or not isinstance(image_crf, int) or image_crf < 0):
+            raise ValueError(f"model.adapter_kwargs.image_crf: must be an integer >= 0 (0: no re-compression) or "
+                             f"null (the pipeline's default), got {image_crf!r}")  # fmt: skip
         return {"image_crf": image_crf}
 
     def preprocess_identity(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from ff_ltx2.testing import write_av_clips, write_av_prompts
+from ltx2_geometry import ADAPTER_KWARGS
 
 from ff_core.cli import main
 from ff_core.data.datamodule import FlowDataModule
@@ -204,9 +205,10 @@ def test_records_breaking_the_pair_contract_fail_before_weights_load(tiny_ltx2, 
     from ff_ltx2 import LTX2T2AVAdapter
 
     bad = _broken(clips, tmp_path / how, how)
-    assert main(["data", "validate", "--model", "ltx2_t2av", str(clips)]) == 0
+    geometry = ["--adapter-kwargs", json.dumps(ADAPTER_KWARGS)]  # the recipe's clip (the clips are too short for 5 s)
+    assert main(["data", "validate", "--model", "ltx2_t2av", str(clips), *geometry]) == 0
     capsys.readouterr()
-    assert main(["data", "validate", "--model", "ltx2_t2av", str(bad)]) != 0
+    assert main(["data", "validate", "--model", "ltx2_t2av", str(bad), *geometry]) != 0
     err = capsys.readouterr()
     assert re.search(rf"train\.jsonl:1: supervision\.target\.{message}", err.out + err.err)
 

@@ -130,8 +130,8 @@ def test_video_vae_compression_is_derived_from_its_blocks(adapter):
     ("kwargs", "message"),
     [
         ({"num_frames": 10}, r"num_frames: \(num_frames - 1\) must be divisible by 2"),
-        ({"height": 36}, "height must be a multiple of 8"),
-        ({"frame_rate": 0}, "frame_rate must be > 0"),
+        ({"height": 36}, "height: must be a multiple of 8"),
+        ({"frame_rate": 0}, "frame_rate: must be a number > 0"),
     ],
 )
 def test_geometry_arguments_are_checked(t2av, kwargs, message):

@@ -1,0 +1,91 @@
+"""Training targets too short for what the adapter cuts from them, found from their headers before weights load.
+
+An adapter that says what each output's targets must cover (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`:
+a video clip's :class:`~ff_core.data.geometry.MediaGeometry`, an audio :class:`~ff_core.data.geometry.AudioSpan`) has
+every training target's header read (``probe_media``: PyAV container metadata, no frame or sample decoded) at
+``ff fit``'s set-up and in ``ff data validate --model``; a target that falls short is reported there, naming file, line
+and field, instead of failing the run when its batch is decoded. Decoding keeps its own checks (a header may lie).
+
+* video: the clip's whole frame grid must lie inside the file (:func:`~ff_core.data.buckets.fits`, the rule
+  :func:`~ff_core.data.media.decode_clip` applies);
+* audio: ``start + seconds - tolerance`` on the target's clock: the header's duration, played at the manifest's
+  ``sample_rate`` when it declares one (``seconds * file rate / declared rate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ff_core.contracts import MediaType
+from ff_core.data.buckets import fits
+from ff_core.data.geometry import AudioSpan, MediaGeometry
+from ff_core.data.media import MediaHeader, probe_media
+from ff_core.data.records import Record
+from ff_core.data.records_base import CANDIDATE_FIELDS
+from ff_core.errors import DatasetError
+
+_EPS = 1e-6  # header durations are rationals printed as floats
+
+
+def target_span_errors(
+    records: Sequence[Record], geometry: Sequence[MediaGeometry | AudioSpan | None], *, skip_first: bool = False
+) -> list[DatasetError]:
+    """One error per training target (every candidate's every output) its output's entry of ``geometry`` rejects.
+
+    Args:
+        records: the records (those without candidates, prompts, are skipped).
+        geometry: per output of the contract, what its targets must cover (``None``: not checked).
+        skip_first: leave the first output alone (``data.buckets`` assigns it a geometry of its own, checked by
+            :func:`~ff_core.data.buckets.assign_buckets`).
+    """
+    errors: list[DatasetError] = []
+    for record in records:
+        for name, candidate in zip(CANDIDATE_FIELDS.get(record.supervision or "", ()), record.candidates):
+            for index, (item, spec) in enumerate(zip(candidate, geometry)):
+                if spec is None or (skip_first and index == 0):
+                    continue
+                field = item.field_of("path") if item.origin else f"{name}.media[{index}].path"
+                try:
+                    problem = _shortfall(item.path, item.type, spec, item.fps, item.sample_rate, record, field)
+                except DatasetError as exc:
+                    errors.extend(exc.errors)
+                    continue
+                if problem:
+                    errors.append(DatasetError(record.source, record.line, field, f"{item.path}: {problem}"))
+    return errors
+
+
+def _shortfall(path, mtype: MediaType, spec: MediaGeometry | AudioSpan, fps: float | None,
+               sample_rate: float | None, record: Record, field: str | None) -> str | None:  # fmt: skip
+    """Why a target of this type falls short of ``spec`` (``None``: it does not, or its header does not say)."""
+    if isinstance(spec, MediaGeometry):
+        if mtype is not MediaType.VIDEO or not spec.is_clip:
+            return None
+        header = probe_media(path, mtype, referenced_by=record.where, field=field)
+        if header.seconds is None or not header.fps or fits(header, spec, fps):
+            return None
+        clock = fps or header.fps
+        rate = f"{spec.fps:g} fps" if spec.fps is not None else "the clip's rate"
+        return (f"video too short: {spec.num_frames} frames at {rate} from {spec.start:g} s, but the file holds "
+                f"{header.seconds * header.fps / clock:.3f} s at {clock:g} fps (its header); clips are never "
+                "stretched: drop the record, or lower the adapter's num_frames / raise its frame rate")
+    if mtype is not MediaType.AUDIO:
+        return None
+    header = probe_media(path, mtype, referenced_by=record.where, field=field)
+    seconds = _clock_seconds(header, sample_rate)
+    if seconds is None or seconds - spec.start >= spec.seconds - spec.tolerance - _EPS:
+        return None
+    declared = sample_rate and header.sample_rate and sample_rate != header.sample_rate
+    clock = f" played at its declared {sample_rate:g} Hz (file: {header.sample_rate} Hz)" if declared else ""
+    return (f"audio too short: it holds {max(seconds - spec.start, 0.0):.3f} s{clock} from {spec.start:g} s, the "
+            f"clip needs {spec.seconds:.3f} s (at most {spec.tolerance:g} s less; its header); audio is never "
+            "stretched: drop the record, or shorten the adapter's clip (num_frames / frame_rate)")
+
+
+def _clock_seconds(header: MediaHeader, declared_rate: float | None) -> float | None:
+    """The header's duration on the target's clock: a declared rate plays the file's samples at that rate."""
+    if header.seconds is None:
+        return None
+    if declared_rate and header.sample_rate:
+        return header.seconds * header.sample_rate / declared_rate
+    return header.seconds
