@@ -133,11 +133,13 @@ def _check_number(key: str, value: Any, *, integer: bool, minimum: float, strict
 
 
 def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
-    """One decoded target video as ``uint8`` (F, 3, H, W) and its start second on the file's clock."""
+    """One decoded target video as ``uint8`` (F, 3, H, W) and its first second on the clip's clock (the official
+    clock the audio is cut on: the grid time of its first frame, ``DecodedVideo.timestamps[0]`` of a clip, counted from
+    the video stream's start and at its declared ``fps``; 0 for a video decoded whole)."""
     frames = getattr(item, "frames", None)
     if frames is not None:
-        window = getattr(item, "window", None)
-        return frames.permute(0, 3, 1, 2), float(window[0]) if window else 0.0
+        window = getattr(item, "window", None)  # set for a clip (decode_clip): its timestamps are clock times
+        return frames.permute(0, 3, 1, 2), float(item.timestamps[0]) if window else 0.0
     if isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
         return item, 0.0
     shape = tuple(item.shape) if isinstance(item, Tensor) else type(item).__name__
@@ -559,8 +561,13 @@ class LTX2T2AVAdapter(Adapter):
         Args:
             audio: a ``DecodedAudio`` (its ``clock_rate`` honours the manifest's ``sample_rate``) or a float
                 (C, N) tensor already at the VAE's rate.
-            start: the video clip's first second on the file's clock (the audio is cut from the same instant).
+            start: the video clip's first second on the clip's clock (the audio is cut from the same instant).
             what: names the target in errors.
+
+        One clock for both streams: ``start`` and the clip's duration are official seconds (the video's declared
+        ``fps``), and the audio's sample ``n`` plays at ``n / clock_rate`` (its declared ``sample_rate``), both counted
+        from their stream's first timestamp (a container's ``start_time`` is not a delay of the clip). The decoded
+        waveform's own start (file seconds) is put on that clock too: ``start * sample_rate / clock_rate``.
         """
         cfg = self.audio_vae.config
         waveform = getattr(audio, "waveform", None)
@@ -570,7 +577,9 @@ class LTX2T2AVAdapter(Adapter):
                                  f"{type(audio).__name__}")  # fmt: skip
             waveform, rate, offset = audio, float(cfg.sample_rate), 0.0
         else:
-            rate, offset = float(audio.clock_rate), float(getattr(audio, "start", 0.0))
+            rate = float(audio.clock_rate)
+            # The first decoded sample's time is file seconds: sample start * sample_rate, played at the clock rate.
+            offset = float(getattr(audio, "start", 0.0)) * float(audio.sample_rate) / rate
         frames = 4 * self.audio_latent_frames
         samples = frames * cfg.mel_hop_length
         # 4 L hops can run past the clip's clock (L = round(duration * latents per second) rounded up): cut that much
