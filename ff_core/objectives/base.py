@@ -60,18 +60,24 @@ class Objective:
     curve_metric: ClassVar[str] = "loss"
     """The training metric (logged as ``train/<name>``) ``LossCurve`` draws by default."""
     frozen_components: frozenset[str] = frozenset()
-    """Latent components left out of the loss (``model.frozen_components``; set by :meth:`freeze_components`)."""
+    """Latent components left out of the loss: the ``model.frozen_components`` whose weight the objective's
+    ``component_weights`` leave unset (set by :meth:`freeze_components`)."""
     supports_frozen_components: ClassVar[bool] = False
-    """``True``: the objective leaves :attr:`frozen_components` out of its loss (SFT and offline DPO do)."""
+    """``True``: the objective can leave :attr:`frozen_components` out of its loss (SFT and offline DPO do)."""
 
     def freeze_components(self, names: Collection[str]) -> None:
-        """Leave these latent components out of the loss: ``FlowModule`` calls it for ``model.frozen_components``
-        (their branch of the denoiser does not train, so their error has nothing to train). An objective that cannot
+        """``FlowModule`` calls it for ``model.frozen_components``, before any weight loads. Freezing is about
+        parameters (``FlowModule`` keeps their branch of the denoiser frozen); the loss follows ``component_weights``
+        (docs/config.md): set in the config, they are honoured as written, frozen components included (``audio: 0``
+        leaves the audio error out; ``audio: 1`` keeps it, and it then trains the parameters that still train through
+        the cross-modal modules: LTX-2's ``video_to_audio_attn`` reads the video stream's hidden states); unset, the
+        frozen components are left out of the loss (:attr:`frozen_components`). An objective that cannot leave one out
         (``supports_frozen_components`` false) refuses with a ``ConfigError``."""
         if names and not self.supports_frozen_components:
             raise ConfigError("model.frozen_components", f"{type(self).__name__} cannot leave a latent component out "
                               "of its loss; use SFT or offline DPO, or train every component")  # fmt: skip
-        self.frozen_components = frozenset(names)
+        weights = getattr(self, "component_weights", None)
+        self.frozen_components = frozenset(names) if weights is None else frozenset()
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
         """Prepare what the objective needs from the loaded adapter (a frozen reference policy, say).

@@ -306,7 +306,7 @@ def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition)
     audio = (torch.sin(2 * torch.pi * 220 * torch.arange(18000) / 16000) * 0.5).repeat(2, 1)
     one = {k: v[:1] for k, v in condition.items()}
     clean = adapter.encode_output([[video, audio]], one, generator=torch.Generator().manual_seed(0))
-    objective = SFTObjective(component_weights={"video": 1.0, "audio": 1.0})  # audio's weight is moot once frozen
+    objective = SFTObjective()  # no component_weights: the frozen audio leaves the loss (the default)
     objective.freeze_components(["audio"])
     with torch.no_grad():
         loss = objective.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss
@@ -316,6 +316,47 @@ def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition)
     torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=0)
     with pytest.raises(ConfigError, match="model.frozen_components"):
         GRPOObjective(rewards=[{"name": "colour", "args": {"target": [255, 0, 0]}}]).freeze_components(["audio"])
+
+
+def test_freezing_is_about_parameters_and_the_loss_follows_component_weights(t2av, condition):
+    """docs/ltx2.md, "Freezing the audio stream": with ``model.frozen_components: [audio]`` the audio parameters stay
+    frozen whatever the weights; ``component_weights`` set in the config decide the loss, frozen components included:
+    ``{video: 1, audio: 1}`` is the mean of both streams' errors (by hand), and ``{video: 0, audio: 1}`` (the audio
+    error alone) still trains the video stream's LoRA through the cross-modal path (``video_to_audio_attn``, frozen
+    with the audio, reads the video's hidden states), while no audio parameter gets a gradient."""
+    from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
+    from ff_core.objectives import DPOObjective, SFTObjective
+    from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
+
+    adapter = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
+    frozen = frozen_parameters(adapter, ["audio"])
+    apply_lora(adapter, LoRAConfig(rank=2, alpha=2), frozen)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    audio = (torch.sin(2 * torch.pi * 220 * torch.arange(18000) / 16000) * 0.5).repeat(2, 1)
+    one = {k: v[:1] for k, v in condition.items()}
+    clean = adapter.encode_output([[video, audio]], one, generator=torch.Generator().manual_seed(0))
+    for cls in (SFTObjective, DPOObjective):  # configured weights keep a frozen component's term; unset, it leaves
+        configured, default = cls(component_weights={"video": 1.0, "audio": 1.0}), cls()
+        configured.freeze_components(["audio"])
+        default.freeze_components(["audio"])
+        assert configured.frozen_components == frozenset() and default.frozen_components == {"audio"}
+    objective = SFTObjective(component_weights={"video": 1.0, "audio": 1.0})
+    objective.freeze_components(["audio"])
+    with torch.no_grad():
+        loss = objective.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss
+        [(sigma, noise)] = monte_carlo_draws(objective.timesteps, adapter, clean, 1, torch.Generator().manual_seed(1))
+        pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one)
+        errors = [((pred.components[k].float() - velocity_target(clean.components[k], noise.components[k])) ** 2
+                   ).mean() for k in ("video", "audio")]  # fmt: skip
+    torch.testing.assert_close(loss, (errors[0] + errors[1]) / 2, rtol=1e-6, atol=0)
+    audio_only = SFTObjective(component_weights={"video": 0.0, "audio": 1.0})
+    audio_only.freeze_components(["audio"])
+    audio_only.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss.backward()
+    params = dict(adapter.transformer.named_parameters())
+    lora = {n: p for n, p in params.items() if "lora_" in n}
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lora.values())  # the video LoRA learns
+    assert all(not params[n].requires_grad and params[n].grad is None for n in frozen["transformer"])
 
 
 def test_the_default_loss_weighs_each_stream_by_its_mean(t2av, condition):
