@@ -584,20 +584,24 @@ class Adapter(nn.Module):
         condition: Condition,
         *,
         num_steps: int = 20,
-        guidance_scale: float = 1.0,
+        guidance_scale: float | dict[str, float] = 1.0,
         generator: torch.Generator | None = None,
         shift: float | None = None,
         embedded_guidance: float | None = None,
+        guidance_rescale: float | dict[str, float] = 0.0,
     ) -> LatentState:
         """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG
         (:func:`ff_core.sampling.sample_ode`; GRPO's stochastic rollouts are :func:`ff_core.sampling.sample_sde`).
 
         Elements ``initial_noise`` pins through its masks (mask 0, e.g. a condition frame) are never changed.
-        ``shift`` overrides the schedule's shift (see :meth:`sampling_sigmas`); ``embedded_guidance`` sets the
-        distilled-guidance scale (:meth:`with_embedded_guidance`; ``None``: the adapter's default).
+        ``guidance_scale`` and ``guidance_rescale`` are one value or one per latent component
+        (:func:`ff_core.sampling.guided_velocity`). ``shift`` overrides the schedule's shift (see
+        :meth:`sampling_sigmas`); ``embedded_guidance`` sets the distilled-guidance scale
+        (:meth:`with_embedded_guidance`; ``None``: the adapter's default).
         """
         return sample_ode(self, condition, num_steps=num_steps, guidance_scale=guidance_scale, generator=generator,
-                          shift=shift, embedded_guidance=embedded_guidance)  # fmt: skip
+                          shift=shift, embedded_guidance=embedded_guidance,
+                          guidance_rescale=guidance_rescale)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
     def lora_file(self, network: str) -> tuple[str, str]:

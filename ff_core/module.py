@@ -9,6 +9,7 @@ come back from ``pretrained_model_name_or_path``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, is_dataclass
@@ -73,7 +74,11 @@ class SamplingConfig:
 
     Attributes:
         num_steps: Euler steps from noise to image.
-        guidance_scale: classifier-free guidance scale (1 disables CFG).
+        guidance_scale: classifier-free guidance scale (1 disables CFG): one for every latent component, or one per
+            component (``{video: 3.0, audio: 7.0}``: LTX-2's pipeline guides its streams apart; each must be named).
+        guidance_rescale: guidance rescale (diffusers' ``guidance_rescale``, in [0, 1]; 0: off), one or per component
+            like ``guidance_scale``: the guided x0 prediction pulled towards the conditional one's standard deviation
+            (:func:`ff_core.sampling.guided_velocity`).
         seed: base seed; batch ``i`` of a validation run uses ``seed + i`` so samples are comparable.
         shift: noise-schedule shift of the sampling sigmas; ``None`` (default) keeps the checkpoint scheduler's.
         embedded_guidance: distilled-guidance scale a guidance-embedded denoiser is conditioned on (FLUX.1-dev's
@@ -82,12 +87,19 @@ class SamplingConfig:
     """
 
     num_steps: int = 20
-    guidance_scale: float = 1.0
+    guidance_scale: float | dict[str, float] = 1.0
     seed: int = 0
     shift: float | None = None
     embedded_guidance: float | None = None
+    guidance_rescale: float | dict[str, float] = 0.0
 
     def __post_init__(self) -> None:
+        for key, value in (("guidance_scale", self.guidance_scale), ("guidance_rescale", self.guidance_rescale)):
+            values = list(value.values()) if isinstance(value, dict) else [value]
+            low, high = (0.0, 1.0) if key == "guidance_rescale" else (0.0, math.inf)
+            if not values or any(isinstance(v, bool) or not low <= float(v) <= high for v in values):
+                raise ValueError(f"model.sampling.{key} must be a number in [{low:g}, {high:g}] or a mapping of latent "
+                                 f"component names to such numbers, got {value!r}")  # fmt: skip
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"model.sampling.shift must be > 0 (or null for the scheduler's), got {self.shift}")
 
@@ -169,7 +181,9 @@ class FlowModule(L.LightningModule):
         objective.freeze_components(self.frozen_components)  # before any weights load: GRPO refuses here
         # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
         check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
-        check_components(self.adapter_cls, self.frozen_components, getattr(objective, "component_weights", None))
+        guidance = {f"model.sampling.{k}": getattr(self.sampling, k) for k in ("guidance_scale", "guidance_rescale")}
+        check_components(self.adapter_cls, self.frozen_components, getattr(objective, "component_weights", None),
+                         guidance)  # fmt: skip
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
@@ -589,6 +603,7 @@ class FlowModule(L.LightningModule):
             generator=generator,
             shift=self.sampling.shift,
             embedded_guidance=self.sampling.embedded_guidance,
+            guidance_rescale=self.sampling.guidance_rescale,
         )
         types = self.output_types
         rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))
@@ -640,8 +655,10 @@ def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> in
     return derive_seed(seed, dp_rank, step, micro_batch)
 
 
-def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dict[str, float] | None) -> None:
-    """Before any weight loads: ``model.frozen_components`` and the objective's ``component_weights`` name the
+def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dict[str, float] | None,
+                     per_component: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Before any weight loads: ``model.frozen_components``, the objective's ``component_weights`` and any
+    per-component mapping of ``per_component`` (config key -> value: ``model.sampling.guidance_scale``) name the
     adapter's latent components (:attr:`~ff_core.adapter.Adapter.latent_components`; undeclared: checked once the
     model runs), and an adapter that declares no branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not
     overridden) freezes none. One :class:`ConfigError` naming the key and the valid names."""
@@ -655,9 +672,11 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
         if name not in names:
             raise ConfigError("model.frozen_components", f"{name!r} is not a latent component of "
                               f"{adapter_cls.name}; they are {list(names)}")  # fmt: skip
-    if weights is not None and sorted(weights) != sorted(names):
-        raise ConfigError("model.objective.init_args.component_weights", f"names {sorted(weights)}; "
-                          f"{adapter_cls.name}'s latent components are {list(names)} (name each once)")  # fmt: skip
+    mappings = {"model.objective.init_args.component_weights": weights, **(per_component or {})}
+    for key, value in mappings.items():
+        if isinstance(value, dict) and sorted(value) != sorted(names):
+            raise ConfigError(key, f"names {sorted(value)}; {adapter_cls.name}'s latent components are {list(names)} "
+                              "(name each once)")  # fmt: skip
 
 
 def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[str]]:

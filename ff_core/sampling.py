@@ -324,21 +324,68 @@ class Trajectory:
     sigma_max: dict[str, float] = field(default_factory=dict)
 
 
+Guidance = float | Mapping[str, float]
+"""A guidance setting: one value for every latent component, or one per component name (``{video: 3, audio: 7}``)."""
+
+
+def guidance_for(value: Guidance, name: str, key: str) -> float:
+    """``value`` for the latent component ``name``; a mapping must name it (``key``, the config key, in the error)."""
+    if not isinstance(value, Mapping):
+        return float(value)
+    if name not in value:
+        raise ValueError(f"{key} names {sorted(value)}; the latent components are missing {name!r}")
+    return float(value[name])
+
+
+def guides(guidance_scale: Guidance) -> bool:
+    """Whether CFG runs (a negative branch is evaluated): some component's scale differs from 1."""
+    values = guidance_scale.values() if isinstance(guidance_scale, Mapping) else [guidance_scale]
+    return any(float(v) != 1.0 for v in values)
+
+
+def rescale_guided(guided: Tensor, conditional: Tensor, rescale: float) -> Tensor:
+    """Guidance rescale (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed", sec. 3.4;
+    diffusers' ``rescale_noise_cfg``): ``guided`` scaled to ``conditional``'s per-sample standard deviation, mixed
+    ``rescale * that + (1 - rescale) * guided``."""
+    dims = list(range(1, guided.ndim))
+    rescaled = guided * (conditional.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+    return rescale * rescaled + (1 - rescale) * guided
+
+
 def guided_velocity(
-    adapter: Adapter, state: LatentState, sigma: float, condition: Condition, negative: Condition | None, scale: float
-) -> LatentState:
-    """The velocity at ``(state, sigma)``, with classifier-free guidance ``v_neg + scale (v - v_neg)`` when
-    ``negative`` is given."""
+    adapter: Adapter, state: LatentState, sigma: float, condition: Condition, negative: Condition | None,
+    scale: Guidance, rescale: Guidance = 0.0,
+) -> LatentState:  # fmt: skip
+    """The velocity at ``(state, sigma)``, with classifier-free guidance when ``negative`` is given: per latent
+    component ``k``, ``v_neg + s_k (v - v_neg)`` (``scale``: one for all, or per component).
+
+    With a guidance rescale ``r_k > 0`` (``rescale``, one or per component) the component is guided in x0 space, as
+    diffusers' ``LTX2Pipeline`` does: ``x0 = x - sigma v`` of both branches, ``x0_g = x0 + (s_k - 1)(x0 - x0_neg)``,
+    :func:`rescale_guided` to the conditional ``x0``'s standard deviation, and back ``v = (x - x0_g) / sigma`` (in
+    fp32; ``sigma`` is the level the velocity is evaluated at, > 0 on every sampling step). Without it the combination
+    is the plain one above (the same linear combination, in velocity space).
+    """
     s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
     v = adapter.velocity(state, s, condition)
-    if negative is not None:
-        v_neg = adapter.velocity(state, s, negative)
-        v = v_neg.zip_map(v, lambda u, c: u + scale * (c - u))
-    return v
+    if negative is None:
+        return v
+    v_neg = adapter.velocity(state, s, negative)
+    out = {}
+    for name, c in v.components.items():
+        u, k = v_neg.components[name], guidance_for(scale, name, "model.sampling.guidance_scale")
+        r = guidance_for(rescale, name, "model.sampling.guidance_rescale")
+        if not r:
+            out[name] = u + k * (c - u)
+            continue
+        x = state.components[name].float()
+        x0, x0_neg = x - sigma * c.float(), x - sigma * u.float()
+        guided = rescale_guided(x0 + (k - 1) * (x0 - x0_neg), x0, r)
+        out[name] = ((x - guided) / sigma).to(c.dtype)
+    return replace(v, components=out, masks=dict(v.masks))
 
 
 def guided_conditions(
-    adapter: Adapter, condition: Condition, guidance_scale: float, embedded_guidance: float | None
+    adapter: Adapter, condition: Condition, guidance_scale: Guidance, embedded_guidance: float | None
 ) -> tuple[Condition, Condition | None]:
     """The condition and CFG's negative branch (``None`` without CFG) of one sampling run.
 
@@ -350,10 +397,10 @@ def guided_conditions(
     Args:
         adapter: the model family's adapter.
         condition: the prepared condition.
-        guidance_scale: CFG scale (1: no negative branch).
+        guidance_scale: CFG scale, one or per latent component (1 everywhere: no negative branch).
         embedded_guidance: distilled-guidance scale; ``None``: the adapter's default (the condition as it is).
     """
-    negative = adapter.unconditional(condition) if guidance_scale != 1.0 else None
+    negative = adapter.unconditional(condition) if guides(guidance_scale) else None
     if embedded_guidance is not None:
         condition = adapter.with_embedded_guidance(condition, embedded_guidance)
         negative = None if negative is None else adapter.with_embedded_guidance(negative, embedded_guidance)
@@ -374,21 +421,23 @@ def sample_ode(
     condition: Condition,
     *,
     num_steps: int,
-    guidance_scale: float = 1.0,
+    guidance_scale: Guidance = 1.0,
     generator: torch.Generator | None = None,
     shift: float | None = None,
     embedded_guidance: float | None = None,
+    guidance_rescale: Guidance = 0.0,
 ) -> LatentState:
     """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
     each component steps on its own schedule (:meth:`Adapter.sampling_schedules
     <ff_core.adapter.Adapter.sampling_schedules>`, which sees the initial noise's geometry), the velocity is evaluated
-    at the first component's noise level, with the conditions of :func:`guided_conditions`."""
+    at the first component's noise level, with the conditions of :func:`guided_conditions` and CFG as
+    :func:`guided_velocity` combines it (``guidance_scale``, ``guidance_rescale``: one or per component)."""
     state = adapter.initial_noise(condition, generator)
     condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
     levels = schedules(adapter, state, num_steps, shift)
     primary = levels[next(iter(state.components))]
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale, guidance_rescale)
         state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
     return state
 

@@ -33,9 +33,12 @@ def fit(recipe: str, pretrained: Path, datasets: list[dict], root: Path, *extra:
 
 
 def test_t2av_recipe_trains_from_mp4_and_wav_pairs(tiny_ltx2, clips, tmp_path):
+    # Evaluation samples guided per stream with the guidance rescale on (docs/ltx2.md, "Sampling").
     cli = fit("sft_tiny.yaml", tiny_ltx2("t2av"), [{"name": "clips", "dataset_dir": str(clips), "eval": {}}],
-              tmp_path, "--data.per_device_batch_size", "2")
+              tmp_path, "--data.per_device_batch_size", "2", "--model.sampling.guidance_scale",
+              json.dumps({"video": 2.0, "audio": 4.0}), "--model.sampling.guidance_rescale", "0.5")  # fmt: skip
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert cli.model.sampling.guidance_scale == {"video": 2.0, "audio": 4.0}
     version = next((tmp_path / "lightning_logs").iterdir())
     samples = version / "samples" / "step_000002"
     import av

@@ -91,13 +91,13 @@ def test_the_first_frame_slot_is_required(adapter):
         LTX2T2AVAdapter.from_pretrained("unused", image_crf=0)
 
 
-def run_pipeline(pipe, adapter, init, image, guidance_scale):
+def run_pipeline(pipe, adapter, init, image, guidance_scale, **guidance):
     calls = []
     handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
     try:
         out = pipe(image=image, prompt=PROMPTS[:1], negative_prompt=[""], height=SIZE, width=SIZE, num_frames=FRAMES,
                    frame_rate=FPS, num_inference_steps=STEPS, guidance_scale=guidance_scale,
-                   audio_guidance_scale=guidance_scale, **PLAIN_GUIDANCE, max_sequence_length=16,
+                   **{"audio_guidance_scale": guidance_scale, **PLAIN_GUIDANCE, **guidance}, max_sequence_length=16,
                    latents=adapter.denormalize_video(init.components["video"]),
                    audio_latents=adapter.denormalize_audio(init.components["audio"]), output_type="latent",
                    generator=torch.Generator().manual_seed(0), return_dict=False)  # fmt: skip
@@ -120,6 +120,20 @@ def test_sampling_matches_the_pipeline_and_keeps_the_first_frame(adapter, pipe, 
     # The pipeline's per-token video timesteps: 0 on the first latent frame's 16 tokens, t elsewhere.
     timestep = calls[0]["timestep"][0]
     assert (timestep[:16] == 0).all() and (timestep[16:] == 1000).all()
+
+
+def test_per_stream_guidance_and_rescale_match_the_pipeline(adapter, pipe, condition, images):
+    """``LTX2ImageToVideoPipeline`` at its default guidance (video 3, audio 7, rescale 0.7; STG and modality guidance
+    off): the same final latents, the pinned first frame (inside the rescale's standard deviation on both sides)
+    kept exactly."""
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    (video, audio), _ = run_pipeline(pipe, adapter, init, _pil(images[0]), 3.0, audio_guidance_scale=7.0,
+                                     guidance_rescale=0.7, audio_guidance_rescale=0.7)  # fmt: skip
+    final = adapter.sample(condition, num_steps=STEPS, guidance_scale={"video": 3.0, "audio": 7.0},
+                           guidance_rescale=0.7, generator=torch.Generator().manual_seed(3))  # fmt: skip
+    torch.testing.assert_close(final.components["video"], adapter.normalize_video(video), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final.components["audio"], adapter.normalize_audio(audio), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final.components["video"][:, :, :1], condition["first_frame_latent"], rtol=0, atol=0)
 
 
 def test_velocity_is_the_pipeline_denoiser_with_per_token_timesteps(adapter, pipe, condition, images):

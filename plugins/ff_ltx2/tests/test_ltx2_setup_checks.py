@@ -82,15 +82,23 @@ def test_geometry_the_checkpoint_cannot_encode_fails_before_weights_load(tiny_lt
 @pytest.mark.parametrize(("frozen", "weights", "message"), [
     (["speech"], None, r"model\.frozen_components: 'speech' is not a latent component of ltx2_t2av; they are "
                        r"\['video', 'audio'\]"),
+    ([], "guidance_scale", r"model\.sampling\.guidance_scale: names \['speech', 'video'\]; ltx2_t2av's latent "
+                           r"components are \['video', 'audio'\]"),
+    ([], "guidance_rescale", r"model\.sampling\.guidance_rescale: names \['video'\]"),
     ([], {"video": 1.0, "speech": 1.0}, r"model\.objective\.init_args\.component_weights: names \['speech', "
                                         r"'video'\]; ltx2_t2av's latent components are \['video', 'audio'\]"),
     (["audio"], {"video": 1.0}, r"component_weights: names \['video'\]; ltx2_t2av's latent components are"),
 ])  # fmt: skip
 def test_component_names_fail_as_the_module_is_built(frozen, weights, message, no_weights):
     """``Adapter.latent_components`` (a class attribute) names them: no checkpoint needed (this one does not exist)."""
+    from ff_core.module import SamplingConfig
+
+    sampling = {"guidance_scale": SamplingConfig(guidance_scale={"video": 3.0, "speech": 7.0}),
+                "guidance_rescale": SamplingConfig(guidance_rescale={"video": 0.7})}.get(str(weights))
+    weights = weights if isinstance(weights, dict) else None
     with pytest.raises(ConfigError, match=message):
         FlowModule("ltx2_t2av", NOWHERE, adapter_kwargs=ADAPTER_KWARGS, frozen_components=frozen,
-                   objective=SFTObjective(component_weights=weights))  # fmt: skip
+                   objective=SFTObjective(component_weights=weights), sampling=sampling)  # fmt: skip
 
 
 # -- targets too short for the clip, from their headers -----------------------------------------------------

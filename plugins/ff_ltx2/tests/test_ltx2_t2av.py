@@ -46,15 +46,16 @@ def condition(adapter):
     return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
 
 
-def run_pipeline(pipe, adapter, init: LatentState, guidance_scale: float, output_type: str = "latent"):
+def run_pipeline(pipe, adapter, init: LatentState, guidance_scale: float, output_type: str = "latent", **guidance):
     """The pipeline from the adapter's initial noise (passed denormalised: ``prepare_latents`` normalises 5-D video
-    and 4-D audio latents), recording every transformer call's inputs."""
+    and 4-D audio latents), recording every transformer call's inputs; ``guidance`` overrides the plain-CFG arguments
+    (``audio_guidance_scale``, ``guidance_rescale``, ...)."""
     calls = []
     handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
     try:
         out = pipe(prompt=PROMPTS, negative_prompt=NEGATIVE, height=SIZE, width=SIZE, num_frames=FRAMES,
                    frame_rate=FPS, num_inference_steps=STEPS, guidance_scale=guidance_scale,
-                   audio_guidance_scale=guidance_scale, **PLAIN_GUIDANCE,
+                   **{"audio_guidance_scale": guidance_scale, **PLAIN_GUIDANCE, **guidance},
                    max_sequence_length=adapter.max_sequence_length,
                    latents=adapter.denormalize_video(init.components["video"]),
                    audio_latents=adapter.denormalize_audio(init.components["audio"]), output_type=output_type,
@@ -203,6 +204,31 @@ def test_sampling_run_matches_the_pipeline(adapter, pipe, condition, guidance_sc
     torch.testing.assert_close(final.components["video"], adapter.normalize_video(video), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(final.components["audio"], adapter.normalize_audio(audio), rtol=1e-4, atol=1e-5)
     assert not torch.equal(final.components["audio"], init.components["audio"])
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [
+    # Per-stream scales, no rescale.
+    ({"guidance_scale": {"video": 2.0, "audio": 4.0}}, {"guidance_scale": 2.0, "audio_guidance_scale": 4.0}),
+    # Per-stream scales and rescales (the pipeline falls back to the video's rescale for an audio rescale of 0).
+    ({"guidance_scale": {"video": 2.0, "audio": 4.0}, "guidance_rescale": {"video": 0.7, "audio": 0.5}},
+     {"guidance_scale": 2.0, "audio_guidance_scale": 4.0, "guidance_rescale": 0.7, "audio_guidance_rescale": 0.5}),
+    # LTX2Pipeline's defaults (video 3, audio 7, rescale 0.7 on both), STG and modality guidance off.
+    ({"guidance_scale": {"video": 3.0, "audio": 7.0}, "guidance_rescale": 0.7},
+     {"guidance_scale": 3.0, "audio_guidance_scale": 7.0, "guidance_rescale": 0.7, "audio_guidance_rescale": 0.7}),
+])  # fmt: skip
+def test_per_stream_guidance_and_rescale_match_the_pipeline(adapter, pipe, condition, ours, theirs):
+    """``model.sampling.guidance_scale`` per stream and ``guidance_rescale`` (docs/ltx2.md, "Sampling"): a sampling
+    run equals ``LTX2Pipeline`` with ``audio_guidance_scale`` != ``guidance_scale`` and its x0-space guidance rescale
+    on, from the same initial noise; the rescale changes the result (it is not a no-op here)."""
+    init = adapter.initial_noise(condition, torch.Generator().manual_seed(3))
+    (video, audio), _ = run_pipeline(pipe, adapter, init, **theirs)
+    final = adapter.sample(condition, num_steps=STEPS, generator=torch.Generator().manual_seed(3), **ours)
+    torch.testing.assert_close(final.components["video"], adapter.normalize_video(video), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final.components["audio"], adapter.normalize_audio(audio), rtol=1e-4, atol=1e-5)
+    plain = adapter.sample(condition, num_steps=STEPS, generator=torch.Generator().manual_seed(3),
+                           guidance_scale=ours["guidance_scale"])  # fmt: skip
+    for name in ("video", "audio"):  # differs from plain CFG exactly when a rescale is on
+        assert torch.equal(final.components[name], plain.components[name]) == ("guidance_rescale" not in ours)
 
 
 def test_decode_matches_the_pipeline(adapter, pipe, condition):
