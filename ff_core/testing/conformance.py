@@ -58,7 +58,7 @@ from ff_core.data.geometry import MediaGeometry
 from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
-from ff_core.sampling import guided_velocity
+from ff_core.sampling import guided_velocity, guides
 from ff_core.testing.reference import (
     LatentLayout,
     PipelineRun,
@@ -87,6 +87,10 @@ class AdapterConformance:
         reference_layout: how the pipeline's latents map to the adapter's state (default: the same tensor).
         reference_steps: sampling steps of the reference runs.
         reference_guidance: the CFG scale of the guided reference run.
+        reference_component_guidance: ``(scales, rescales)``, per latent component, of one more guided reference run
+            (``model.sampling.guidance_scale`` / ``guidance_rescale`` as mappings: LTX-2's per-stream scales and
+            guidance rescale); :meth:`reference_component_guidance_kwargs` gives the pipeline's arguments. ``None``
+            (default): not checked.
         reference_embedded_guidance: the distilled-guidance scale of the embedded-guidance run (adapters with
             ``embedded_guidance``; one more than the adapter's default when it equals it).
         condition_atol: tolerance of the prompt encoding against the pipeline's.
@@ -109,6 +113,7 @@ class AdapterConformance:
     reference_layout: ClassVar[LatentLayout] = LatentLayout()
     reference_steps: ClassVar[int] = 3
     reference_guidance: ClassVar[float] = 4.0
+    reference_component_guidance: ClassVar[tuple[dict[str, float], dict[str, float]] | None] = None
     reference_embedded_guidance: ClassVar[float] = 1.5
     condition_atol: ClassVar[float] = 1e-5
     velocity_atol: ClassVar[float] = 1e-4
@@ -187,6 +192,14 @@ class AdapterConformance:
         """The pipeline's CFG argument for ``guidance_scale`` (default ``guidance_scale``; FLUX.1: ``true_cfg_scale``
         with its embedded guidance beside it)."""
         return {"guidance_scale": guidance_scale}
+
+    def reference_component_guidance_kwargs(self, scales: dict[str, float], rescales: dict[str, float]
+                                            ) -> dict[str, Any]:  # fmt: skip
+        """The pipeline's arguments for per-component CFG ``scales`` and guidance ``rescales``
+        (:attr:`reference_component_guidance`; LTX-2: ``guidance_scale`` / ``audio_guidance_scale``,
+        ``guidance_rescale`` / ``audio_guidance_rescale``)."""
+        raise NotImplementedError(f"{type(self).__name__} sets reference_component_guidance: name the pipeline's "
+                                  "arguments in reference_component_guidance_kwargs")  # fmt: skip
 
     def reference_embedded_guidance_kwargs(self, scale: float) -> dict[str, Any]:
         """The pipeline's argument for the distilled-guidance scale ``scale`` (default ``guidance_scale``, as
@@ -274,16 +287,21 @@ class AdapterConformance:
         return cls().run_reference(adapter, reference, inputs, guidance_scale=1.0)
 
     # -- the maths checks, callable on any adapter (the kit's own tests feed it broken ones) ---------------------
-    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *, guidance_scale: float,
-                      embedded_guidance: float | None = None) -> ReferenceCase:  # fmt: skip
+    def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *,
+                      guidance_scale: float | dict[str, float], embedded_guidance: float | None = None,
+                      guidance_rescale: dict[str, float] | None = None) -> ReferenceCase:  # fmt: skip
         """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it (with
         the distilled-guidance scale ``embedded_guidance``, :meth:`reference_embedded_guidance_kwargs`; ``None``:
-        the pipeline's default)."""
+        the pipeline's default; per-component ``guidance_scale`` and ``guidance_rescale`` through
+        :meth:`reference_component_guidance_kwargs`)."""
         condition = prepare(adapter, inputs)
         init = adapter.initial_noise(condition, torch.Generator().manual_seed(self.seed))
+        per_component = isinstance(guidance_scale, dict) or guidance_rescale is not None
+        guidance = (self.reference_component_guidance_kwargs(guidance_scale, guidance_rescale or {}) if per_component
+                    else self.reference_guidance_kwargs(guidance_scale))  # fmt: skip
         kwargs = {"prompt": [c.prompt for c in inputs], "output_type": "pt",
                   "generator": torch.Generator().manual_seed(self.seed),
-                  **self.reference_guidance_kwargs(guidance_scale), **self.reference_call_kwargs(adapter, inputs)}
+                  **guidance, **self.reference_call_kwargs(adapter, inputs)}
         if embedded_guidance is not None:
             kwargs.update(self.reference_embedded_guidance_kwargs(embedded_guidance))
         if adapter.io_contract.uses_cfg:
@@ -291,7 +309,7 @@ class AdapterConformance:
         layout = self.reference_layout
         run = run_pipeline(pipe, layout.pipeline_latents(pipe, init), call_latents=layout.call_latents(pipe, init),
                            steps=self.reference_steps, denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
-        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance)
+        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance, guidance_rescale)
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Prompt encoding: the prepared condition against the pipeline's tensors of the same name
@@ -360,10 +378,13 @@ class AdapterConformance:
         """A full sampling run from the same seed: the adapter's final latents are the pipeline's."""
         generator = torch.Generator().manual_seed(self.seed)
         final = adapter.sample(case.condition, num_steps=self.reference_steps, guidance_scale=case.guidance_scale,
-                               generator=generator, embedded_guidance=case.embedded_guidance)  # fmt: skip
+                               generator=generator, embedded_guidance=case.embedded_guidance,
+                               guidance_rescale=case.guidance_rescale or 0.0)  # fmt: skip
         theirs = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
         hint, what = "", ""
-        if case.guidance_scale != 1 and adapter.unconditional(case.condition) is None:
+        if case.guidance_rescale:
+            what = f" and guidance rescale {case.guidance_rescale}"
+        if guides(case.guidance_scale) and adapter.unconditional(case.condition) is None:
             hint = "The adapter has no negative branch (unconditional() is None): CFG was skipped."
         if case.embedded_guidance is not None:
             what = f" and embedded guidance {case.embedded_guidance:g}"
@@ -376,8 +397,15 @@ class AdapterConformance:
                         "(with_embedded_guidance sets condition['embedded_guidance']).")  # fmt: skip
         for name, tensor in final.components.items():
             check_close(f"the final {name!r} latents of {self.reference_steps}-step sampling at guidance "
-                        f"{case.guidance_scale:g}{what}", tensor, theirs.components[name], atol=self.sample_atol,
+                        f"{case.guidance_scale}{what}", tensor, theirs.components[name], atol=self.sample_atol,
                         rtol=self.sample_atol, mask=case.init.masks.get(name), hint=hint)  # fmt: skip
+
+    def check_component_guidance(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput]) -> None:
+        """Per-component CFG scales and guidance rescales (:attr:`reference_component_guidance`): a sampling run gives
+        the pipeline's final latents at the same settings (:meth:`reference_component_guidance_kwargs`)."""
+        scales, rescales = self.reference_component_guidance
+        self.check_sampling(adapter, pipe, self.run_reference(adapter, pipe, inputs, guidance_scale=dict(scales),
+                                                              guidance_rescale=dict(rescales)))  # fmt: skip
 
     def check_embedded_guidance(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Embedded (distilled) guidance, for an adapter with a default (:attr:`Adapter.embedded_guidance`): sampling
@@ -529,6 +557,9 @@ class AdapterConformance:
             if adapter.io_contract.uses_cfg:
                 checks["sampling_with_cfg"] = lambda: self.check_sampling(
                     adapter, pipe, self.run_reference(adapter, pipe, inputs, guidance_scale=self.reference_guidance))
+            if adapter.io_contract.uses_cfg and self.reference_component_guidance is not None:
+                checks["sampling_with_component_guidance"] = lambda: self.check_component_guidance(adapter, pipe,
+                                                                                                   inputs)
             checks["lora"] = lambda: self.check_lora_in_pipeline(
                 pretrained, inputs, folder / "lora", type(adapter).from_pretrained(pretrained, **self.adapter_kwargs))
         checks["frozen_in_eval_after_train"] = lambda: self.check_frozen_in_eval(adapter.train(), "after .train()")
@@ -581,6 +612,11 @@ class AdapterConformance:
             pytest.skip(f"{self.adapter_cls.__name__}'s contract takes no negative prompt (no CFG)")
         self.check_sampling(adapter, reference,
                             self.run_reference(adapter, reference, inputs, guidance_scale=self.reference_guidance))
+
+    def test_reference_sampling_run_with_component_guidance(self, adapter, reference, inputs):
+        if self.reference_component_guidance is None or not adapter.io_contract.uses_cfg:
+            pytest.skip(f"{type(self).__name__} sets no reference_component_guidance (per-component CFG)")
+        self.check_component_guidance(adapter, reference, inputs)
 
     def test_reference_embedded_guidance(self, adapter, reference, reference_case):
         if adapter.embedded_guidance is None:
@@ -827,14 +863,17 @@ class ReferenceCase:
         condition: the adapter's prepared condition of them.
         init: the adapter's initial noise (seeded), the run's initial latents.
         run: the recorded pipeline run.
-        guidance_scale: the CFG scale of the run.
+        guidance_scale: the CFG scale of the run (one, or per latent component).
         embedded_guidance: its distilled-guidance scale; ``None``: the pipeline's and the adapter's defaults.
+        guidance_rescale: its guidance rescale per latent component; ``None``: off.
     """
 
     def __init__(self, inputs: list[ConditionInput], condition: Condition, init: LatentState, run: PipelineRun,
-                 guidance_scale: float, embedded_guidance: float | None = None) -> None:  # fmt: skip
+                 guidance_scale: float | dict[str, float], embedded_guidance: float | None = None,
+                 guidance_rescale: dict[str, float] | None = None) -> None:  # fmt: skip
         self.inputs, self.condition, self.init, self.run = inputs, condition, init, run
         self.guidance_scale, self.embedded_guidance = guidance_scale, embedded_guidance
+        self.guidance_rescale = guidance_rescale
 
 
 def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:

@@ -83,6 +83,13 @@ class TestLTX2T2AVConformance(AdapterConformance):
         """Plain CFG at the same scale on both streams, the pipeline's extra guidance terms off (docs/ltx2.md)."""
         return {"guidance_scale": guidance_scale, "audio_guidance_scale": guidance_scale, **PLAIN_GUIDANCE}
 
+    # Each stream at its own scale, the guidance rescale on (the pipeline's own terms; STG and modality guidance off).
+    reference_component_guidance = ({"video": 2.0, "audio": 5.0}, {"video": 0.7, "audio": 0.4})
+
+    def reference_component_guidance_kwargs(self, scales, rescales):
+        return {**PLAIN_GUIDANCE, "guidance_scale": scales["video"], "audio_guidance_scale": scales["audio"],
+                "guidance_rescale": rescales["video"], "audio_guidance_rescale": rescales["audio"]}
+
     def reference_call_kwargs(self, adapter, inputs):
         return {**super().reference_call_kwargs(adapter, inputs), "frame_rate": adapter.frame_rate,
                 "max_sequence_length": adapter.max_sequence_length}  # fmt: skip
