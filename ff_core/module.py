@@ -130,7 +130,7 @@ class FlowModule(L.LightningModule):
         frozen_components: latent components whose branch of the denoiser does not train (``[audio]``: LTX-2's
             audio stream): the adapter names their parameters (:meth:`~ff_core.adapter.Adapter.component_parameters`),
             which stay frozen under LoRA and full fine-tuning alike, and the objective leaves them out of the loss
-            (SFT and offline DPO; GRPO refuses). docs/config.md.
+            (SFT and offline DPO: its error term; GRPO: its step log-prob term). docs/config.md.
     """
 
     def __init__(
@@ -166,7 +166,7 @@ class FlowModule(L.LightningModule):
         self.sharding = sharding
         self.noise_seed = noise_seed
         self.frozen_components = list(dict.fromkeys(frozen_components or ()))
-        objective.freeze_components(self.frozen_components)  # before any weights load: GRPO refuses here
+        objective.freeze_components(self.frozen_components)  # before any weights load: an objective may refuse
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.

@@ -17,8 +17,10 @@ Convention (SD3): ``x_sigma = (1 - sigma) x0 + sigma eps``, the network predicts
   the ``1 / (2 std^2)`` factor and the constants; ratios then differ).
 
 Log-probabilities are computed in fp32 and are the **mean over active latent elements** (Flow-GRPO averages over
-elements; pinned elements, mask 0, are excluded), pooled by element count over the components of a multi-component
-state (video + audio), like :func:`ff_core.objectives.flow_matching.per_sample_squared_error`. The sampled
+elements; pinned elements, mask 0, are excluded); over the components of a multi-component state (video + audio)
+they reduce as the flow-matching error of SFT and DPO does (:func:`component_mean`): each component's own mean
+weighted by ``component_weights`` (LTX-2's default: ``(mean_video + mean_audio) / 2``), or pooled by element count
+without weights (a single component: its mean, whatever the weights); ``frozen_components`` are left out. The sampled
 ``x_next`` is rounded to the state's storage dtype *before* its log-prob is taken, and a :class:`Transition` stores
 exactly the inputs replay needs (``x_t``, rounded ``x_next``, the noise levels), so a replay with the same weights
 recomputes the same fp32 mean and gets a bitwise-equal log-prob (tests/test_sampling.py). In bf16 the velocity
@@ -32,7 +34,7 @@ it for training, so neither imports the other for sampling maths.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -139,20 +141,55 @@ def gaussian_log_density(x_next: Tensor, mean: Tensor, std: float) -> Tensor:
     return -((x_next.float() - mean) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI
 
 
-def pooled_element_mean(per_element: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> Tensor:
-    """Per sample, the mean over every active element (mask 1) of every component, pooled by element count; fp32,
-    shape (B,).
+def component_mean(
+    per_element: Mapping[str, Tensor],
+    masks: Mapping[str, Tensor | None],
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
+) -> Tensor:
+    """Per sample, the mean of per-element values over the active elements (mask 1) of a latent state's components,
+    reduced over the components as ``component_weights`` says; fp32, shape (B,).
+
+    The one reduction of every per-element quantity of a (multi-component) latent state: the flow-matching error of
+    SFT and DPO (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`), GRPO's step log-probabilities
+    and its KL term (:func:`step_log_prob`). Without ``component_weights`` the components are pooled by element
+    count (each active element weighs the same, a stream with more elements weighs more); with them, each component's
+    own mean ``m_k`` over its active elements is averaged as ``sum_k w_k m_k / sum_k w_k`` (``{video: 1, audio: 1}``:
+    the streams weigh the same whatever their sizes). ``frozen_components`` are left out altogether (their weights
+    too). Masked-out elements (mask 0, pinned by a condition) contribute neither value nor count.
 
     Args:
         per_element: per component name, values shaped like the component.
-        masks: per component name, its {0, 1} mask (absent: every element active).
+        masks: per component name, its {0, 1} mask (absent or ``None``: every element active).
+        component_weights: per component name its weight (finite, >= 0, not all 0); every component that is not
+            frozen must be named. ``None``: pooled by element count.
+        frozen_components: components left out (``model.frozen_components``).
     """
-    total = count = None
+    if frozen_components:
+        kept = {k: v for k, v in per_element.items() if k not in frozen_components}
+        if not kept:
+            raise ValueError(f"model.frozen_components {sorted(frozen_components)} freezes every latent component "
+                             f"{list(per_element)}: nothing left to train")  # fmt: skip
+        per_element = kept
+        if component_weights is not None:
+            component_weights = {k: w for k, w in component_weights.items() if k not in frozen_components}
+    if component_weights is not None:
+        missing = sorted(set(per_element) - set(component_weights))
+        extra = sorted(set(component_weights) - set(per_element))
+        if missing or extra:
+            raise ValueError(f"model.objective.init_args.component_weights names {sorted(component_weights)}; the "
+                             f"latent components are {list(per_element)}")  # fmt: skip
+    total = count = weighted = None
     for name, values in per_element.items():
         mask = masks.get(name)
         mask = torch.ones_like(values) if mask is None else mask.to(values).expand_as(values)
         t, c = (values * mask).flatten(1).sum(1), mask.flatten(1).sum(1)
+        if component_weights is not None:
+            term = float(component_weights[name]) * (t / c.clamp_min(1))
+            weighted = term if weighted is None else weighted + term
         total, count = (t, c) if total is None else (total + t, count + c)
+    if component_weights is not None:
+        return weighted / sum(float(component_weights[name]) for name in per_element)
     return total / count.clamp_min(1)
 
 
@@ -182,6 +219,8 @@ def step_log_prob(
     kind: StepKind,
     eta: float,
     sigma_max: float | Mapping[str, float] | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> StepResult:
     """The log-prob of a given ``next_state`` under one step of ``kind`` from ``state`` (replay; with gradient when
     ``velocity`` has one). Arguments as :func:`sde_step`."""
@@ -190,8 +229,10 @@ def step_log_prob(
         sigma, sigma_next = _component_sigmas(sigmas, name)
         means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
                                                 _component_value(sigma_max, name))  # fmt: skip
-        dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
-    return StepResult(next_state, pooled_element_mean(dens, state.masks), means, stds)
+        if name not in frozen_components:
+            dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
+    log_prob = component_mean(dens, state.masks, component_weights, frozen_components)
+    return StepResult(next_state, log_prob, means, stds)
 
 
 def sde_step(
@@ -202,6 +243,8 @@ def sde_step(
     eta: float,
     generator: torch.Generator | None = None,
     sigma_max: float | Mapping[str, float] | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> StepResult:
     """Draw ``x_next`` for one stochastic step and score it.
 
@@ -217,6 +260,9 @@ def sde_step(
         eta: noise level of the step.
         generator: draws the noise; ``None``: the global generator.
         sigma_max: see :func:`step_gaussian`; one for all components or per component name.
+        component_weights: how the per-component log-densities reduce to one log-prob per sample
+            (:func:`component_mean`; ``None``: pooled by element count).
+        frozen_components: components whose log-density is left out of the log-prob (they are still stepped).
     """
     nxt = {}
     for name, x in state.components.items():
@@ -227,7 +273,8 @@ def sde_step(
         noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
         nxt[name] = keep_pinned((mean + std * noise).to(x.dtype), x, state.masks.get(name))
     next_state = replace(state, components=nxt, masks=dict(state.masks))
-    return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max)
+    return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max, component_weights,
+                         frozen_components)
 
 
 # -- which steps are stochastic -------------------------------------------------------------------------------------
@@ -403,9 +450,12 @@ def sample_sde(
     generator: torch.Generator | None = None,
     shift: float | None = None,
     embedded_guidance: float | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> Trajectory:
     """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
-    each component on its own schedule, as :func:`sample_ode`.
+    each component on its own schedule, as :func:`sample_ode`. Each transition's log-prob reduces over the components
+    as ``component_weights`` and ``frozen_components`` say (:func:`component_mean`): replays must pass the same.
 
     Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
     SDE step's noise in step order. Call it under ``torch.no_grad()``.
@@ -420,7 +470,8 @@ def sample_sde(
         v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
-            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max)
+            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max,
+                           component_weights, frozen_components)
             trajectory.transitions.append(Transition(i, state, out.next, primary[i], primary[i + 1], out.log_prob,
                                                      steps))  # fmt: skip
             state = out.next

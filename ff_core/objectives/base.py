@@ -62,7 +62,7 @@ class Objective:
     frozen_components: frozenset[str] = frozenset()
     """Latent components left out of the loss (``model.frozen_components``; set by :meth:`freeze_components`)."""
     supports_frozen_components: ClassVar[bool] = False
-    """``True``: the objective leaves :attr:`frozen_components` out of its loss (SFT and offline DPO do)."""
+    """``True``: the objective leaves :attr:`frozen_components` out of its loss (SFT, offline DPO and GRPO do)."""
 
     def freeze_components(self, names: Collection[str]) -> None:
         """Leave these latent components out of the loss: ``FlowModule`` calls it for ``model.frozen_components``
@@ -70,7 +70,7 @@ class Objective:
         (``supports_frozen_components`` false) refuses with a ``ConfigError``."""
         if names and not self.supports_frozen_components:
             raise ConfigError("model.frozen_components", f"{type(self).__name__} cannot leave a latent component out "
-                              "of its loss; use SFT or offline DPO, or train every component")  # fmt: skip
+                              "of its loss; use SFT, offline DPO or GRPO, or train every component")  # fmt: skip
         self.frozen_components = frozenset(names)
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:
