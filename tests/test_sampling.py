@@ -102,6 +102,60 @@ def test_step_log_prob_pools_components_by_element_count_and_skips_pinned():
     assert_close(out.log_prob, expected[None])
 
 
+def _active_mean(values, mask=None):
+    return values.sum() / values.numel() if mask is None else (values * mask).sum() / mask.sum()
+
+
+def test_step_log_prob_weighs_each_components_own_mean():
+    """docs/objectives.md, "Several latent components": with ``component_weights`` {video: 3, audio: 1} the log-prob is
+    (3 m_video + 1 m_audio) / 4, each m the mean log-density over that component's active elements (3 of 4 video
+    elements, the first pinned; 5 audio ones), each component under its own (sigma, sigma_next); the same weights the
+    SFT error uses (``per_sample_squared_error`` reduces through the same ``component_mean``). A frozen component's
+    density leaves it (its weight ignored); replay with the same reduction is bitwise the rollout's."""
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
+    x, v = state(2, 4, masks={"video": mask}), state(2, 4, seed=1)
+    sigmas = {"video": (0.8, 0.6), "audio": (0.5, 0.3)}
+    weights = {"video": 3.0, "audio": 1.0}
+    out = sde_step(x, v, sigmas, "flow_sde", 0.7, torch.Generator().manual_seed(2), component_weights=weights)
+    dens = {}
+    for name, (s, sn) in sigmas.items():
+        mean, std = step_gaussian("flow_sde", x.components[name], v.components[name], s, sn, 0.7)
+        dens[name] = torch.distributions.Normal(mean, std).log_prob(out.next.components[name])
+    video = torch.stack([_active_mean(dens["video"][i], mask[i]) for i in range(2)])
+    audio = dens["audio"].mean(1)
+    assert_close(out.log_prob, (3 * video + audio) / 4)
+    pooled = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7).log_prob  # no weights: 3 + 5 elements pooled
+    assert_close(pooled, torch.stack([(dens["video"][i] * mask[i]).sum() + dens["audio"][i].sum() for i in range(2)])
+                 / 8)  # fmt: skip
+    assert not torch.allclose(pooled, out.log_prob)
+    replay = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights=weights)
+    assert torch.equal(replay.log_prob, out.log_prob)
+    frozen = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights=weights,
+                           frozen_components={"audio"})  # fmt: skip
+    assert_close(frozen.log_prob, video)
+    with pytest.raises(ValueError, match=r"component_weights names \['video'\]; the latent components are "
+                                         r"\['video', 'audio'\]"):  # fmt: skip
+        step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights={"video": 1.0})
+    with pytest.raises(ValueError, match="freezes every latent component"):
+        step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, frozen_components={"audio", "video"})
+
+
+def test_single_component_log_prob_is_the_element_mean_bit_for_bit():
+    """SD3 / Wan (one component, no ``default_component_weights``): the log-prob is today's (before the component
+    weighting) mean over active elements, bit for bit, and a weight of 1 on the only component changes nothing."""
+    g = torch.Generator().manual_seed(4)
+    x = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)},
+                    {"latent": (torch.rand(3, 1, 2, 5, generator=g) > 0.3).float()})  # fmt: skip
+    v = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)})
+    out = sde_step(x, v, (0.7, 0.5), "flow_sde", 0.7, torch.Generator().manual_seed(5))
+    mean, std = step_gaussian("flow_sde", x.components["latent"], v.components["latent"], 0.7, 0.5, 0.7)
+    dens = gaussian_log_density(out.next.components["latent"], mean, std)
+    mask = x.masks["latent"].expand_as(dens)
+    assert torch.equal(out.log_prob, (dens * mask).flatten(1).sum(1) / mask.flatten(1).sum(1).clamp_min(1))
+    weighted = step_log_prob(x, v, out.next, (0.7, 0.5), "flow_sde", 0.7, component_weights={"latent": 1.0})
+    assert torch.equal(weighted.log_prob, out.log_prob)
+
+
 @pytest.mark.parametrize("kind", ["flow_sde", "cps"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replayed_log_prob_equals_the_rollouts_exactly(kind, dtype):
