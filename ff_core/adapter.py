@@ -164,8 +164,9 @@ class Adapter(nn.Module):
             must not cast (:func:`ff_core.sharding.fully_shard_networks` casts the others): diffusers embeds the
             timestep (and FLUX.1's embedded guidance, scaled alike) sinusoidally in fp32, and ``sigma * 1000`` in
             bf16 would round to steps of up to 4.
-        default_component_weights: how the flow-matching error reduces over the latent components when the
-            objective's ``component_weights`` is unset (``per_sample_squared_error``): ``None`` (default) pools
+        default_component_weights: how the flow-matching error (SFT, DPO) and GRPO's step log-probabilities reduce
+            over the latent components when the objective's ``component_weights`` is unset
+            (:func:`~ff_core.sampling.component_mean`): ``None`` (default) pools
             every element of every component; a family whose reference trainer sums one mean per stream (LTX-2:
             ``{video: 1, audio: 1}``) declares it here, so the audio is not drowned by the video's element count.
     """
