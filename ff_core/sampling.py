@@ -229,8 +229,7 @@ def step_log_prob(
         sigma, sigma_next = _component_sigmas(sigmas, name)
         means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
                                                 _component_value(sigma_max, name))  # fmt: skip
-        if name not in frozen_components:
-            dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
+        dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
     log_prob = component_mean(dens, state.masks, component_weights, frozen_components)
     return StepResult(next_state, log_prob, means, stds)
 

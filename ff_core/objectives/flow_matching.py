@@ -230,5 +230,3 @@ def per_sample_squared_error(
     errors = {k: (p.float() - target.components[k].float()) ** 2 for k, p in pred.components.items()}
     masks = {k: pred.masks.get(k, target.masks.get(k)) for k in pred.components}
     return component_mean(errors, masks, component_weights, frozen_components)
-
-

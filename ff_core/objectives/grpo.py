@@ -225,8 +225,8 @@ class GRPOObjective(Objective):
         return self.rewards
 
     def reduction(self, adapter: Adapter) -> dict[str, Any]:
-        """How per-element log-densities reduce over the latent components (rollout, replay, reference and KL
-        alike): ``component_weights`` (or the adapter's default) and ``frozen_components``, for
+        """How per-element log-densities reduce over the latent components (rollout, replay and KL alike):
+        ``component_weights`` (or the adapter's default) and ``frozen_components``, for
         :func:`~ff_core.sampling.component_mean`."""
         return {"component_weights": resolve_component_weights(adapter, self.component_weights),
                 "frozen_components": self.frozen_components}
