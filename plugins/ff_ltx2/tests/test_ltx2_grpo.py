@@ -97,9 +97,10 @@ def test_grpo_step_weighs_the_streams_means(adapter, frozen, weights):
 
 
 def test_grpo_with_frozen_audio_trains_the_video_alone(tiny_ltx2, tmp_path):
-    """``model.frozen_components: [audio]`` under GRPO through ``ff fit`` with full fine-tuning: every audio-stream
-    parameter bit-identical to the checkpoint's after 2 iterations, video ones changed; the replayed log-prob (video
-    only) equals the rollout's (first ratio exactly 1)."""
+    """``model.frozen_components: [audio]`` under GRPO through ``ff fit`` with full fine-tuning (and GRPO's own
+    ``component_weights`` from the command line): every audio-stream parameter bit-identical to the checkpoint's after
+    2 iterations, video ones changed; the replayed log-prob (video only) equals the rollout's (first ratio exactly
+    1)."""
     from diffusers import LTX2VideoTransformer3DModel
     from test_ltx2_fit import fit
 
@@ -113,10 +114,12 @@ def test_grpo_with_frozen_audio_trains_the_video_alone(tiny_ltx2, tmp_path):
               json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2], "num_sde_steps": None}),
               "--model.objective.init_args.prompts_per_step", "2", "--model.objective.init_args.group_size", "2",
               "--model.objective.init_args.micro_batch_size", "4", "--model.lora", "null",
-              "--model.frozen_components", "[audio]", "--trainer.limit_val_batches", "0")  # fmt: skip
+              "--model.frozen_components", "[audio]", "--trainer.limit_val_batches", "0",
+              "--model.objective.init_args.component_weights", json.dumps({"video": 2.0, "audio": 1.0}))  # fmt: skip
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2 and float(metrics["train/ratio_first_max_dev"]) == 0.0
-    assert cli.model.objective.frozen_components == {"audio"}
+    objective = cli.model.objective  # the audio's weight is moot once it is frozen
+    assert objective.frozen_components == {"audio"} and objective.component_weights == {"video": 2.0, "audio": 1.0}
     trained = dict(cli.model.adapter.transformer.named_parameters())
     audio = set(cli.model.adapter.component_parameters("audio")["transformer"])
     assert len(audio) > 20
