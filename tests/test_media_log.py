@@ -145,6 +145,7 @@ def test_wandb_logs_the_muxed_mp4_for_real(tmp_path, monkeypatch):
         summary = json.loads(json.dumps(dict(run.summary), default=dict))
     finally:
         run.finish()
+        wandb.teardown()  # its service process ends here, not at the end of the test session
     run_dir = Path(run.dir)
     video = summary["val/sample_00000"]
     assert video["_type"] == "video-file" and video["path"].endswith(".mp4")
