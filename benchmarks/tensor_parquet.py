@@ -65,6 +65,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ff_core.data.dataflow import materialize  # noqa: E402
 from ff_core.data.tensor_parquet import (  # noqa: E402
     I2V_TRACK_SCHEMA,
     TensorParquetDataset,
@@ -247,7 +248,9 @@ class TimedReads(torch.utils.data.Dataset):
 def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float, workers: int,
                 consume: Consumer) -> dict:
     """Rows delivered (and consumed) by a DataLoader with ``workers`` workers (``batch_size=None``), the main
-    process's CPU time per row, and the per-row read time inside the workers."""
+    process's CPU time per row, and the per-row read time inside the workers. Every row is ``materialize`` d in
+    the main process as it is delivered (what ``DataflowLoader`` does: with ``hand_off`` it reads the row's
+    uncompressed tensors there; otherwise it finds nothing to do)."""
     loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=workers,
                                          prefetch_factor=2 if workers else None, persistent_workers=False)
     it = iter(loader)
@@ -255,7 +258,7 @@ def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, ro
     reads: list[tuple[float, float]] = []
 
     def deliver(_: int) -> dict:
-        row = next(it)
+        row = materialize(next(it))
         reads.append((row.pop("read_s"), row.pop("read_cpu_s")))
         return row
 
@@ -296,6 +299,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny rows (~100 kB), short budgets: a smoke test")
     parser.add_argument("--layouts", nargs="+", choices=list(READERS), default=list(READERS),
                         help="the layouts to measure (both are written; the copy ceilings are always measured)")
+    parser.add_argument("--loader-only", action="store_true", help="only the DataLoader table (and shared memory)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -313,7 +317,7 @@ def main() -> None:
         row_bytes = payload / rows
         print(f"{rows} rows of {row_bytes / 1e6:.2f} MB per layout ({payload / 1e9:.2f} GB), written in "
               f"{time.perf_counter() - t:.0f} s; {args.group_rows} rows per row group in the reference layout\n")
-        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts)
+        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts, args.loader_only)
         print(json.dumps(results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -328,16 +332,32 @@ def row_line(layout: str, name: str, r: dict) -> str:
             f"{r['consume_ms']:.2f} | {r['read_ms'] + r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
 
 
-# (layout, two-level order, workers): 0 workers is the DataLoader reading in the main process.
-LOADERS = [("ff", False, 0), ("ff", False, 1), ("ff", False, 2), ("reference", True, 0), ("reference", True, 2)]
+# (layout, two-level order, workers, hand_off): 0 workers is the DataLoader reading in the main process; with
+# hand_off the workers return uncompressed tensors as FileTensor descriptions, read in the main process.
+LOADERS = [("ff", False, 0, False), ("ff", False, 1, False), ("ff", False, 2, False), ("ff", False, 1, True),
+           ("ff", False, 2, True), ("reference", True, 0, False), ("reference", True, 2, False)]
 
 
 def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool,
-            layouts: list[str] | None = None) -> dict:
+            layouts: list[str] | None = None, loader_only: bool = False) -> dict:
     layouts = list(READERS) if layouts is None else layouts
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     results: dict = {}
     consume = Consumer(int(row_bytes * 1.1) + 4096)
+    if not loader_only:
+        readers(work, row_bytes, budget, layouts, order, consume, results)
+    loaders(work, row_bytes, budget, layouts, order, consume, results)
+    if not quick and not loader_only and "ff" in layouts:
+        print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
+        for root in (work / "ff" / "shard000", work / "ff"):
+            r = results[f"rss/{r_rows(root)}"] = rss(root)
+            print(f"| {r['rows']} | {r['VmHWM']} | {r['RssAnon']} | {r['RssFile']} |")
+    return results
+
+
+def readers(work: Path, row_bytes: float, budget: float, layouts: list[str], order: torch.Tensor, consume: Consumer,
+            results: dict) -> None:
+    """The random-read table: every reader of :data:`READERS`, then the copy ceilings."""
     print("| layout | reader | rows read | rows/s | GB/s | ms/row read | ms/row consume | ms/row read + consume | "
           "cpu ms/row |\n|---|---|---|---|---|---|---|---|---|")
     for layout, names in READERS.items():
@@ -350,25 +370,25 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool,
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(row_line("-", name, r))
-    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered + consumed | main process: cpu ms/row "
-          "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|")
-    for layout, two_level, workers in (x for x in LOADERS if x[0] in layouts):
-        ds = TensorParquetDataset(work / layout, cached_groups=4)
+
+
+def loaders(work: Path, row_bytes: float, budget: float, layouts: list[str], order: torch.Tensor, consume: Consumer,
+            results: dict) -> None:
+    """The DataLoader table (:data:`LOADERS`) and the cost of fresh shared memory."""
+    print("\n| layout, order | workers | rows cross as | rows/s | GB/s | ms/row delivered + consumed | main process: "
+          "cpu ms/row | worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|---|")
+    for layout, two_level, workers, hand_off in (x for x in LOADERS if x[0] in layouts):
+        ds = TensorParquetDataset(work / layout, cached_groups=4, hand_off=hand_off)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
-        r = results[f"{layout}/loader{workers}"] = best_of(
-            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
-        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {r['rows_s']:.1f} | "
+        key = f"{layout}/loader{workers}{'/hand_off' if hand_off else ''}"
+        r = results[key] = best_of(ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
+        how = "-" if not workers else "file ranges (hand_off)" if hand_off else "shared memory"
+        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {how} | {r['rows_s']:.1f} | "
               f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | {r['worker_ms_row']:.2f} | "
               f"{r['worker_cpu_ms_row']:.2f} |")
     r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
     print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
           f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
-    if not quick and "ff" in layouts:
-        print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
-        for root in (work / "ff" / "shard000", work / "ff"):
-            r = results[f"rss/{r_rows(root)}"] = rss(root)
-            print(f"| {r['rows']} | {r['VmHWM']} | {r['RssAnon']} | {r['RssFile']} |")
-    return results
 
 
 def r_rows(root: Path) -> int:

@@ -1,0 +1,123 @@
+"""Values a DataLoader worker describes and the main process reads: the seam that keeps large rows off the
+worker-to-main-process channel.
+
+A tensor a worker returns crosses to the main process in shared memory: torch copies it into a fresh segment (unless
+it is in one already), whose pages the kernel allocates and zeroes, and the main process maps and faults them in
+again when it touches them. For a tensor that is already a byte range of a page-cached file (an uncompressed
+tensor-parquet value) that costs more than reading it (benchmarks/RESULTS.md, "Tensor-parquet shards", run H). A
+worker can instead return a :class:`LazyValue`: a small picklable description (which file, which bytes, which shape)
+that the main process turns into the tensor with one read, into memory it owns.
+
+Every batch :class:`~ff_core.data.dataflow.DataflowLoader` yields passes through :func:`materialize` in the main
+process (dicts, lists and tuples are walked; every :class:`LazyValue` is replaced by what it describes), so
+processors, batchers and collators may return lazy values and the training step never sees one. A collator stacks
+lazy values with :func:`stack` (each read straight into its slice of the batch tensor: no second copy), and a step
+that needs the values themselves in a worker calls :func:`materialize` there (same result, the old cost).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class LazyValue:
+    """A value described in a worker and read in the process that calls :meth:`materialize`.
+
+    Subclasses are small and picklable (they cross the worker's queue), have the ``shape`` and ``dtype`` of the tensor
+    they describe, and implement :meth:`materialize_into` (and :meth:`materialize` when a fresh tensor can be had
+    more cheaply than ``torch.empty`` + :meth:`materialize_into`).
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor, in memory it owns (writable)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.materialize_into(out)
+        return out
+
+    def materialize_into(self, out: torch.Tensor) -> None:
+        """Write the tensor into ``out`` (contiguous, of ``shape`` and ``dtype``)."""
+        raise NotImplementedError
+
+    def padded(self, length: int) -> LazyValue:
+        """This value zero-padded on axis 0 to ``length`` entries (``length >= shape[0]``)."""
+        return LazyPadded(self, length)
+
+
+class LazyPadded(LazyValue):
+    """A lazy value zero-padded on axis 0 (:meth:`LazyValue.padded`).
+
+    Args:
+        value: the value.
+        length: entries on axis 0 after padding, at least the value's.
+    """
+
+    def __init__(self, value: LazyValue, length: int) -> None:
+        if not value.shape or length < value.shape[0]:
+            raise ValueError(f"LazyPadded: cannot pad shape {tuple(value.shape)} to {length} entries on axis 0")
+        self.value, self.shape, self.dtype = value, torch.Size((length, *value.shape[1:])), value.dtype
+
+    def materialize_into(self, out: torch.Tensor) -> None:
+        n = self.value.shape[0]
+        self.value.materialize_into(out[:n])
+        out[n:].zero_()
+
+
+class LazyStack(LazyValue):
+    """``torch.stack(values)`` of tensors and lazy values, read into one batch tensor in :meth:`materialize`.
+
+    Args:
+        values: tensors or :class:`LazyValue` of one shape and dtype.
+    """
+
+    def __init__(self, values: Sequence[torch.Tensor | LazyValue]) -> None:
+        if not values:
+            raise ValueError("LazyStack: cannot stack no value")
+        shapes = {tuple(v.shape) for v in values}
+        dtypes = {v.dtype for v in values}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            raise ValueError(f"LazyStack: values of one shape and dtype expected, found shapes {sorted(shapes)} and "
+                             f"dtypes {sorted(map(str, dtypes))}")
+        self.values = list(values)
+        self.shape = torch.Size((len(values), *values[0].shape))
+        self.dtype = values[0].dtype
+
+    def materialize_into(self, out: torch.Tensor) -> None:
+        for slot, value in zip(out, self.values):
+            if isinstance(value, LazyValue):
+                value.materialize_into(slot)
+            else:
+                slot.copy_(value)
+
+
+def stack(values: Sequence[torch.Tensor | LazyValue]) -> torch.Tensor | LazyValue:
+    """``torch.stack(values)``, or a :class:`LazyStack` when any value is lazy (read where it is materialised)."""
+    if any(isinstance(v, LazyValue) for v in values):
+        return LazyStack(values)
+    return torch.stack(list(values))
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`LazyValue` in it (in dicts, lists and tuples, recursively) read; other values are
+    returned as they are (containers holding no lazy value are not copied)."""
+    if isinstance(obj, LazyValue):
+        return obj.materialize()
+    if isinstance(obj, dict):
+        changed = {k: new for k, v in obj.items() if (new := materialize(v)) is not v}
+        if not changed:
+            return obj
+        out = copy.copy(obj)  # keeps the mapping's type (and its other entries)
+        out.update(changed)
+        return out
+    if isinstance(obj, (list, tuple)):
+        done = [materialize(v) for v in obj]
+        if all(a is b for a, b in zip(done, obj)):
+            return obj
+        return type(obj)(*done) if hasattr(obj, "_fields") else type(obj)(done)  # a namedtuple takes fields
+    return obj
