@@ -79,20 +79,25 @@ class FileTensor(LazyValue):
 
 
 class _Files:
-    """File descriptors of the files :class:`FileTensor` values were read from, per process (LRU, ``most`` open)."""
+    """File descriptors of the files :class:`FileTensor` values were read from, per process (LRU, ``most`` open).
+
+    A held file serves a value while it still has the identity the worker recorded (checked with ``fstat`` at every
+    read: a file rewritten in place fails), even if another file was renamed over its path since: it holds the very
+    bytes the worker located.
+    """
 
     most = 64
 
     def __init__(self) -> None:
-        self.open: OrderedDict[str, tuple[int, Identity]] = OrderedDict()
+        self.open: OrderedDict[str, int] = OrderedDict()
 
     def get(self, path: str, identity: Identity, where: str) -> int:
-        held = self.open.get(path)
-        if held is not None and held[1] == identity:
+        fd = self.open.get(path)
+        if fd is not None and file_identity(fd) == identity:
             self.open.move_to_end(path)
-            return held[0]
-        if held is not None:  # the path now names another file (or this one changed): look again
-            os.close(self.open.pop(path)[0])
+            return fd
+        if fd is not None:  # another file than the value's (the path was reused), or this one changed: look again
+            os.close(self.open.pop(path))
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -105,9 +110,9 @@ class _Files:
                                                  f"value (size, mtime {identity[2:]} then, {found[2:]} now; a new "
                                                  "file renamed over it, or rewritten in place): replace shard files "
                                                  "only between runs")
-        self.open[path] = (fd, identity)
+        self.open[path] = fd
         while len(self.open) > self.most:
-            os.close(self.open.popitem(last=False)[1][0])
+            os.close(self.open.popitem(last=False)[1])
         return fd
 
 
