@@ -141,3 +141,22 @@ def test_the_main_process_keeps_few_files_open(tmp_path, monkeypatch):
         assert torch.equal(materialize(row)["int64"], card_decode(rows[k % 5], "int64"))
         assert len(file_tensor_module._FILES.open) <= 2
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_a_pinning_loader_gets_page_locked_batches(tmp_path):
+    """``DataLoader(pin_memory=True)`` pins each batch before the main process reads its lazy values: they ask to be
+    read into page-locked memory (the read allocates it; pinning the description could not)."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    rows = [r for r in rows_of_every_dtype() if r["int64_bytes"]]
+    write(tmp_path / "f.parquet", rows)
+    crossed = worker_rows(TensorParquetDataset(tmp_path, hand_off=True, columns=["int64"]), workers=1)[0]
+    batch = {"x": stack([crossed["int64"], crossed["int64"]])}
+    pinned = pin_memory(batch)  # what the loader's pinning thread does to a batch
+    assert pinned["x"] is batch["x"] and batch["x"].pinned
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA: page-locked memory cannot be allocated here")
+    got = materialize(pinned)["x"]
+    assert got.is_pinned() and torch.equal(got[1], card_decode(rows[0], "int64"))
+    alone = pin_memory(crossed)["int64"]
+    assert alone.pinned and materialize(alone).is_pinned()

@@ -34,12 +34,20 @@ class LazyValue:
 
     shape: torch.Size
     dtype: torch.dtype
+    pinned: bool = False  # materialise into page-locked memory (:meth:`pin_memory`)
 
     def materialize(self) -> torch.Tensor:
-        """The tensor, in memory it owns (writable)."""
-        out = torch.empty(self.shape, dtype=self.dtype)
+        """The tensor, in memory it owns (writable; page-locked once :meth:`pin_memory` was called)."""
+        out = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
         self.materialize_into(out)
         return out
+
+    def pin_memory(self, device: Any = None) -> LazyValue:
+        """Ask for page-locked memory where this value is read. A ``DataLoader(pin_memory=True)`` pins each batch
+        before :func:`materialize` reads it (torch calls ``pin_memory()`` on any object that has one), so the read
+        itself must allocate pinned memory."""
+        self.pinned = True
+        return self
 
     def materialize_into(self, out: torch.Tensor) -> None:
         """Write the tensor into ``out`` (contiguous, of ``shape`` and ``dtype``)."""
@@ -62,6 +70,7 @@ class LazyPadded(LazyValue):
         if not value.shape or length < value.shape[0]:
             raise ValueError(f"LazyPadded: cannot pad shape {tuple(value.shape)} to {length} entries on axis 0")
         self.value, self.shape, self.dtype = value, torch.Size((length, *value.shape[1:])), value.dtype
+        self.pinned = value.pinned
 
     def materialize_into(self, out: torch.Tensor) -> None:
         n = self.value.shape[0]
@@ -81,7 +90,7 @@ class LazyStack(LazyValue):
             raise ValueError("LazyStack: cannot stack no value")
         shapes = {tuple(v.shape) for v in values}
         dtypes = {v.dtype for v in values}
-        if len(shapes) > 1 or len(dtypes) > 1:
+        if len(shapes) > 1 or len(dtypes) > 1:  # what torch.stack would refuse
             raise ValueError(f"LazyStack: values of one shape and dtype expected, found shapes {sorted(shapes)} and "
                              f"dtypes {sorted(map(str, dtypes))}")
         self.values = list(values)

@@ -58,8 +58,8 @@ class FileTensor(LazyValue):
         return f"FileTensor({self.path!r}, offset={self.offset}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def materialize(self) -> torch.Tensor:
-        if not self.nbytes:
-            return torch.empty(self.shape, dtype=self.dtype)
+        if not self.nbytes or self.pinned:
+            return super().materialize()
         out = allocate(self.nbytes, shared=False)
         self.materialize_into(out)
         return out.view(self.dtype).view(self.shape)
