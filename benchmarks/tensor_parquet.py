@@ -1,7 +1,8 @@
 """Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
 
-Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]``.
-Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory figures). Shards are
+Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]
+[--loader-only]``. Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory
+figures; ``--loader-only``: only the DataLoader table). Shards are
 generated in a temporary folder (removed at the end) in two layouts holding the same rows:
 
 * ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
@@ -32,8 +33,10 @@ destination buffer (what a collate into a batch buffer does), timed apart from t
 ``cpu`` is the process CPU time per row of read + consume: on a shared machine it moves less with other jobs than the
 wall time does.
 
-``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``; a worker reads each row into one
-shared-memory buffer, which crosses to the main process as one segment), each row consumed in the main process as
+``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``), rows crossing either in shared
+memory (a worker reads each row into one shared-memory buffer, which crosses to the main process as one segment) or
+as file ranges (``hand_off=True``: a worker locates and checks the row, the main process ``pread`` s its
+uncompressed tensors when it materialises the row), each row materialised and consumed in the main process as
 above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
 fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
