@@ -281,17 +281,17 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(mapped.fd, start, length, os.POSIX_FADV_WILLNEED)
             out[name] = FileTensor(str(mapped.path), mapped.identity, start, shape, dtype,
-                                   self._where(i, name + BYTES))
+                                   f"{name}{BYTES}: {self._row_place(i)}")
         return out
 
-    def _where(self, i: int, column: str) -> str:
+    def _row_place(self, i: int) -> str:
+        """Where dataset row ``i`` is in its file, for messages."""
         f, g, _, _ = self.index.locate(i)
-        return f"{column}: row {i - int(self.index.file_start[f])} (row group {g}, dataset row {i})"
+        return f"row {i - int(self.index.file_start[f])} (row group {g}, dataset row {i})"
 
     def _row_error(self, i: int, column: str, reason: str) -> DatasetError:
-        f, g, r, _ = self.index.locate(i)
-        in_file = i - int(self.index.file_start[f])
-        return DatasetError(self.files[f], None, column, f"row {in_file} (row group {g}, dataset row {i}): {reason}")
+        f = self.index.locate(i)[0]
+        return DatasetError(self.files[f], None, column, f"{self._row_place(i)}: {reason}")
 
     def _forked(self) -> None:
         if os.getpid() != self._pid:  # forked after use: never share another process's mappings
