@@ -118,7 +118,7 @@ def test_lazy_values_stack_and_pad_as_torch_does(tmp_path):
     padded = stack([lazy[0].padded(4), torch.cat([values[1], values[1].new_zeros(1, 5)])]).materialize()
     assert torch.equal(padded, torch.stack([torch.cat([v, v.new_zeros(1, 5)]) for v in by_hand[:2]]))
     with pytest.raises(ValueError, match="one shape and dtype"):
-        stack([lazy[0], values[1].float()])
+        LazyStack([lazy[0], values[1].float()])  # stack() promotes those as torch.stack does (test below)
     # Containers are walked and keep their types; without a lazy value nothing is copied.
     Pair = collections.namedtuple("Pair", "a b")
     batch = {"x": [lazy[0], (1, lazy[1])], "p": Pair(lazy[2], "s"), "keep": {"t": values[0]}, "n": 3}
@@ -160,3 +160,21 @@ def test_a_pinning_loader_gets_page_locked_batches(tmp_path):
     assert got.is_pinned() and torch.equal(got[1], card_decode(rows[0], "int64"))
     alone = pin_memory(crossed)["int64"]
     assert alone.pinned and materialize(alone).is_pinned()
+
+
+def test_stack_promotes_mixed_dtypes_as_torch_does(tmp_path):
+    """Rows of one column stored in two dtypes (two shard roots) stack as ``torch.stack`` stacks them, whether the
+    values are tensors or were handed off; uniform ones land in reused host memory, equal to ``torch.stack``."""
+    path = tmp_path / "raw.bin"
+    half = torch.arange(6, dtype=torch.float16).view(2, 3)
+    path.write_bytes(half.view(torch.uint8).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    lazy = FileTensor(str(path), file_identity(fd), 0, (2, 3), torch.float16)
+    os.close(fd)
+    full = torch.ones(2, 3)
+    for values in ([lazy, full], [half, full]):
+        got = stack(values)
+        assert not isinstance(got, LazyValue) and got.dtype == torch.float32
+        assert torch.equal(got, torch.stack([half, full]))
+    uniform = [torch.randn(2, 3) for _ in range(3)]
+    assert torch.equal(stack(uniform), torch.stack(uniform))

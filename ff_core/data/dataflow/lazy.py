@@ -37,8 +37,12 @@ class LazyValue:
     pinned: bool = False  # materialise into page-locked memory (:meth:`pin_memory`)
 
     def materialize(self) -> torch.Tensor:
-        """The tensor, in memory it owns (writable; page-locked once :meth:`pin_memory` was called)."""
-        out = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
+        """The tensor, in memory it owns (writable; page-locked once :meth:`pin_memory` was called, else from
+        :func:`host_empty`)."""
+        if self.pinned:
+            out = torch.empty(self.shape, dtype=self.dtype, pin_memory=True)
+        else:
+            out = host_empty(self.shape, self.dtype)
         self.materialize_into(out)
         return out
 
@@ -106,10 +110,30 @@ class LazyStack(LazyValue):
 
 
 def stack(values: Sequence[torch.Tensor | LazyValue]) -> torch.Tensor | LazyValue:
-    """``torch.stack(values)``, or a :class:`LazyStack` when any value is lazy (read where it is materialised)."""
+    """``torch.stack(values)``, or a :class:`LazyStack` when any value is lazy (read where it is materialised).
+    CPU tensors of one dtype are stacked into :func:`host_empty` memory; values of several dtypes (or shapes) are
+    stacked as ``torch.stack`` stacks them, lazy ones read first (it promotes dtypes, or names the shapes)."""
+    values = list(values)
+    uniform = len({v.dtype for v in values}) == 1 and len({tuple(v.shape) for v in values}) == 1
     if any(isinstance(v, LazyValue) for v in values):
-        return LazyStack(values)
-    return torch.stack(list(values))
+        return LazyStack(values) if uniform else torch.stack([materialize(v) for v in values])
+    if not uniform or values[0].device.type != "cpu":
+        return torch.stack(values)
+    return torch.stack(values, out=host_empty((len(values), *values[0].shape), values[0].dtype))
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor from Arrow's allocator (mimalloc or jemalloc), which keeps freed memory for the
+    next batch. ``torch.empty`` takes a large buffer from the C allocator, which maps fresh pages for each one
+    (above 32 MB always): the kernel zeroes and faults in every page again, ~0.5 ms a MB, more than the copy that
+    fills it."""
+    import pyarrow as pa  # ff_core's dependency, imported where rows are read only
+
+    shape = torch.Size(shape)
+    nbytes = shape.numel() * dtype.itemsize
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(memoryview(pa.allocate_buffer(nbytes)), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def materialize(obj: Any) -> Any:

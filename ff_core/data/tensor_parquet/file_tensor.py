@@ -18,10 +18,9 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import pyarrow as pa
 import torch
 
-from ff_core.data.dataflow.lazy import LazyValue
+from ff_core.data.dataflow.lazy import LazyValue, host_empty
 from ff_core.errors import DatasetError
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -56,13 +55,6 @@ class FileTensor(LazyValue):
 
     def __repr__(self) -> str:
         return f"FileTensor({self.path!r}, offset={self.offset}, shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    def materialize(self) -> torch.Tensor:
-        if not self.nbytes or self.pinned:
-            return super().materialize()
-        out = allocate(self.nbytes, shared=False)
-        self.materialize_into(out)
-        return out.view(self.dtype).view(self.shape)
 
     def materialize_into(self, out: torch.Tensor) -> None:
         if out.numel() * out.element_size() != self.nbytes or not out.is_contiguous():
@@ -120,12 +112,11 @@ _FILES = _Files()
 
 
 def allocate(nbytes: int, shared: bool) -> torch.Tensor:
-    """``nbytes`` of uint8: ``shared`` memory (torch sends it from a DataLoader worker without a copy), else memory
-    from Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row, where a fresh buffer
-    from the C allocator can cost page faults on every read)."""
+    """``nbytes`` of uint8: ``shared`` memory (torch sends it from a DataLoader worker without a copy), else
+    :func:`~ff_core.data.dataflow.lazy.host_empty` memory (kept by Arrow's allocator for the next row)."""
     if shared:
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate allocates with
         if new_shared is not None:
             return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-    return torch.frombuffer(memoryview(pa.allocate_buffer(nbytes)), dtype=torch.uint8)
+    return host_empty((nbytes,), torch.uint8)
