@@ -12,7 +12,8 @@ Every batch :class:`~ff_core.data.dataflow.DataflowLoader` yields passes through
 process (dicts, lists and tuples are walked; every :class:`LazyValue` is replaced by what it describes), so
 processors, batchers and collators may return lazy values and the training step never sees one. A collator stacks
 lazy values with :func:`stack` (each read straight into its slice of the batch tensor: no second copy), and a step
-that needs the values themselves in a worker calls :func:`materialize` there (same result, the old cost).
+that needs the values themselves in a worker calls :func:`materialize` there (same result, the old cost). Tensors
+are allocated by :func:`host_empty`, from memory Arrow's allocator keeps for the next batch.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class LazyValue:
     """A value described in a worker and read in the process that calls :meth:`materialize`.
 
     Subclasses are small and picklable (they cross the worker's queue), have the ``shape`` and ``dtype`` of the tensor
-    they describe, and implement :meth:`materialize_into` (and :meth:`materialize` when a fresh tensor can be had
-    more cheaply than ``torch.empty`` + :meth:`materialize_into`).
+    they describe, and implement :meth:`materialize_into`; :meth:`materialize` allocates (:func:`host_empty`) and
+    calls it.
     """
 
     shape: torch.Size

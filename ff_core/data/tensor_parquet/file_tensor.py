@@ -1,8 +1,8 @@
 """:class:`FileTensor`: an uncompressed ``_bytes`` value as a DataLoader worker hands it to the main process.
 
 A 10 MB row a worker returns as tensors crosses in fresh shared memory: the kernel allocates and zeroes its pages,
-the main process faults them in again, and with workers the loader delivered rows 3-5x slower than reading them in
-the main process (benchmarks/RESULTS.md, "Tensor-parquet shards", runs D-G). An uncompressed value is already a byte
+the main process faults them in again, and with workers the loader delivered rows 3-10x slower than reading them in
+the main process (benchmarks/RESULTS.md, "Tensor-parquet shards", runs D-H). An uncompressed value is already a byte
 range of a page-cached file, so a worker (``TensorParquetDataset(hand_off=True)``) locates it, checks it, asks the
 kernel to read it ahead (``posix_fadvise(WILLNEED)``) and returns this description instead; the main process reads
 it with one ``pread`` into memory it owns (:meth:`materialize`, or straight into its slice of a batch tensor:
