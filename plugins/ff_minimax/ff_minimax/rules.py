@@ -56,7 +56,7 @@ def check_clip(num_frames: int, height: int, width: int, canvas_multiple: int | 
     naming the ``model.adapter_kwargs`` key otherwise.
 
     ``num_frames`` is rounded up to ``17 n + 5`` (:func:`aligned_num_frames`); the rounded clip must last 5-15 s at
-    24 fps (so 124 is the smallest count, 355 the largest). ``height`` / ``width`` must be positive multiples of
+    24 fps (so 124 is the smallest aligned count, 345 the largest). ``height`` / ``width`` must be positive multiples of
     ``canvas_multiple`` (the VAE's spatial compression times the transformer's patch) when it is known.
 
     Args:
@@ -73,7 +73,7 @@ def check_clip(num_frames: int, height: int, width: int, canvas_multiple: int | 
     if not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise ValueError(f"model.adapter_kwargs.num_frames: {num_frames} frames, rounded up to {aligned} "
                          f"(17 n + 5), last {seconds:.3f} s at {FPS} fps; MiniMax H3 takes {MIN_SECONDS:g}-"
-                         f"{MAX_SECONDS:g} s, i.e. 124 to 355 frames")  # fmt: skip
+                         f"{MAX_SECONDS:g} s, i.e. 124 to 345 frames after rounding")  # fmt: skip
     for key, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"model.adapter_kwargs.{key} must be a positive integer, got {value!r}")

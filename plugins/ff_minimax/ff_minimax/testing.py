@@ -14,8 +14,10 @@ Sizes (every number is the real model's structure scaled down; what the pipeline
   released one, so ``17 n + 5`` frames are ``5 n + 2`` latent frames (the pipeline's ``video_latent_num_frames``
   assumes it; with ``token_drop`` 0 a single 17-frame clip round-trips instead, but 124 frames would not give 37
   latent frames). 4 latent channels with non-trivial ``latents_mean`` / ``latents_std``.
-* audio VAE: mono codec at 1600 Hz with hop 40 (encoder strides 4 x 10): 40 latents per second, the rate the pipeline
-  hard-codes (``MINIMAX_H3_AUDIO_LATENTS_PER_SECOND``; the released one is 32 kHz with hop 800). 4 latent channels.
+* audio VAE: mono codec at 8 kHz (the lowest rate an MP4's AAC stream takes) with hop 200 (encoder strides
+  4 x 5 x 10): 40 latents per second, the rate the pipeline hard-codes (``MINIMAX_H3_AUDIO_LATENTS_PER_SECOND``; the
+  released one is 32 kHz with hop 800). 4 latent channels. Each decoder kernel exceeds its upsampling rate by an even
+  number (as the released 9 / 5 and 4 / 2), so ``L`` latents decode to exactly ``L * hop`` samples.
 * text: Qwen3-VL with 51 decoder layers 16 wide (the pipeline reads ``hidden_states[50]``, so the stack must be
   deeper than 50) and a one-block vision tower; the transformer 1 block of 2 heads x 16, one refiner block.
 
@@ -110,9 +112,9 @@ def build_tiny_minimax(path: str | Path, *, variant: str = "t2va", seed: int = 0
         latents_std=tuple((0.5 + torch.rand(latent_channels, generator=g)).tolist()),
     ))  # fmt: skip
     audio_vae = seeded(seed + 4, lambda: AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, encoder_rates=(4, 10), latent_dim=16, latent_channels=audio_channels, num_attention_heads=2,
-        decoder_dim=8, decoder_rates=(5, 8), decoder_kernel_sizes=(10, 16), resblock_kernel_sizes=(3,),
-        resblock_dilation_sizes=((1,),), sampling_rate=1600,
+        encoder_dim=4, encoder_rates=(4, 5, 10), latent_dim=16, latent_channels=audio_channels,
+        num_attention_heads=2, decoder_dim=8, decoder_rates=(5, 5, 8), decoder_kernel_sizes=(9, 9, 16),
+        resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),), sampling_rate=8000,
         latents_mean=(torch.randn(audio_channels, generator=g) * 0.2).tolist(),
         latents_std=(0.5 + torch.rand(audio_channels, generator=g)).tolist(),
     ))  # fmt: skip
@@ -173,14 +175,14 @@ def write_av_clips(
     preference: bool = False,
     frames: int = 132,
     fps: float = 24.0,
-    rate: int = 8000,
+    rate: int = 11025,
     channels: int = 1,
 ) -> Path:
     """A V2 dataset folder of ``n`` (>= 2) audio+video clips: ``train.jsonl``, MP4 targets with ``fps`` under
     ``videos/``, WAV targets with ``sample_rate`` under ``audios/`` (each target an ordered (video, audio) pair),
     ``test.txt`` prompts. Clip ``i`` is a red / blue / green square with a low / high tone, as its caption says;
-    132 frames at 24 fps (5.5 s, longer than the 124-frame training clip), mono audio at 8 kHz (so the codec converts
-    it to stereo at the audio VAE's rate).
+    132 frames at 24 fps (5.5 s, longer than the 124-frame training clip), mono audio at 11.025 kHz (so the codec
+    converts it to stereo at the audio VAE's 8 kHz).
 
     Args:
         root: the dataset folder (created).
