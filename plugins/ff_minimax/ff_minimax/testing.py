@@ -15,7 +15,7 @@ Sizes (every number is the real model's structure scaled down; what the pipeline
   assumes it; with ``token_drop`` 0 a single 17-frame clip round-trips instead, but 124 frames would not give 37
   latent frames). 4 latent channels with non-trivial ``latents_mean`` / ``latents_std``.
 * audio VAE: mono codec at 8 kHz (the lowest rate an MP4's AAC stream takes) with hop 200 (encoder strides
-  4 x 5 x 10): 40 latents per second, the rate the pipeline hard-codes (``MINIMAX_H3_AUDIO_LATENTS_PER_SECOND``; the
+  10 x 5 x 4): 40 latents per second, the rate the pipeline hard-codes (``MINIMAX_H3_AUDIO_LATENTS_PER_SECOND``; the
   released one is 32 kHz with hop 800). 4 latent channels. Each decoder kernel exceeds its upsampling rate by an even
   number (as the released 9 / 5 and 4 / 2), so ``L`` latents decode to exactly ``L * hop`` samples.
 * text: Qwen3-VL with 51 decoder layers 16 wide (the pipeline reads ``hidden_states[50]``, so the stack must be
@@ -104,15 +104,15 @@ def build_tiny_minimax(path: str | Path, *, variant: str = "t2va", seed: int = 0
     g = torch.Generator().manual_seed(seed + 2)
     latent_channels, audio_channels = 4, 4
     vae = seeded(seed + 3, lambda: AutoencoderKLMiniMaxH3(
-        latent_channels=latent_channels, block_out_channels=(8, 8), layers_per_block=1,
-        spatial_downsample_factors=(2, 2), temporal_downsample_factors=(2, 2), norm_num_groups=4,
+        latent_channels=latent_channels, block_out_channels=(4, 4), layers_per_block=1,
+        spatial_downsample_factors=(2, 2), temporal_downsample_factors=(2, 2), norm_num_groups=2,
         decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
         decoder_num_register_tokens=1, clip_length=17, token_drop=3,
         latents_mean=tuple((torch.randn(latent_channels, generator=g) * 0.2).tolist()),
         latents_std=tuple((0.5 + torch.rand(latent_channels, generator=g)).tolist()),
     ))  # fmt: skip
     audio_vae = seeded(seed + 4, lambda: AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, encoder_rates=(4, 5, 10), latent_dim=16, latent_channels=audio_channels,
+        encoder_dim=2, encoder_rates=(10, 5, 4), latent_dim=16, latent_channels=audio_channels,
         num_attention_heads=2, decoder_dim=8, decoder_rates=(5, 5, 8), decoder_kernel_sizes=(9, 9, 16),
         resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),), sampling_rate=8000,
         latents_mean=(torch.randn(audio_channels, generator=g) * 0.2).tolist(),
