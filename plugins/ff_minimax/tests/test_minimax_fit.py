@@ -54,6 +54,28 @@ def test_t2va_sft_recipe_trains_from_mp4_and_wav_pairs(tiny_minimax, clips, tmp_
     assert lora.stat().st_size > 0
 
 
+def test_frozen_audio_trains_the_video_alone_under_full_fine_tuning(tiny_minimax, clips, tmp_path):
+    """``model.frozen_components: [audio]`` without LoRA: after 2 steps the audio stream's own layers (its input and
+    output projections) are bit-identical to the checkpoint's and out of the optimiser; the shared blocks trained."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(tiny_minimax("t2va"), subfolder="transformer").state_dict()
+    cli = fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "clips", "dataset_dir": str(clips)}], tmp_path,
+              "--model.lora", "null", "--model.frozen_components", "[audio]",
+              "--trainer.callbacks", json.dumps([{"class_path": "ff_core.callbacks.FlowCheckpoint",
+                                                  "init_args": {"save_last": True}}]))  # fmt: skip
+    assert cli.trainer.global_step == 2
+    trained = dict(cli.model.adapter.transformer.named_parameters())
+    audio = set(cli.model.adapter.component_parameters("audio")["transformer"])
+    assert audio == {"audio_proj_in.weight", "audio_proj_in.bias", "audio_proj_out.weight", "audio_proj_out.bias"}
+    for name in audio:
+        assert not trained[name].requires_grad and torch.equal(trained[name], base[name]), name
+    shared = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(trained[shared], base[shared])
+    optimised = {id(p) for group in cli.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimised == {id(p) for n, p in trained.items() if n not in audio}
+
+
 def test_t2va_offline_dpo_recipe_trains_on_audio_video_pairs(tiny_minimax, tmp_path):
     pairs = write_av_clips(tmp_path / "pairs", 2, preference=True)
     record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
