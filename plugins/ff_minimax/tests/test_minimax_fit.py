@@ -200,3 +200,13 @@ def test_records_breaking_the_rules_fail_validation_and_fit_before_weights_load(
     with pytest.raises(Exception, match=message.split(": ", 1)[1]) as info:
         fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "bad", "dataset_dir": str(bad)}], tmp_path / "run")
     assert "weights loaded" not in str(info.value)
+
+
+def test_a_target_shorter_than_the_clip_is_rejected_naming_the_record(tiny_minimax, tmp_path):
+    """Spec: the target video must cover the configured 24-fps duration (never stretched): 100 frames cannot give the
+    124-frame clip."""
+    short = write_av_clips(tmp_path / "short", 2, frames=100)
+    with pytest.raises(Exception, match=r"train\.jsonl:1: supervision\.target\.media\[0\]\.path: .*000\.mp4: video too "
+                                        r"short: 124 frames at 24 fps"):  # fmt: skip
+        fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "short", "dataset_dir": str(short)}],
+            tmp_path / "run")  # fmt: skip
