@@ -1,7 +1,8 @@
 """Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
 
-Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]``.
-Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory figures). Shards are
+Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]
+[--loader-only]``. Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory
+figures; ``--loader-only``: only the DataLoader table). Shards are
 generated in a temporary folder (removed at the end) in two layouts holding the same rows:
 
 * ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
@@ -32,8 +33,10 @@ destination buffer (what a collate into a batch buffer does), timed apart from t
 ``cpu`` is the process CPU time per row of read + consume: on a shared machine it moves less with other jobs than the
 wall time does.
 
-``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``; a worker reads each row into one
-shared-memory buffer, which crosses to the main process as one segment), each row consumed in the main process as
+``DataLoader``: ff with 0 (main process), 1 and 2 workers (``batch_size=None``), rows crossing either in shared
+memory (a worker reads each row into one shared-memory buffer, which crosses to the main process as one segment) or
+as file ranges (``hand_off=True``: a worker locates and checks the row, the main process ``pread`` s its
+uncompressed tensors when it materialises the row), each row materialised and consumed in the main process as
 above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
 fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
@@ -65,6 +68,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ff_core.data.dataflow import (  # noqa: E402
+    DataflowLoader,
+    DataParallelCoords,
+    SamplerDistributor,
+    materialize,
+)
+from ff_core.data.sources import DatasetConfig  # noqa: E402
 from ff_core.data.tensor_parquet import (  # noqa: E402
     I2V_TRACK_SCHEMA,
     TensorParquetDataset,
@@ -72,6 +82,7 @@ from ff_core.data.tensor_parquet import (  # noqa: E402
     encode_tensor,
     two_level_order,
 )
+from ff_core.data.tensor_rows import TensorColumns, TensorRowCollator, TensorRowProcessor, TensorRows, open_shards  # noqa: E402,E501
 
 SHAPES = {"vae_latent": (16, 16, 60, 104), "first_frame_latent": (16, 16, 60, 104), "clip_feature": (257, 1280),
           "track_points": (121, 2500, 2), "track_visibility": (121, 2500), "object_ids": (2500,),
@@ -247,7 +258,9 @@ class TimedReads(torch.utils.data.Dataset):
 def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, row_bytes: float, workers: int,
                 consume: Consumer) -> dict:
     """Rows delivered (and consumed) by a DataLoader with ``workers`` workers (``batch_size=None``), the main
-    process's CPU time per row, and the per-row read time inside the workers."""
+    process's CPU time per row, and the per-row read time inside the workers. Every row is ``materialize`` d in
+    the main process as it is delivered (what ``DataflowLoader`` does: with ``hand_off`` it reads the row's
+    uncompressed tensors there; otherwise it finds nothing to do)."""
     loader = torch.utils.data.DataLoader(TimedReads(ds), batch_size=None, sampler=order.tolist(), num_workers=workers,
                                          prefetch_factor=2 if workers else None, persistent_workers=False)
     it = iter(loader)
@@ -255,13 +268,52 @@ def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, ro
     reads: list[tuple[float, float]] = []
 
     def deliver(_: int) -> dict:
-        row = next(it)
+        row = materialize(next(it))
         reads.append((row.pop("read_s"), row.pop("read_cpu_s")))
         return row
 
     r = timed(deliver, iter(range(len(order) - 1)), budget, row_bytes, consume)
     return {**r, "worker_ms_row": 1e3 * sum(a for a, _ in reads) / len(reads),
             "worker_cpu_ms_row": 1e3 * sum(b for _, b in reads) / len(reads)}
+
+
+# Training's reading of the card's rows, as Wan I2V's adapter declares it: three condition columns (the text
+# embedding zero-padded to a fixed length so rows batch together), one latent; the track columns are not read.
+TRAINING_COLUMNS = TensorColumns(condition={"text_embedding": "prompt_embeds", "clip_feature": "image_embeds",
+                                            "first_frame_latent": "first_frame_latent"},
+                                 latents={"vae_latent": "video"}, prompt="caption", pad={"text_embedding": 192})
+
+
+def flat_tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in flat_tensors(v)]
+    return [batch] if isinstance(batch, torch.Tensor) else []
+
+
+def dataflow_rate(root: Path, budget: float, workers: int, hand_off: bool, batch_size: int) -> dict:
+    """Batches of ``batch_size`` rows from ``DataflowLoader`` as ``ff fit`` builds it over shards (SamplerDistributor,
+    TensorRowProcessor, TensorRowCollator), each batch's tensors copied once in the main process (consumption)."""
+    sources = open_shards([DatasetConfig(name="bench", tensor_parquet_dir=str(root))], TRAINING_COLUMNS, "bench",
+                          hand_off=hand_off)
+    rows = TensorRows([s.dataset for s in sources])
+    loader = DataflowLoader(SamplerDistributor(rows, seed=1, name="bench", identity={"bench": {"rows": len(rows)}}),
+                            TensorRowProcessor(rows, TRAINING_COLUMNS), collator=TensorRowCollator(),
+                            batch_size=batch_size, num_workers=workers, coords=DataParallelCoords(0, 1))
+    it = iter(loader)
+    first = next(it)  # workers started and primed
+    nbytes = sum(t.numel() * t.element_size() for t in flat_tensors(first))
+    sink = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def consume(batch: dict) -> None:
+        at = 0
+        for t in flat_tensors(batch):
+            n = t.numel() * t.element_size()
+            sink[at: at + n].copy_(t.reshape(-1).view(torch.uint8))
+            at += n
+
+    r = timed(lambda _: next(it), iter(range(len(loader) - 1)), budget, nbytes, consume)
+    per_row = {k: r[k] / batch_size for k in ("ms_row", "read_ms", "consume_ms", "cpu_ms")}
+    return {**r, **per_row, "rows_s": r["rows_s"] * batch_size, "row_bytes": nbytes / batch_size}
 
 
 def shared_memory_cost(row_bytes: int, budget: float) -> dict:
@@ -296,6 +348,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny rows (~100 kB), short budgets: a smoke test")
     parser.add_argument("--layouts", nargs="+", choices=list(READERS), default=list(READERS),
                         help="the layouts to measure (both are written; the copy ceilings are always measured)")
+    parser.add_argument("--loader-only", action="store_true", help="only the DataLoader table (and shared memory)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -313,7 +366,7 @@ def main() -> None:
         row_bytes = payload / rows
         print(f"{rows} rows of {row_bytes / 1e6:.2f} MB per layout ({payload / 1e9:.2f} GB), written in "
               f"{time.perf_counter() - t:.0f} s; {args.group_rows} rows per row group in the reference layout\n")
-        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts)
+        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts, args.loader_only)
         print(json.dumps(results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -328,16 +381,32 @@ def row_line(layout: str, name: str, r: dict) -> str:
             f"{r['consume_ms']:.2f} | {r['read_ms'] + r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
 
 
-# (layout, two-level order, workers): 0 workers is the DataLoader reading in the main process.
-LOADERS = [("ff", False, 0), ("ff", False, 1), ("ff", False, 2), ("reference", True, 0), ("reference", True, 2)]
+# (layout, two-level order, workers, hand_off): 0 workers is the DataLoader reading in the main process; with
+# hand_off the workers return uncompressed tensors as FileTensor descriptions, read in the main process.
+LOADERS = [("ff", False, 0, False), ("ff", False, 1, False), ("ff", False, 2, False), ("ff", False, 1, True),
+           ("ff", False, 2, True), ("reference", True, 0, False), ("reference", True, 2, False)]
 
 
 def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool,
-            layouts: list[str] | None = None) -> dict:
+            layouts: list[str] | None = None, loader_only: bool = False) -> dict:
     layouts = list(READERS) if layouts is None else layouts
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     results: dict = {}
     consume = Consumer(int(row_bytes * 1.1) + 4096)
+    if not loader_only:
+        readers(work, row_bytes, budget, layouts, order, consume, results)
+    loaders(work, row_bytes, budget, layouts, order, consume, results)
+    if not quick and not loader_only and "ff" in layouts:
+        print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
+        for root in (work / "ff" / "shard000", work / "ff"):
+            r = results[f"rss/{r_rows(root)}"] = rss(root)
+            print(f"| {r['rows']} | {r['VmHWM']} | {r['RssAnon']} | {r['RssFile']} |")
+    return results
+
+
+def readers(work: Path, row_bytes: float, budget: float, layouts: list[str], order: torch.Tensor, consume: Consumer,
+            results: dict) -> None:
+    """The random-read table: every reader of :data:`READERS`, then the copy ceilings."""
     print("| layout | reader | rows read | rows/s | GB/s | ms/row read | ms/row consume | ms/row read + consume | "
           "cpu ms/row |\n|---|---|---|---|---|---|---|---|---|")
     for layout, names in READERS.items():
@@ -350,25 +419,34 @@ def measure(work: Path, rows: int, row_bytes: float, budget: float, quick: bool,
     results["memcpy"], results["pread"] = mem, pread
     for name, r in (("memcpy (RAM to RAM)", mem), ("pread (page cache to RAM)", pread)):
         print(row_line("-", name, r))
-    print("\n| layout, order | workers | rows/s | GB/s | ms/row delivered + consumed | main process: cpu ms/row "
-          "| worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|")
-    for layout, two_level, workers in (x for x in LOADERS if x[0] in layouts):
-        ds = TensorParquetDataset(work / layout, cached_groups=4)
+
+
+def loaders(work: Path, row_bytes: float, budget: float, layouts: list[str], order: torch.Tensor, consume: Consumer,
+            results: dict) -> None:
+    """The DataLoader table (:data:`LOADERS`) and the cost of fresh shared memory."""
+    print("\n| layout, order | workers | rows cross as | rows/s | GB/s | ms/row delivered + consumed | main process: "
+          "cpu ms/row | worker: ms/row read | worker: cpu ms/row read |\n|---|---|---|---|---|---|---|---|---|")
+    for layout, two_level, workers, hand_off in (x for x in LOADERS if x[0] in layouts):
+        ds = TensorParquetDataset(work / layout, cached_groups=4, hand_off=hand_off)
         rows_order = two_level_order(ds.group_bounds, 0, 0, window=4) if two_level else order
-        r = results[f"{layout}/loader{workers}"] = best_of(
-            ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
-        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {r['rows_s']:.1f} | "
+        key = f"{layout}/loader{workers}{'/hand_off' if hand_off else ''}"
+        r = results[key] = best_of(ROUNDS, lambda: loader_rate(ds, rows_order, budget, row_bytes, workers, consume))
+        how = "-" if not workers else "file ranges (hand_off)" if hand_off else "shared memory"
+        print(f"| {layout}, {'two-level' if two_level else 'random'} | {workers} | {how} | {r['rows_s']:.1f} | "
               f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | {r['worker_ms_row']:.2f} | "
               f"{r['worker_cpu_ms_row']:.2f} |")
+    if "ff" in layouts:
+        print("\n| training loader, batches of 4 | workers | rows cross as | rows/s | ms/row delivered + consumed | "
+              "ms/row consume | main process: cpu ms/row |\n|---|---|---|---|---|---|---|")
+        for workers, hand_off in ((0, False), (1, False), (2, False), (1, True), (2, True)):
+            key = f"ff/dataflow{workers}{'/hand_off' if hand_off else ''}"
+            r = results[key] = best_of(ROUNDS, lambda: dataflow_rate(work / "ff", budget, workers, hand_off, 4))
+            how = "-" if not workers else "file ranges (hand_off)" if hand_off else "shared memory"
+            print(f"| ff, {r['row_bytes'] / 1e6:.1f} MB read a row | {workers} | {how} | {r['rows_s']:.1f} | "
+                  f"{r['ms_row']:.2f} | {r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
     r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
     print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
           f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
-    if not quick and "ff" in layouts:
-        print("\n| ff-layout rows read | VmHWM MiB | RssAnon MiB | RssFile MiB |\n|---|---|---|---|")
-        for root in (work / "ff" / "shard000", work / "ff"):
-            r = results[f"rss/{r_rows(root)}"] = rss(root)
-            print(f"| {r['rows']} | {r['VmHWM']} | {r['RssAnon']} | {r['RssFile']} |")
-    return results
 
 
 def r_rows(root: Path) -> int:

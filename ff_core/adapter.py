@@ -164,8 +164,9 @@ class Adapter(nn.Module):
             must not cast (:func:`ff_core.sharding.fully_shard_networks` casts the others): diffusers embeds the
             timestep (and FLUX.1's embedded guidance, scaled alike) sinusoidally in fp32, and ``sigma * 1000`` in
             bf16 would round to steps of up to 4.
-        default_component_weights: how the flow-matching error reduces over the latent components when the
-            objective's ``component_weights`` is unset (``per_sample_squared_error``): ``None`` (default) pools
+        default_component_weights: how the flow-matching error (SFT, DPO) and GRPO's step log-probabilities reduce
+            over the latent components when the objective's ``component_weights`` is unset
+            (:func:`~ff_core.sampling.component_mean`): ``None`` (default) pools
             every element of every component; a family whose reference trainer sums one mean per stream (LTX-2:
             ``{video: 1, audio: 1}``) declares it here, so the audio is not drowned by the video's element count.
         latent_components: the names of the :class:`LatentState` components the adapter's stages produce, in order
@@ -487,6 +488,23 @@ class Adapter(nn.Module):
         """Predict the flow velocity ``eps - x0`` at noise level ``sigma`` (shape (B,), in [0, 1])."""
         raise NotImplementedError
 
+    def component_velocity(self, state: LatentState, sigmas: dict[str, Tensor], condition: Condition) -> LatentState:
+        """The velocity with each latent component at its own noise level: what sampling and GRPO replays call when
+        the components step on their own schedules (:meth:`sampling_schedules`).
+
+        Default: :meth:`velocity` at the first component's level (a denoiser conditioned on one noise level: the
+        other components are stepped on their schedules but predicted at it). A family whose denoiser takes one noise
+        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it;
+        training noises every component at one level and calls :meth:`velocity`, which such a family implements as
+        this method with that level for every component.
+
+        Args:
+            state: the noisy latents.
+            sigmas: per component name (every one of ``state``'s), its noise levels, shape (B,).
+            condition: the prepared condition.
+        """
+        return self.velocity(state, sigmas[next(iter(state.components))], condition)
+
     def decode(self, state: LatentState) -> list[list[Tensor]]:
         """Decode latents to media: per sample, the contract's outputs (images: uint8 (3, H, W))."""
         raise NotImplementedError
@@ -545,8 +563,8 @@ class Adapter(nn.Module):
         """Per latent component of ``state``, its noise levels (``num_steps + 1`` values from 1 towards 0) for sampling.
 
         Default: :meth:`sampling_sigmas` for ``state``'s geometry, for every component. A family whose components
-        denoise on their own schedules (an audio stream beside video) overrides it; the velocity is evaluated at the
-        first component's level.
+        denoise on their own schedules (an audio stream beside video) overrides it; the velocity is evaluated with
+        :meth:`component_velocity` (by default at the first component's level).
 
         Args:
             state: the initial noise (component names and shapes).

@@ -29,6 +29,7 @@ from ff_core.objectives import Objective, SFTObjective
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
+from ff_core.sampling import guides
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -142,7 +143,7 @@ class FlowModule(L.LightningModule):
         frozen_components: latent components whose branch of the denoiser does not train (``[audio]``: LTX-2's
             audio stream): the adapter names their parameters (:meth:`~ff_core.adapter.Adapter.component_parameters`),
             which stay frozen under LoRA and full fine-tuning alike, and the objective leaves them out of the loss
-            (SFT and offline DPO; GRPO refuses). docs/config.md.
+            (SFT and offline DPO: its error term; GRPO: its step log-prob term). docs/config.md.
     """
 
     def __init__(
@@ -178,7 +179,7 @@ class FlowModule(L.LightningModule):
         self.sharding = sharding
         self.noise_seed = noise_seed
         self.frozen_components = list(dict.fromkeys(frozen_components or ()))
-        objective.freeze_components(self.frozen_components)  # before any weights load: GRPO refuses here
+        objective.freeze_components(self.frozen_components)  # before any weights load: an objective may refuse
         # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
         check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
         guidance = {f"model.sampling.{k}": getattr(self.sampling, k) for k in ("guidance_scale", "guidance_rescale")}
@@ -226,6 +227,7 @@ class FlowModule(L.LightningModule):
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         if strategy is not None:
             self._check_strategy(strategy)
+        self._check_guidance()
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -377,6 +379,20 @@ class FlowModule(L.LightningModule):
                               "ModelParallelStrategy (FSDP2), whose reference copy would stay whole on every rank: "
                               "train a LoRA (its reference is the base with the LoRA disabled, sharded with it), or "
                               "use trainer.strategy: ddp")  # fmt: skip
+
+    def _check_guidance(self) -> None:
+        """A contract without classifier-free guidance (``negative_prompt: rejected``, MiniMax H3: a
+        guidance-distilled checkpoint) samples with one forward per step: a ``guidance_scale`` other than 1 would ask
+        for a second, unconditional forward the checkpoint has no branch for. Refused before any weight loads, naming
+        the key (spec dataset-guide, "MiniMax H3 datasets": training and evaluation keep ``guidance_scale: 1.0``)."""
+        keys = {"model.sampling.guidance_scale": self.sampling.guidance_scale,
+                "model.objective.init_args.guidance_scale": getattr(self.objective, "guidance_scale", 1.0)}
+        guided = {key: value for key, value in keys.items() if guides(value)}  # one scale, or one per component
+        if not guided or self.io_contract.uses_cfg:  # the contract is read only when CFG is asked for
+            return
+        key, value = next(iter(guided.items()))
+        raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free guidance (its "
+                               "contract rejects negative prompts); keep it 1.0")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it

@@ -17,8 +17,10 @@ Convention (SD3): ``x_sigma = (1 - sigma) x0 + sigma eps``, the network predicts
   the ``1 / (2 std^2)`` factor and the constants; ratios then differ).
 
 Log-probabilities are computed in fp32 and are the **mean over active latent elements** (Flow-GRPO averages over
-elements; pinned elements, mask 0, are excluded), pooled by element count over the components of a multi-component
-state (video + audio), like :func:`ff_core.objectives.flow_matching.per_sample_squared_error`. The sampled
+elements; pinned elements, mask 0, are excluded); over the components of a multi-component state (video + audio)
+they reduce as the flow-matching error of SFT and DPO does (:func:`component_mean`): each component's own mean
+weighted by ``component_weights`` (LTX-2's default: ``(mean_video + mean_audio) / 2``), or pooled by element count
+without weights (a single component: its mean, whatever the weights); ``frozen_components`` are left out. The sampled
 ``x_next`` is rounded to the state's storage dtype *before* its log-prob is taken, and a :class:`Transition` stores
 exactly the inputs replay needs (``x_t``, rounded ``x_next``, the noise levels), so a replay with the same weights
 recomputes the same fp32 mean and gets a bitwise-equal log-prob (tests/test_sampling.py). In bf16 the velocity
@@ -32,7 +34,7 @@ it for training, so neither imports the other for sampling maths.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -139,20 +141,55 @@ def gaussian_log_density(x_next: Tensor, mean: Tensor, std: float) -> Tensor:
     return -((x_next.float() - mean) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI
 
 
-def pooled_element_mean(per_element: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> Tensor:
-    """Per sample, the mean over every active element (mask 1) of every component, pooled by element count; fp32,
-    shape (B,).
+def component_mean(
+    per_element: Mapping[str, Tensor],
+    masks: Mapping[str, Tensor | None],
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
+) -> Tensor:
+    """Per sample, the mean of per-element values over the active elements (mask 1) of a latent state's components,
+    reduced over the components as ``component_weights`` says; fp32, shape (B,).
+
+    The one reduction of every per-element quantity of a (multi-component) latent state: the flow-matching error of
+    SFT and DPO (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`), GRPO's step log-probabilities
+    and its KL term (:func:`step_log_prob`). Without ``component_weights`` the components are pooled by element
+    count (each active element weighs the same, a stream with more elements weighs more); with them, each component's
+    own mean ``m_k`` over its active elements is averaged as ``sum_k w_k m_k / sum_k w_k`` (``{video: 1, audio: 1}``:
+    the streams weigh the same whatever their sizes). ``frozen_components`` are left out altogether (their weights
+    too). Masked-out elements (mask 0, pinned by a condition) contribute neither value nor count.
 
     Args:
         per_element: per component name, values shaped like the component.
-        masks: per component name, its {0, 1} mask (absent: every element active).
+        masks: per component name, its {0, 1} mask (absent or ``None``: every element active).
+        component_weights: per component name its weight (finite, >= 0, not all 0); every component that is not
+            frozen must be named. ``None``: pooled by element count.
+        frozen_components: components left out (``model.frozen_components``).
     """
-    total = count = None
+    if frozen_components:
+        kept = {k: v for k, v in per_element.items() if k not in frozen_components}
+        if not kept:
+            raise ValueError(f"model.frozen_components {sorted(frozen_components)} freezes every latent component "
+                             f"{list(per_element)}: nothing left to train")  # fmt: skip
+        per_element = kept
+        if component_weights is not None:
+            component_weights = {k: w for k, w in component_weights.items() if k not in frozen_components}
+    if component_weights is not None:
+        missing = sorted(set(per_element) - set(component_weights))
+        extra = sorted(set(component_weights) - set(per_element))
+        if missing or extra:
+            raise ValueError(f"model.objective.init_args.component_weights names {sorted(component_weights)}; the "
+                             f"latent components are {list(per_element)}")  # fmt: skip
+    total = count = weighted = None
     for name, values in per_element.items():
         mask = masks.get(name)
         mask = torch.ones_like(values) if mask is None else mask.to(values).expand_as(values)
         t, c = (values * mask).flatten(1).sum(1), mask.flatten(1).sum(1)
+        if component_weights is not None:
+            term = float(component_weights[name]) * (t / c.clamp_min(1))
+            weighted = term if weighted is None else weighted + term
         total, count = (t, c) if total is None else (total + t, count + c)
+    if component_weights is not None:
+        return weighted / sum(float(component_weights[name]) for name in per_element)
     return total / count.clamp_min(1)
 
 
@@ -182,6 +219,8 @@ def step_log_prob(
     kind: StepKind,
     eta: float,
     sigma_max: float | Mapping[str, float] | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> StepResult:
     """The log-prob of a given ``next_state`` under one step of ``kind`` from ``state`` (replay; with gradient when
     ``velocity`` has one). Arguments as :func:`sde_step`."""
@@ -191,7 +230,8 @@ def step_log_prob(
         means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
                                                 _component_value(sigma_max, name))  # fmt: skip
         dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
-    return StepResult(next_state, pooled_element_mean(dens, state.masks), means, stds)
+    log_prob = component_mean(dens, state.masks, component_weights, frozen_components)
+    return StepResult(next_state, log_prob, means, stds)
 
 
 def sde_step(
@@ -202,6 +242,8 @@ def sde_step(
     eta: float,
     generator: torch.Generator | None = None,
     sigma_max: float | Mapping[str, float] | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> StepResult:
     """Draw ``x_next`` for one stochastic step and score it.
 
@@ -217,6 +259,9 @@ def sde_step(
         eta: noise level of the step.
         generator: draws the noise; ``None``: the global generator.
         sigma_max: see :func:`step_gaussian`; one for all components or per component name.
+        component_weights: how the per-component log-densities reduce to one log-prob per sample
+            (:func:`component_mean`; ``None``: pooled by element count).
+        frozen_components: components whose log-density is left out of the log-prob (they are still stepped).
     """
     nxt = {}
     for name, x in state.components.items():
@@ -227,7 +272,8 @@ def sde_step(
         noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
         nxt[name] = keep_pinned((mean + std * noise).to(x.dtype), x, state.masks.get(name))
     next_state = replace(state, components=nxt, masks=dict(state.masks))
-    return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max)
+    return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max, component_weights,
+                         frozen_components)
 
 
 # -- which steps are stochastic -------------------------------------------------------------------------------------
@@ -308,6 +354,12 @@ class Transition:
     log_prob: Tensor
     levels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    @property
+    def velocity_levels(self) -> float | dict[str, float]:
+        """The noise level(s) the step's velocity is evaluated at (:func:`guided_velocity`): per component when the
+        transition stores them (components on their own schedules), else the first component's."""
+        return {k: sigma for k, (sigma, _) in self.levels.items()} if self.levels else self.sigma
+
 
 @dataclass
 class Trajectory:
@@ -353,23 +405,46 @@ def rescale_guided(guided: Tensor, conditional: Tensor, rescale: float) -> Tenso
 
 
 def guided_velocity(
-    adapter: Adapter, state: LatentState, sigma: float, condition: Condition, negative: Condition | None,
-    scale: Guidance, rescale: Guidance = 0.0,
-) -> LatentState:  # fmt: skip
+    adapter: Adapter,
+    state: LatentState,
+    sigma: float | Mapping[str, float],
+    condition: Condition,
+    negative: Condition | None,
+    scale: Guidance,
+    rescale: Guidance = 0.0,
+) -> LatentState:
     """The velocity at ``(state, sigma)``, with classifier-free guidance when ``negative`` is given: per latent
-    component ``k``, ``v_neg + s_k (v - v_neg)`` (``scale``: one for all, or per component).
+    component ``k``, ``v_neg + s_k (v - v_neg)`` (``scale``: one for all, or per component). ``sigma`` is one noise
+    level for every component (:meth:`Adapter.velocity <ff_core.adapter.Adapter.velocity>`) or one per component name
+    (:meth:`Adapter.component_velocity <ff_core.adapter.Adapter.component_velocity>`: components on their own
+    schedules).
 
     With a guidance rescale ``r_k > 0`` (``rescale``, one or per component) the component is guided in x0 space, as
-    diffusers' ``LTX2Pipeline`` does: ``x0 = x - sigma v`` of both branches, ``x0_g = x0 + (s_k - 1)(x0 - x0_neg)``,
-    :func:`rescale_guided` to the conditional ``x0``'s standard deviation, and back ``v = (x - x0_g) / sigma`` (in
-    fp32; ``sigma`` is the level the velocity is evaluated at, > 0 on every sampling step). Without it the combination
+    diffusers' ``LTX2Pipeline`` does: ``x0 = x - sigma_k v`` of both branches (``sigma_k`` the component's level),
+    ``x0_g = x0 + (s_k - 1)(x0 - x0_neg)``, :func:`rescale_guided` to the conditional ``x0``'s standard deviation, and
+    back ``v = (x - x0_g) / sigma_k`` (in fp32; ``sigma_k > 0`` on every sampling step). Without it the combination
     is the plain one above (the same linear combination, in velocity space).
     """
-    s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
-    v = adapter.velocity(state, s, condition)
+    device = next(iter(state.components.values())).device
+
+    def levels(value: float) -> Tensor:
+        return torch.full((state.batch_size,), value, device=device)
+
+    if isinstance(sigma, Mapping):
+        per = {name: levels(float(value)) for name, value in sigma.items()}
+
+        def predict(c: Condition) -> LatentState:
+            return adapter.component_velocity(state, per, c)
+    else:
+        s = levels(sigma)
+
+        def predict(c: Condition) -> LatentState:
+            return adapter.velocity(state, s, c)
+
+    v = predict(condition)
     if negative is None:
         return v
-    v_neg = adapter.velocity(state, s, negative)
+    v_neg = predict(negative)
     out = {}
     for name, c in v.components.items():
         u, k = v_neg.components[name], guidance_for(scale, name, "model.sampling.guidance_scale")
@@ -377,10 +452,11 @@ def guided_velocity(
         if not r:
             out[name] = u + k * (c - u)
             continue
+        level = float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
         x = state.components[name].float()
-        x0, x0_neg = x - sigma * c.float(), x - sigma * u.float()
+        x0, x0_neg = x - level * c.float(), x - level * u.float()
         guided = rescale_guided(x0 + (k - 1) * (x0 - x0_neg), x0, r)
-        out[name] = ((x - guided) / sigma).to(c.dtype)
+        out[name] = ((x - guided) / level).to(c.dtype)
     return replace(v, components=out, masks=dict(v.masks))
 
 
@@ -430,14 +506,15 @@ def sample_ode(
     """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
     each component steps on its own schedule (:meth:`Adapter.sampling_schedules
     <ff_core.adapter.Adapter.sampling_schedules>`, which sees the initial noise's geometry), the velocity is evaluated
-    at the first component's noise level, with the conditions of :func:`guided_conditions` and CFG as
+    with every component at its level (:meth:`Adapter.component_velocity
+    <ff_core.adapter.Adapter.component_velocity>`), with the conditions of :func:`guided_conditions` and CFG as
     :func:`guided_velocity` combines it (``guidance_scale``, ``guidance_rescale``: one or per component)."""
     state = adapter.initial_noise(condition, generator)
     condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
     levels = schedules(adapter, state, num_steps, shift)
-    primary = levels[next(iter(state.components))]
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale, guidance_rescale)
+        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale,
+                            guidance_rescale)  # fmt: skip
         state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
     return state
 
@@ -452,9 +529,12 @@ def sample_sde(
     generator: torch.Generator | None = None,
     shift: float | None = None,
     embedded_guidance: float | None = None,
+    component_weights: Mapping[str, float] | None = None,
+    frozen_components: Collection[str] = (),
 ) -> Trajectory:
     """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
-    each component on its own schedule, as :func:`sample_ode`.
+    each component on its own schedule, as :func:`sample_ode`. Each transition's log-prob reduces over the components
+    as ``component_weights`` and ``frozen_components`` say (:func:`component_mean`): replays must pass the same.
 
     Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
     SDE step's noise in step order. Call it under ``torch.no_grad()``.
@@ -466,10 +546,11 @@ def sample_sde(
     primary = levels[next(iter(state.components))]
     trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale)
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
-            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max)
+            out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max,
+                           component_weights, frozen_components)
             trajectory.transitions.append(Transition(i, state, out.next, primary[i], primary[i + 1], out.log_prob,
                                                      steps))  # fmt: skip
             state = out.next

@@ -213,14 +213,22 @@ def test_full_finetune_checkpoint_holds_the_transformer_only(tiny_sd3, shapes_di
 
 
 def test_frozen_components_need_declared_branches_and_an_objective_that_drops_them(tiny_sd3):
-    """``model.frozen_components`` (docs/config.md): GRPO refuses it before any weights load; an adapter that declares
-    no branches (SD3) refuses it as the module is built, naming the key."""
+    """``model.frozen_components`` (docs/config.md): an objective that cannot drop a component's term
+    (``supports_frozen_components`` false) refuses it before any weights load; an adapter that declares no branches
+    (SD3) refuses it as the module is built, naming the key. SFT, DPO and GRPO drop it (unless the objective's
+    component_weights keep it: freezing is about parameters)."""
     from ff_core.errors import ConfigError
-    from ff_core.objectives import GRPOObjective
+    from ff_core.objectives import DPOObjective, GRPOObjective, SFTObjective
 
-    with pytest.raises(ConfigError, match="model.frozen_components.*GRPOObjective"):
-        FlowModule("sd3-5", str(tiny_sd3), objective=GRPOObjective(rewards=[{"name": "colour", "args": {
-            "target": [255, 0, 0]}}]), frozen_components=["audio"])  # fmt: skip
+    class KeepsEveryTerm(SFTObjective):
+        supports_frozen_components = False
+
+    with pytest.raises(ConfigError, match="model.frozen_components.*KeepsEveryTerm"):
+        FlowModule("sd3-5", str(tiny_sd3), objective=KeepsEveryTerm(), frozen_components=["audio"])
+    for objective in (SFTObjective(), DPOObjective(), GRPOObjective(rewards=[{"name": "colour", "args": {
+            "target": [255, 0, 0]}}])):  # fmt: skip
+        objective.freeze_components(["audio"])
+        assert objective.frozen_components == {"audio"}
     with pytest.raises(ConfigError, match="model.frozen_components.*'sd3-5' does not declare"):  # no weights yet
         FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, frozen_components=["audio"])
 

@@ -1,10 +1,11 @@
-"""Video and audio samples to files, TensorBoard and CSV, from tensors (no video or audio adapter exists yet)."""
+"""Video and audio samples to files, TensorBoard, W&B (offline) and CSV, from tensors."""
 
 from __future__ import annotations
 
 import csv
 import io
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,30 +114,58 @@ def test_media_writer_writes_video_and_audio_predictions(tmp_path):
         assert (w.getnchannels(), w.getframerate()) == (2, 8000)
 
 
-def test_wandb_payload(monkeypatch):
-    """wandb is optional and not installed here: a stand-in module records what log_wandb hands to wandb's classes
-    (their constructors' arguments as wandb documents them)."""
-    import sys
-    from types import ModuleType, SimpleNamespace
+def test_wandb_logs_the_muxed_mp4_for_real(tmp_path, monkeypatch):
+    """wandb itself, offline (its files under tmp_path): a (video, audio) sample written as MP4 reaches W&B as that
+    one file, read back with PyAV: a video stream and the AAC soundtrack of the audio output (rate, channels,
+    duration), its audio not logged again; a GIF sample keeps its WAV beside it; the rewards table. Without the disk
+    files, log_wandb writes them under the run's folder first."""
+    wandb = pytest.importorskip("wandb")
+    import json
 
-    from ff_core.callbacks.media_log import log_wandb
+    import av
+    from lightning.pytorch.loggers import WandbLogger
 
-    fake = ModuleType("wandb")
-    for cls in ("Image", "Video", "Audio", "Table"):
-        setattr(fake, cls, type(cls, (), {"__init__": lambda self, *a, **k: setattr(self, "args", (a, k))}))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    logged = {}
-    logger = SimpleNamespace(experiment=SimpleNamespace(log=logged.update))
-    grid = Image.new("RGB", (4, 4))
-    log_wandb(logger, [av_sample(2)], grid, step=9)
-    assert logged["trainer/global_step"] == 9
-    assert logged["val/samples"].args == ((grid,), {})
-    (video,), kwargs = logged["val/sample_00002"].args
-    assert video.shape == (3, 3, 4, 6) and kwargs == {"fps": 12.5, "format": "gif"}
-    (audio,), kwargs = logged["val/sample_00002_1"].args
-    assert audio.shape == (800, 2) and kwargs == {"sample_rate": 8000}  # wandb.Audio takes (N, C)
-    assert logged["val/samples_table"].args[1] == {"columns": ["index", "prompt", "loud", "reward"],
-                                                   "data": [[2, "prompt 2", -8.0, -8.0]]}
+    from ff_core.callbacks.media_log import log_wandb, send_to_loggers
+
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rate, fps, frames = 16000, 8.0, 9
+    clip = [palette_video(t=frames, h=8, w=8), tone(2, n=round(frames / fps * rate), rate=rate)]
+    samples = [EvalSample(0, "a clip", clip, ("video", "audio"), (fps, rate), {"loud": -6.0}, -6.0, "mp4"),
+               EvalSample(1, "a gif", clip, ("video", "audio"), (fps, rate), {"loud": -7.0}, -7.0, "gif")]
+    files = write_sample_files(samples, tmp_path / "samples")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="ff-test", settings=wandb.Settings(
+        console="off", save_code=False, x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True))
+    run = logger.experiment
+    try:
+        assert send_to_loggers([logger], samples, Image.new("RGB", (4, 4)), step=4, paths=files) == ["wandb"]
+        log_wandb(logger, samples[:1], None, step=5, prefix="test")  # no files given: written under the run
+        summary = json.loads(json.dumps(dict(run.summary), default=dict))
+    finally:
+        run.finish()
+        wandb.teardown()  # its service process ends here, not at the end of the test session
+    run_dir = Path(run.dir)
+    video = summary["val/sample_00000"]
+    assert video["_type"] == "video-file" and video["path"].endswith(".mp4")
+    logged = run_dir / video["path"]
+    assert logged.read_bytes() == files[(0, 0)].read_bytes()  # the very file on disk
+    with av.open(str(logged)) as container:
+        assert float(container.streams.video[0].average_rate) == fps
+        assert len(list(container.decode(video=0))) == frames
+    with av.open(str(logged)) as container:
+        sound = container.streams.audio[0]
+        assert (sound.codec_context.name, sound.rate, sound.channels) == ("aac", rate, 2)
+        assert float(sound.duration * sound.time_base) == pytest.approx(frames / fps, abs=1e-3)
+    assert "val/sample_00000_1" not in summary  # the soundtrack is not logged twice
+    assert summary["val/sample_00001"]["path"].endswith(".gif")  # a GIF is silent: its audio beside it
+    assert summary["val/sample_00001_1"]["_type"] == "audio-file"
+    assert summary["val/samples_table"]["_type"] == "table-file" and summary["trainer/global_step"] == 5
+    test_video = run_dir / summary["test/sample_00000"]["path"]
+    with av.open(str(test_video)) as container:
+        assert len(container.streams.audio) == 1
+    assert (run_dir.parent / "ff_samples" / "test_step_000005" / "00000.mp4").is_file()
 
 
 @pytest.mark.parametrize(("fps", "size"), [(8.0, (16, 24)), (23.976, (15, 9))])  # odd sides are padded to even

@@ -102,6 +102,60 @@ def test_step_log_prob_pools_components_by_element_count_and_skips_pinned():
     assert_close(out.log_prob, expected[None])
 
 
+def _active_mean(values, mask=None):
+    return values.sum() / values.numel() if mask is None else (values * mask).sum() / mask.sum()
+
+
+def test_step_log_prob_weighs_each_components_own_mean():
+    """docs/objectives.md, "Several latent components": with ``component_weights`` {video: 3, audio: 1} the log-prob is
+    (3 m_video + 1 m_audio) / 4, each m the mean log-density over that component's active elements (3 of 4 video
+    elements, the first pinned; 5 audio ones), each component under its own (sigma, sigma_next); the same weights the
+    SFT error uses (``per_sample_squared_error`` reduces through the same ``component_mean``). A frozen component's
+    density leaves it (its weight ignored); replay with the same reduction is bitwise the rollout's."""
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
+    x, v = state(2, 4, masks={"video": mask}), state(2, 4, seed=1)
+    sigmas = {"video": (0.8, 0.6), "audio": (0.5, 0.3)}
+    weights = {"video": 3.0, "audio": 1.0}
+    out = sde_step(x, v, sigmas, "flow_sde", 0.7, torch.Generator().manual_seed(2), component_weights=weights)
+    dens = {}
+    for name, (s, sn) in sigmas.items():
+        mean, std = step_gaussian("flow_sde", x.components[name], v.components[name], s, sn, 0.7)
+        dens[name] = torch.distributions.Normal(mean, std).log_prob(out.next.components[name])
+    video = torch.stack([_active_mean(dens["video"][i], mask[i]) for i in range(2)])
+    audio = dens["audio"].mean(1)
+    assert_close(out.log_prob, (3 * video + audio) / 4)
+    pooled = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7).log_prob  # no weights: 3 + 5 elements pooled
+    assert_close(pooled, torch.stack([(dens["video"][i] * mask[i]).sum() + dens["audio"][i].sum() for i in range(2)])
+                 / 8)  # fmt: skip
+    assert not torch.allclose(pooled, out.log_prob)
+    replay = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights=weights)
+    assert torch.equal(replay.log_prob, out.log_prob)
+    frozen = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights=weights,
+                           frozen_components={"audio"})  # fmt: skip
+    assert_close(frozen.log_prob, video)
+    with pytest.raises(ValueError, match=r"component_weights names \['video'\]; the latent components are "
+                                         r"\['video', 'audio'\]"):  # fmt: skip
+        step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights={"video": 1.0})
+    with pytest.raises(ValueError, match="freezes every latent component"):
+        step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, frozen_components={"audio", "video"})
+
+
+def test_single_component_log_prob_is_the_element_mean_bit_for_bit():
+    """SD3 / Wan (one component, no ``default_component_weights``): the log-prob is today's (before the component
+    weighting) mean over active elements, bit for bit, and a weight of 1 on the only component changes nothing."""
+    g = torch.Generator().manual_seed(4)
+    x = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)},
+                    {"latent": (torch.rand(3, 1, 2, 5, generator=g) > 0.3).float()})  # fmt: skip
+    v = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)})
+    out = sde_step(x, v, (0.7, 0.5), "flow_sde", 0.7, torch.Generator().manual_seed(5))
+    mean, std = step_gaussian("flow_sde", x.components["latent"], v.components["latent"], 0.7, 0.5, 0.7)
+    dens = gaussian_log_density(out.next.components["latent"], mean, std)
+    mask = x.masks["latent"].expand_as(dens)
+    assert torch.equal(out.log_prob, (dens * mask).flatten(1).sum(1) / mask.flatten(1).sum(1).clamp_min(1))
+    weighted = step_log_prob(x, v, out.next, (0.7, 0.5), "flow_sde", 0.7, component_weights={"latent": 1.0})
+    assert torch.equal(weighted.log_prob, out.log_prob)
+
+
 @pytest.mark.parametrize("kind", ["flow_sde", "cps"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replayed_log_prob_equals_the_rollouts_exactly(kind, dtype):
@@ -224,3 +278,49 @@ def test_components_step_on_their_own_schedules_and_replay_exactly():
         v = adapter.velocity(t.state, torch.full((2,), t.sigma), cond)
         replay = step_log_prob(t.state, v, t.next, t.levels, "flow_sde", 0.7, traj.sigma_max)
         assert torch.equal(replay.log_prob, t.log_prob)
+
+
+class PerStreamLevelAdapter(VideoAudioAdapter):
+    """``component_velocity`` conditions each stream on its own level (the audio velocity is ``-sigma_audio * x``), as
+    MiniMax H3 feeds its video and audio rows their own timesteps in one forward."""
+
+    name = "toy-per-stream-level"
+
+    def component_velocity(self, state, sigmas, condition):
+        v = super().velocity(state, sigmas["video"], condition)
+        audio = -sigmas["audio"][:, None] * state.components["audio"]
+        return LatentState({"video": v.components["video"], "audio": audio}, dict(state.masks))
+
+
+def test_sampling_and_replay_give_each_component_its_own_level():
+    """``Adapter.component_velocity`` (interface 1.3): the ODE sampler and GRPO's replay
+    (``Transition.velocity_levels``) evaluate the velocity with every component at its own schedule's level; the
+    default is ``velocity`` at the first component's (VideoAudioAdapter above)."""
+    from ff_core.sampling import guided_velocity
+
+    adapter, cond = PerStreamLevelAdapter(), {"c": torch.randn(2, 1)}
+    with torch.no_grad():
+        out = sample_ode(adapter, cond, num_steps=2, generator=torch.Generator().manual_seed(0))
+    x = adapter.initial_noise(cond, torch.Generator().manual_seed(0))
+    video, audio = x.components["video"], x.components["audio"]
+    a = [1.0, 0.75, 0.0]
+    for i, s in enumerate((1.0, 0.5)):
+        v = adapter.velocity(LatentState({"video": video, "audio": audio}), torch.full((2,), s), cond)
+        video = video - 0.5 * v.components["video"]
+        audio = audio + (a[i + 1] - a[i]) * (-a[i] * audio)  # at the audio's own level a[i], not the video's s
+    assert_close(out.components["video"], video)
+    assert_close(out.components["audio"], audio)
+    with torch.no_grad():
+        traj = sample_sde(adapter, cond, StochasticSampling(window=(0, 2)), num_steps=2,
+                          generator=torch.Generator().manual_seed(1))  # fmt: skip
+    for t in traj.transitions:
+        assert t.velocity_levels == {k: s for k, (s, _) in t.levels.items()}
+        v = guided_velocity(adapter, t.state, t.velocity_levels, cond, None, 1.0)
+        replay = step_log_prob(t.state, v, t.next, t.levels, "flow_sde", 0.7, traj.sigma_max)
+        assert torch.equal(replay.log_prob, t.log_prob)
+    # The default component_velocity: velocity at the first component's level (what VideoAudioAdapter relies on).
+    base, state = VideoAudioAdapter(), adapter.initial_noise(cond, torch.Generator().manual_seed(2))
+    levels = {"video": torch.full((2,), 0.5), "audio": torch.full((2,), 0.9)}
+    got = base.component_velocity(state, levels, cond)
+    want = base.velocity(state, levels["video"], cond)
+    assert all(torch.equal(got.components[k], want.components[k]) for k in want.components)

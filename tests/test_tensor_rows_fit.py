@@ -131,14 +131,18 @@ class EncoderProbe(L.Callback):
 
 
 def test_fit_from_shards_resumes_exactly(tiny_sd3, shapes_latents_dir, tmp_path):
-    """Killed after step 2 (mid-epoch: 3 steps an epoch) and resumed from its checkpoint: the same rows, noise and
-    losses, micro-batch for micro-batch, as the uninterrupted run; every epoch is one traversal of the 24 rows."""
+    """Killed after step 2 (mid-epoch: 3 steps an epoch) and resumed from its checkpoint, without and with loader
+    workers: the same rows, noise and losses, micro-batch for micro-batch, as the uninterrupted run; every epoch is
+    one traversal of the 24 rows."""
     full = fit(tiny_sd3, shapes_latents_dir, tmp_path / "full", 6)
     assert sorted(i for r in full[:6] for i in r["ids"]) == list(range(24))
     assert sorted(i for r in full[6:] for i in r["ids"]) == list(range(24))
     (step2,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
     resumed = fit(tiny_sd3, shapes_latents_dir, tmp_path / "resumed", 6, ckpt_path=step2)
     assert resumed == full[4:]
+    # Loader workers hand the rows to the main process as file ranges (read into each batch there): same run.
+    workers = fit(tiny_sd3, shapes_latents_dir, tmp_path / "workers", 6, ckpt_path=step2, num_workers=2)
+    assert workers == full[4:]
 
 
 def test_the_latents_recipe_trains_through_ff_fit(tiny_sd3, shapes_dir, shapes_latents_dir, tmp_path):

@@ -7,9 +7,12 @@ One :class:`EvalSample` per evaluation prompt (its index, prompt, decoded output
   muxed in as its AAC soundtrack; audio as 16-bit PCM WAV) -
   :func:`write_sample_files`;
 * TensorBoard (``TensorBoardLogger``): the grid image, each video as an animated GIF (the image summary TensorBoard
-  plays; torch's ``add_video`` would need moviepy) and each audio clip (multi-channel WAV) - :func:`log_tensorboard`;
-* Weights & Biases (``WandbLogger``, wandb imported only then): the grid, ``wandb.Video`` / ``wandb.Audio`` per
-  sample and a table of prompts and rewards - :func:`log_wandb`;
+  plays; torch's ``add_video`` would need moviepy) and each audio clip (multi-channel WAV) - :func:`log_tensorboard`.
+  TensorBoard plays no sound in a video, so a (video, audio) pair stays a silent GIF beside its audio clip there;
+* Weights & Biases (``WandbLogger``, wandb imported only then): the grid, the very files written to disk
+  (``wandb.Video`` of each GIF / MP4 file, so a (video, audio) pair written as MP4 arrives as one video with its
+  soundtrack and its audio is not logged again; ``wandb.Audio`` of each other WAV) and a table of prompts and
+  rewards - :func:`log_wandb`;
 * CSV (``CSVLogger``): the files under the logger's ``log_dir/media/step_<step>/`` and one row per sample and output
   in ``log_dir/samples.csv`` (step, index, prompt, output, path, reward per label, total) - :func:`log_csv`.
 
@@ -50,8 +53,9 @@ class EvalSample:
         rates: fps / sample rate of each output (``None``: unknown, the defaults are used).
         rewards: score per reward label (empty without evaluation rewards).
         reward: weighted total (``None`` without evaluation rewards).
-        video_format: how videos are written to disk and to W&B: ``gif`` or ``mp4`` (TensorBoard always gets a
-            GIF, the only animation its image summary plays).
+        video_format: how videos are written to disk and to W&B: ``gif`` or ``mp4``, which carries the audio output
+            after the video as its soundtrack (TensorBoard always gets a GIF, the only animation its image summary
+            plays, and the audio beside it).
     """
 
     index: int
@@ -66,6 +70,13 @@ class EvalSample:
     def rate(self, position: int, default: float) -> float:
         rate = self.rates[position] if position < len(self.rates) else None
         return float(rate) if rate else default
+
+    def soundtrack(self, position: int) -> int | None:
+        """The position of the audio output muxed into the video at ``position`` when it is written as MP4: the first
+        audio output after it (an ordered (video, audio) pair: LTX-2, MiniMax H3); ``None``: none, or not an MP4."""
+        if self.output_types[position] != "video" or self.video_format != "mp4":
+            return None
+        return next((p for p in range(position + 1, len(self.media)) if self.output_types[p] == "audio"), None)
 
     def file_name(self, position: int) -> str:
         suffix = f"_{position}" if position else ""
@@ -176,10 +187,9 @@ def encode_output(sample: EvalSample, position: int) -> bytes:
     if kind == "image":
         return png_bytes(item)
     if kind == "video" and sample.video_format == "mp4":
-        # An ordered (video, audio) pair (LTX-2, MiniMax H3): the audio output after the video is its soundtrack.
-        after = [p for p in range(position + 1, len(sample.media)) if sample.output_types[p] == "audio"]
-        audio = {"audio": sample.media[after[0]], "sample_rate": int(sample.rate(after[0], DEFAULT_SAMPLE_RATE))} \
-            if after else {}  # fmt: skip
+        track = sample.soundtrack(position)
+        audio = {} if track is None else {"audio": sample.media[track],
+                                          "sample_rate": int(sample.rate(track, DEFAULT_SAMPLE_RATE))}  # fmt: skip
         return video_to_mp4(item, sample.rate(position, DEFAULT_FPS), **audio)
     if kind == "video":
         return video_to_gif(item, sample.rate(position, DEFAULT_FPS))
@@ -202,7 +212,11 @@ def write_sample_files(samples: list[EvalSample], folder: Path) -> dict[tuple[in
 # -- loggers ------------------------------------------------------------------------------------------------
 def log_tensorboard(writer: Any, samples: list[EvalSample], grid: Image.Image | None, step: int,
                     prefix: str = "val") -> None:
-    """Send the grid, videos and audio to a TensorBoard ``SummaryWriter`` (``TensorBoardLogger.experiment``)."""
+    """Send the grid, videos and audio to a TensorBoard ``SummaryWriter`` (``TensorBoardLogger.experiment``).
+
+    Videos go as animated GIFs whatever ``video_format`` (TensorBoard's image summary plays GIFs, and no summary
+    plays a video with sound): an MP4's soundtrack is logged as its own audio summary, the silent GIF beside it.
+    """
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     if grid is not None:
@@ -229,23 +243,33 @@ def log_tensorboard(writer: Any, samples: list[EvalSample], grid: Image.Image | 
     writer.flush()
 
 
-def log_wandb(logger: Any, samples: list[EvalSample], grid: Image.Image | None, step: int,
-              prefix: str = "val") -> None:
-    """Send the grid, videos, audio and a table of prompts and rewards to a ``WandbLogger``."""
+def log_wandb(logger: Any, samples: list[EvalSample], grid: Image.Image | None, step: int, prefix: str = "val",
+              paths: dict[tuple[int, int], Path] | None = None) -> None:
+    """Send the grid, the sample files and a table of prompts and rewards to a ``WandbLogger``.
+
+    W&B gets the files written to disk (``paths``, from :func:`write_sample_files`; ``None``: written now under the
+    run's local folder, ``<run>/ff_samples/<prefix>_step_<step>``): ``wandb.Video`` of each video file, so an MP4 with
+    its audio muxed (``video_format: mp4``) plays with sound and its soundtrack's audio output is not logged again,
+    and ``wandb.Audio`` of each other WAV. Files, not arrays: wandb encodes arrays with moviepy / soundfile, which
+    ff does not need.
+    """
     import wandb  # only here: wandb is optional
 
+    if paths is None:
+        folder = Path(logger.experiment.dir).parent / "ff_samples" / f"{prefix}_step_{step:06d}"
+        paths = write_sample_files(samples, folder)
     payload: dict[str, Any] = {}
     if grid is not None:
         payload[f"{prefix}/samples"] = wandb.Image(grid)
     for sample in samples:
+        muxed = {sample.soundtrack(p) for p in range(len(sample.media))} - {None}
         for position, kind in enumerate(sample.output_types):
             key = f"{prefix}/sample_{sample.index:05d}" + (f"_{position}" if position else "")
-            item = sample.media[position]
+            path = str(paths[(sample.index, position)])
             if kind == "video":
-                payload[key] = wandb.Video(item.numpy(), fps=sample.rate(position, DEFAULT_FPS),
-                                           format=sample.video_format)
-            elif kind == "audio":
-                payload[key] = wandb.Audio(item.T.numpy(), sample_rate=int(sample.rate(position, DEFAULT_SAMPLE_RATE)))
+                payload[key] = wandb.Video(path)
+            elif kind == "audio" and position not in muxed:
+                payload[key] = wandb.Audio(path)
     labels = sorted({k for s in samples for k in s.rewards})
     columns = ["index", "prompt", *labels, "reward"]
     rows = [[s.index, s.prompt, *(s.rewards.get(k) for k in labels), s.reward] for s in samples]
@@ -289,8 +313,9 @@ def _hwc(image: Image.Image):
 
 
 def send_to_loggers(loggers: list[Any], samples: list[EvalSample], grid: Image.Image | None, step: int,
-                    prefix: str = "val") -> list[str]:
-    """Send the samples to each logger of a kind ff knows; returns the kinds it sent to (for tests and logs)."""
+                    prefix: str = "val", paths: dict[tuple[int, int], Path] | None = None) -> list[str]:
+    """Send the samples to each logger of a kind ff knows; returns the kinds it sent to (for tests and logs).
+    ``paths``: the samples' files on disk (:func:`write_sample_files`), which W&B logs as they are."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
     sent = []
@@ -299,7 +324,7 @@ def send_to_loggers(loggers: list[Any], samples: list[EvalSample], grid: Image.I
             log_tensorboard(logger.experiment, samples, grid, step, prefix)
             sent.append("tensorboard")
         elif isinstance(logger, WandbLogger):
-            log_wandb(logger, samples, grid, step, prefix)
+            log_wandb(logger, samples, grid, step, prefix, paths)
             sent.append("wandb")
         elif isinstance(logger, CSVLogger):
             log_csv(Path(logger.log_dir), samples, step, prefix)

@@ -126,13 +126,13 @@ class SampleGrid(L.Callback):
         if grid is not None:
             save_png(grid, path)
             self.last_path = path
-        write_sample_files(samples, path.with_suffix(""))
+        files = write_sample_files(samples, path.with_suffix(""))
         # The full prompts and rewards of the grid, in grid order (captions in the image are cut to fit their cell).
         index = [{"index": s.index, "prompt": s.prompt, **({"rewards": s.rewards, "reward": s.reward}
                                                              if s.reward is not None else {})} for s in samples]
         write_bytes_atomic(path.with_suffix(".json"), json.dumps(index, indent=1).encode())
         if self.send_to_loggers:
-            self.last_loggers = send_to_loggers(trainer.loggers, samples, grid, trainer.global_step, prefix)
+            self.last_loggers = send_to_loggers(trainer.loggers, samples, grid, trainer.global_step, prefix, files)
 
     def grid(self, samples: list[EvalSample]) -> Image.Image | None:
         """The captioned grid of each sample's first image (a video's first frame); ``None`` without either."""

@@ -30,6 +30,7 @@ import torch
 
 from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
+from ff_core.data.dataflow.lazy import LazyValue, materialize, stack
 from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:  # pyarrow is only needed once shards are opened
@@ -129,12 +130,14 @@ class TensorColumns:
         latents = {key: _present(row, prefix + col) for col, key in self.latents.items()}
         return condition, latents
 
-    def _padded(self, column: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _padded(self, column: str, tensor: torch.Tensor | LazyValue) -> torch.Tensor | LazyValue:
         length = self.pad.get(column)
         if length is None or tensor.shape[0] == length:
             return tensor
         if tensor.shape[0] > length:
             raise ValueError(f"{column}: {tensor.shape[0]} entries on axis 0, more than the pad length {length}")
+        if isinstance(tensor, LazyValue):  # a value a worker located: padded where it is read
+            return tensor.padded(length)
         return torch.cat([tensor, tensor.new_zeros((length - tensor.shape[0], *tensor.shape[1:]))])
 
     def to_row(
@@ -305,7 +308,8 @@ class TensorRowCollator(BatchCollator):
     def _conditions(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         if not self.condition_collation:  # stacked, with the shard-specific messages
             return _stack(samples, "condition")
-        return collate_conditions([s["condition"] for s in samples], self.condition_collation,
+        # The collation rules work on tensors: values a worker only located are read here (in the worker).
+        return collate_conditions([materialize(s["condition"]) for s in samples], self.condition_collation,
                                   [f"row {s['index']}" for s in samples])  # fmt: skip
 
     def _complete(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -332,7 +336,7 @@ def _stack(samples: list[dict[str, Any]], part: str) -> dict[str, torch.Tensor]:
             found = ", ".join(f"row {s['index']}: {tuple(v.shape)}" for s, v in zip(samples, values))
             raise ValueError(f"{part} {key!r}: the rows of one batch have different shapes ({found}); store one shape "
                              "per batch, or batch with a collator that pads")
-        out[key] = torch.stack(values)
+        out[key] = stack(values)  # lazy when the values are (read into the batch in the main process)
     return out
 
 
@@ -402,7 +406,7 @@ def column_problems(dataset: TensorParquetDataset, columns: TensorColumns, adapt
 
 def open_shards(
     configs: Sequence[DatasetConfig], columns: TensorColumns, adapter: str, cache_dir: str | None = None,
-    cached_groups: int = 4, supervision: str = "demonstration",
+    cached_groups: int = 4, supervision: str = "demonstration", hand_off: bool = True,
 ) -> list[ShardSource]:
     """Open every tensor-parquet entry of ``data.datasets`` for training, checked against the adapter's columns.
 
@@ -421,6 +425,9 @@ def open_shards(
         cached_groups: decoded multi-row row groups each reader keeps per process (at least the two-level shuffle's
             window, :mod:`ff_core.data.shard_order`).
         supervision: ``demonstration`` or ``preference`` (latent columns prefixed ``chosen_`` / ``rejected_``).
+        hand_off: loader workers hand uncompressed tensors to the main process as file ranges, read there when
+            ``DataflowLoader`` materialises the batch (``TensorParquetDataset(hand_off=True)``); ``False``: the
+            tensors cross in shared memory.
     """
     from ff_core.data.tensor_parquet import TensorParquetDataset
 
@@ -440,7 +447,8 @@ def open_shards(
     for cfg, full in opened:
         prompt = [columns.prompt] if columns.prompt in full.scalar_names else []
         read = [*columns.required_for(supervision), *optional, *prompt]
-        dataset = TensorParquetDataset(cfg.root, columns=read, cache_dir=cache_dir, cached_groups=cached_groups)
+        dataset = TensorParquetDataset(cfg.root, columns=read, cache_dir=cache_dir, cached_groups=cached_groups,
+                                       hand_off=hand_off)
         limit = cfg.train.max_dataset_size if cfg.train is not None else None
         rows = len(dataset) if limit is None else min(limit, len(dataset))
         sources.append(ShardSource(cfg.name, dataset, rows, {**dataset.identity, "rows": rows}))

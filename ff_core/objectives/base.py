@@ -63,7 +63,7 @@ class Objective:
     """Latent components left out of the loss: the ``model.frozen_components`` whose weight the objective's
     ``component_weights`` leave unset (set by :meth:`freeze_components`)."""
     supports_frozen_components: ClassVar[bool] = False
-    """``True``: the objective can leave :attr:`frozen_components` out of its loss (SFT and offline DPO do)."""
+    """``True``: the objective can leave :attr:`frozen_components` out of its loss (SFT, offline DPO and GRPO do)."""
 
     def freeze_components(self, names: Collection[str]) -> None:
         """``FlowModule`` calls it for ``model.frozen_components``, before any weight loads. Freezing is about
@@ -75,7 +75,7 @@ class Objective:
         (``supports_frozen_components`` false) refuses with a ``ConfigError``."""
         if names and not self.supports_frozen_components:
             raise ConfigError("model.frozen_components", f"{type(self).__name__} cannot leave a latent component out "
-                              "of its loss; use SFT or offline DPO, or train every component")  # fmt: skip
+                              "of its loss; use SFT, offline DPO or GRPO, or train every component")  # fmt: skip
         weights = getattr(self, "component_weights", None)
         self.frozen_components = frozenset(names) if weights is None else frozenset()
 

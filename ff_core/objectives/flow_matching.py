@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ff_core.data.dataflow.distributors import derive_seed
-from ff_core.sampling import euler_step, keep_pinned, shift_sigma  # noqa: F401  (re-exported: sampling maths)
+from ff_core.sampling import component_mean, euler_step, keep_pinned, shift_sigma  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, LatentState
@@ -198,6 +198,12 @@ def check_component_weights(weights: Mapping[str, float] | None, key: str) -> di
     return out
 
 
+def resolve_component_weights(adapter: Adapter, weights: Mapping[str, float] | None) -> Mapping[str, float] | None:
+    """The objective's ``component_weights`` or, where the config leaves them unset, the model family's reduction
+    (``Adapter.default_component_weights``; ``None`` there too: pooled by element count)."""
+    return weights if weights is not None else getattr(adapter, "default_component_weights", None)
+
+
 def per_sample_squared_error(
     pred: LatentState,
     target: LatentState,
@@ -206,10 +212,11 @@ def per_sample_squared_error(
 ) -> Tensor:
     """Mean squared error per sample in fp32, over every active element of every component.
 
-    Without ``component_weights`` components are pooled by element count, so a video + audio state weighs each latent
-    element equally (a stream with more latent elements weighs more). With them, each component's own mean over its
-    active elements is averaged with these weights, ``sum_k w_k e_k / sum_k w_k``: ``{video: 1, audio: 1}`` weighs the
-    streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the audio out of the loss (it is still
+    The components reduce as :func:`~ff_core.sampling.component_mean` says (GRPO's step log-probabilities reduce the
+    same way): without ``component_weights`` they are pooled by element count, so a video + audio state weighs each
+    latent element equally (a stream with more latent elements weighs more). With them, each component's own mean over
+    its active elements is averaged with these weights, ``sum_k w_k e_k / sum_k w_k``: ``{video: 1, audio: 1}`` weighs
+    the streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the audio out of the loss (it is still
     noised and denoised). Masked-out elements (mask 0, pinned by a condition) contribute neither error nor count.
 
     Args:
@@ -220,40 +227,6 @@ def per_sample_squared_error(
         frozen_components: components left out of the error altogether (``model.frozen_components``: their
             branch does not train, docs/config.md); the rest reduce as above.
     """
-    if frozen_components:
-        pred, target = without_components(pred, frozen_components), without_components(target, frozen_components)
-        if component_weights is not None:
-            component_weights = {k: w for k, w in component_weights.items() if k not in frozen_components}
-    if component_weights is not None:
-        missing = sorted(set(pred.components) - set(component_weights))
-        extra = sorted(set(component_weights) - set(pred.components))
-        if missing or extra:
-            raise ValueError(f"model.objective.init_args.component_weights names {sorted(component_weights)}; the "
-                             f"latent components are {list(pred.components)}")  # fmt: skip
-    total, count, weighted = None, None, None
-    for name, p in pred.components.items():
-        e, c = _component_error(p, target.components[name], pred.masks.get(name, target.masks.get(name)))
-        if component_weights is not None:
-            term = float(component_weights[name]) * (e / c.clamp_min(1))
-            weighted = term if weighted is None else weighted + term
-        total = e if total is None else total + e
-        count = c if count is None else count + c
-    if component_weights is not None:
-        return weighted / sum(float(component_weights[name]) for name in pred.components)
-    return total / count.clamp_min(1)
-
-
-def without_components(state: LatentState, names: Collection[str]) -> LatentState:
-    """``state`` without the named components (and their masks); an error if nothing is left."""
-    kept = {k: v for k, v in state.components.items() if k not in names}
-    if not kept:
-        raise ValueError(f"model.frozen_components {sorted(names)} freezes every latent component "
-                         f"{list(state.components)}: nothing left to train")  # fmt: skip
-    return replace(state, components=kept, masks={k: m for k, m in state.masks.items() if k not in names})
-
-
-def _component_error(p: Tensor, t: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per sample, the fp32 sum of squared errors over the active elements of one component, and their count."""
-    err = (p.float() - t.float()) ** 2
-    mask = torch.ones_like(err) if mask is None else mask.to(err.dtype).expand_as(err)
-    return (err * mask).flatten(1).sum(1), mask.flatten(1).sum(1)
+    errors = {k: (p.float() - target.components[k].float()) ** 2 for k, p in pred.components.items()}
+    masks = {k: pred.masks.get(k, target.masks.get(k)) for k in pred.components}
+    return component_mean(errors, masks, component_weights, frozen_components)

@@ -33,15 +33,16 @@ from torch import Tensor, nn
 from ff_core.data.dataflow import check_grouping
 from ff_core.errors import ConfigError
 from ff_core.objectives.base import LossOutput, Objective
+from ff_core.objectives.flow_matching import check_component_weights, resolve_component_weights
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
+    component_mean,
     guided_conditions,
     guided_velocity,
-    pooled_element_mean,
     sample_sde,
     step_log_prob,
 )
@@ -121,9 +122,17 @@ class GRPOObjective(Objective):
         max_grad_norm: clip the gradient norm before each optimiser step (``None``: no clipping). Lightning's
             ``trainer.gradient_clip_val`` does not apply to manual optimisation.
         reference_offload: full fine-tuning with ``kl_beta > 0``: keep the frozen reference in CPU memory.
+        component_weights: how a step's log-probability (and the KL term) reduces over a multi-component latent state
+            (video + audio), as SFT's and DPO's error does (:func:`~ff_core.sampling.component_mean`): ``None`` uses
+            the adapter's ``default_component_weights`` (LTX-2: ``{video: 1, audio: 1}``, ``(mean_video +
+            mean_audio) / 2``; ``None`` there too: every latent element of every component pooled).
+
+    ``model.frozen_components`` leaves a component's log-density (and KL) out of the log-prob: its branch does not
+    train, as its loss term leaves SFT and DPO; it is still sampled and decoded, so the rewards see it.
     """
 
     trainer_type = "grpo"
+    supports_frozen_components = True
     automatic_optimization = False
     curve_metric = "reward_mean"  # it logs no single "loss": LossCurve draws the batch's mean reward
     sharded_training = False  # it all-reduces its accumulated gradients itself, a DDP wrapper's job switched off
@@ -148,6 +157,7 @@ class GRPOObjective(Objective):
         kl_on: Literal["mean", "velocity"] = "mean",
         max_grad_norm: float | None = 1.0,
         reference_offload: bool = False,
+        component_weights: dict[str, float] | None = None,
     ) -> None:
         for key, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
                            ("num_steps", num_steps), ("num_inner_epochs", num_inner_epochs),
@@ -177,6 +187,7 @@ class GRPOObjective(Objective):
         self.clip_range, self.adv_clip_max, self.global_std = clip_range, adv_clip_max, global_std
         self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
         self.reference_offload = reference_offload
+        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
         self.reference: ReferenceModel | None = None
         self._rewards_device: torch.device | None = None
 
@@ -212,6 +223,13 @@ class GRPOObjective(Objective):
         """Validation scores the training rewards (the same instances: a reward model loads once) unless the recipe
         sets ``model.eval_rewards``."""
         return self.rewards
+
+    def reduction(self, adapter: Adapter) -> dict[str, Any]:
+        """How per-element log-densities reduce over the latent components (rollout, replay and KL alike):
+        ``component_weights`` (or the adapter's default) and ``frozen_components``, for
+        :func:`~ff_core.sampling.component_mean`."""
+        return {"component_weights": resolve_component_weights(adapter, self.component_weights),
+                "frozen_components": self.frozen_components}
 
     def training_loss(self, adapter, batch, generator=None) -> LossOutput:
         raise RuntimeError("GRPO optimises manually: FlowModule.training_step calls GRPOObjective.training_step")
@@ -254,7 +272,8 @@ class GRPOObjective(Objective):
                 condition = adapter.prepare_condition(slice_batch(batch["condition"], rows))
                 trajectory = sample_sde(adapter, condition, self.sampler, num_steps=self.num_steps,
                                         guidance_scale=self.guidance_scale, generator=generator, shift=self.shift,
-                                        embedded_guidance=self.embedded_guidance)  # fmt: skip
+                                        embedded_guidance=self.embedded_guidance,
+                                        **self.reduction(adapter))  # fmt: skip
                 # Replays use the very conditions the rollout sampled with (embedded guidance included).
                 condition, negative = guided_conditions(adapter, condition, self.guidance_scale,
                                                         self.embedded_guidance)  # fmt: skip
@@ -323,8 +342,10 @@ class GRPOObjective(Objective):
         """The mean over the micro-batch of one transition's clipped surrogate plus the KL term, with gradient."""
         trajectory = rollout.trajectory
         sigmas = t.levels or (t.sigma, t.sigma_next)
-        v = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative, self.guidance_scale)
-        step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max)
+        v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
+                            self.guidance_scale)  # fmt: skip
+        step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max,
+                             **self.reduction(adapter))  # the rollout's reduction: the first ratio is exactly 1
         policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
                                      self.adv_clip_max)  # fmt: skip
         loss = policy.loss
@@ -342,9 +363,10 @@ class GRPOObjective(Objective):
         return loss.mean()
 
     def kl(self, adapter: Adapter, rollout: Rollout, t, v, step) -> Tensor:
-        """Per sample, the KL term to the reference at this transition (``kl_on``), element means, with gradient."""
+        """Per sample, the KL term to the reference at this transition (``kl_on``), with gradient: element means
+        reduced over the components as the log-prob (:meth:`reduction`)."""
         with torch.no_grad(), self.reference.active(adapter):
-            v_ref = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative,
+            v_ref = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
                                     self.guidance_scale)  # fmt: skip
             ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
                                 self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip
@@ -353,7 +375,7 @@ class GRPOObjective(Objective):
             diffs = {k: (x.float() - v_ref.components[k].float()) ** 2 for k, x in v.components.items()}
         else:
             diffs = {k: (m - ref.mean[k]) ** 2 / (2 * step.std[k] ** 2) for k, m in step.mean.items()}
-        return pooled_element_mean(diffs, masks)
+        return component_mean(diffs, masks, **self.reduction(adapter))
 
 
 def slice_batch(value: Any, rows: slice) -> Any:

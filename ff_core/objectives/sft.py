@@ -26,6 +26,7 @@ from ff_core.objectives.flow_matching import (
     monte_carlo_draws,
     noise_state,
     per_sample_squared_error,
+    resolve_component_weights,
     velocity_target,
 )
 
@@ -109,6 +110,5 @@ def flow_matching_error(
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
     pred = adapter.velocity(noisy, sigma, condition)
-    if component_weights is None:  # the config leaves the reduction to the model family (Adapter docstring)
-        component_weights = getattr(adapter, "default_component_weights", None)
-    return per_sample_squared_error(pred, target, component_weights, frozen_components)
+    weights = resolve_component_weights(adapter, component_weights)
+    return per_sample_squared_error(pred, target, weights, frozen_components)

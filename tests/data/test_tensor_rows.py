@@ -13,6 +13,7 @@ import torch
 from ff_core.data.dataflow import (
     DataflowLoader,
     DataParallelCoords,
+    LazyValue,
     ListBatchCollator,
     MapDistributor,
     PoolPackingBatcher,
@@ -225,15 +226,17 @@ def take(dl, steps):
     return out
 
 
-@pytest.mark.parametrize("distributor", [SamplerDistributor, MapDistributor])
-def test_resumed_loader_continues_the_uninterrupted_order(shards, distributor):
+@pytest.mark.parametrize(("distributor", "workers"), [(SamplerDistributor, 0), (MapDistributor, 0),
+                                                      (SamplerDistributor, 2)])
+def test_resumed_loader_continues_the_uninterrupted_order(shards, distributor, workers):
     """Stop after 5 batches (mid-epoch 1), rebuild everything from the state: the next 10 batches are the
-    uninterrupted run's. The offline sampler's epochs are complete traversals (6 batches of 12 rows)."""
+    uninterrupted run's. The offline sampler's epochs are complete traversals (6 batches of 12 rows). With workers
+    (rows handed to the main process as file ranges) the resumed run is the uninterrupted one without workers."""
     rows = rows_of(shards)
     full = take(loader(rows, distributor), 15)
-    first = loader(rows, distributor)
+    first = loader(rows, distributor, num_workers=workers)
     assert take(first, 5) == full[:5]
-    resumed = loader(rows_of(shards), distributor)
+    resumed = loader(rows_of(shards), distributor, num_workers=workers)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # what a checkpoint holds
     assert take(resumed, 10) == full[5:]
     if distributor is SamplerDistributor:
@@ -246,6 +249,59 @@ def test_workers_read_the_shards_in_their_own_processes(shards):
     the worker count."""
     rows = rows_of(shards)
     assert take(loader(rows, SamplerDistributor, num_workers=2), 8) == take(loader(rows, SamplerDistributor), 8)
+
+
+class LazyFlagCollator(TensorRowCollator):
+    """Records, in the worker, whether the stacked latents and conditions were still file ranges there."""
+
+    def collate(self, samples):
+        batch = super().collate(samples)
+        parts = ("latents", "condition")
+        batch["lazy"] = [all(isinstance(v, LazyValue) for v in batch[part].values()) for part in parts]
+        return batch
+
+
+def flat(batch, prefix=""):
+    """``(key path, value)`` of every leaf of a batch."""
+    if isinstance(batch, dict):
+        return [x for k, v in batch.items() for x in flat(v, f"{prefix}/{k}")]
+    return [(prefix, batch)]
+
+
+def same(a, b) -> bool:
+    fa, fb = flat(a), flat(b)
+    return [k for k, _ in fa] == [k for k, _ in fb] and all(
+        torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
+        for (_, x), (_, y) in zip(fa, fb))
+
+
+@pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}])
+def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(tmp_path, collation):
+    """Workers stack the rows' tensors as file ranges (a padded text embedding too); the loader reads them into the
+    batch in the main process: every batch equals the one read without workers, key by key, bit for bit. With
+    condition collation rules the conditions are read in the worker (the rules need tensors)."""
+    columns = TensorColumns(condition={"text_embedding": "prompt_embeds", "pooled": "pooled"}, latents=("latent",),
+                            pad={"text_embedding": 6} if collation is None else {})
+    rows = [{"prompt": f"p{i}", **row_tensors(i, text=1 + i % 6)} for i in range(10)]
+    write_rows(tmp_path / "a", rows)
+    table = rows_of([tmp_path / "a"], columns)
+    batches = {}
+    for workers in (0, 2):
+        dist = SamplerDistributor(table, seed=3, name="train", identity={"a": {"rows": len(table)}})
+        dl = DataflowLoader(dist, TensorRowProcessor(table, columns), collator=LazyFlagCollator(condition_collation=
+                            collation), batch_size=3, num_workers=workers, coords=DataParallelCoords(0, 1))
+        batches[workers] = list(dl)
+    assert len(batches[0]) == 4 and all(b["lazy"] == [False, False] for b in batches[0])
+    lazy = [True, False] if collation else [True, True]
+    assert all(b["lazy"] == lazy for b in batches[2])
+    for a, b in zip(batches[0], batches[2]):
+        assert same({**a, "lazy": None}, {**b, "lazy": None})
+        assert not any(isinstance(v, LazyValue) for _, v in flat(b))
+    first = batches[0][0]
+    i = first["index"][0].item()
+    if collation is None:
+        assert torch.equal(first["condition"]["prompt_embeds"][0, :1 + i % 6], rows[i]["text_embedding"])
+    assert torch.equal(first["latents"]["latent"][0], rows[i]["latent"])
 
 
 # -- data.datasets entries ---------------------------------------------------------------------------------------

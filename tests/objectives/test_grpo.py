@@ -9,10 +9,10 @@ from torch.testing import assert_close
 
 from ff_core.adapter import Adapter, LatentState
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
-from ff_core.objectives.grpo import GRPOObjective, slice_batch
+from ff_core.objectives.grpo import GRPOObjective, UpdateStats, slice_batch
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.rewards.base import Reward
-from ff_core.sampling import StochasticSampling
+from ff_core.sampling import StochasticSampling, step_gaussian
 
 
 def test_group_advantages_by_hand():
@@ -168,6 +168,70 @@ def test_kl_to_the_lora_free_reference_is_zero_before_training_and_has_gradient(
         assert stats.kl[0].abs().max() == 0
         loss.backward()
         assert adapter.net.weight.grad.abs().sum() > 0
+
+
+class ToyVideoAudio(ToyAdapter):
+    """Two components of unequal sizes: ``video`` (B, 3, 2, 2), 12 elements, and ``audio`` (B, 2), whose velocity
+    reads the video's (as LTX-2's audio stream attends to the video); the streams weigh equally by default."""
+
+    name = "toy-grpo-av"
+    default_component_weights = {"video": 1.0, "audio": 1.0}
+
+    def velocity(self, state, sigma, condition):
+        video = super().velocity(LatentState({"latent": state.components["video"]}), sigma, condition)
+        video = video.components["latent"]
+        audio = -0.5 * state.components["audio"] + video.flatten(1)[:, :2]
+        return LatentState({"video": video, "audio": audio})
+
+    def initial_noise(self, condition, generator=None):
+        n = condition["c"].shape[0]
+        return LatentState({"video": torch.randn(n, 3, 2, 2, generator=generator),
+                            "audio": torch.randn(n, 2, generator=generator)})  # fmt: skip
+
+
+@pytest.mark.parametrize(("weights", "frozen", "expected"), [
+    (None, (), {"video": 1.0, "audio": 1.0}),  # the adapter's default_component_weights
+    ({"video": 1.0, "audio": 3.0}, (), {"video": 1.0, "audio": 3.0}),  # the objective's win
+    (None, ("audio",), {"video": 1.0}),  # model.frozen_components: the audio's terms leave log-prob and KL
+])  # fmt: skip
+def test_log_prob_ratio_and_kl_weigh_each_components_mean(weights, frozen, expected):
+    """docs/objectives.md, "Several latent components": the rollout's stored log-prob of a transition is each
+    component's mean log-density weighted as ``component_weights`` say (else the adapter's default), by hand; after a
+    change of the policy the replayed ratio and the velocity-KL to the reference reduce the same way, by hand."""
+    adapter, obj = ToyVideoAudio(), objective(component_weights=weights, kl_beta=0.5, kl_on="velocity")
+    obj.freeze_components(frozen)
+    adapter.requires_grad_(True)
+    obj.configure_model(adapter, lora=False)  # the reference: a frozen copy of the untrained policy
+    [r, _] = obj.rollout(adapter, batch(), torch.Generator().manual_seed(1))
+    t = r.trajectory.transitions[1]
+
+    def reduce(per_component):  # sum_k w_k mean_k / sum_k w_k
+        return sum(w * per_component[k].flatten(1).mean(1) for k, w in expected.items()) / sum(expected.values())
+
+    def log_prob(v):
+        dens = {}
+        for name, (s, sn) in t.levels.items():
+            mean, std = step_gaussian("flow_sde", t.state.components[name], v.components[name], s, sn, 0.7,
+                                      r.trajectory.sigma_max[name])  # fmt: skip
+            dens[name] = torch.distributions.Normal(mean, std).log_prob(t.next.components[name])
+        return reduce(dens)
+
+    with torch.no_grad():
+        v_old = adapter.velocity(t.state, torch.full((2,), t.sigma), r.condition)
+        assert_close(t.log_prob, log_prob(v_old))
+        step = torch.randn(adapter.net.weight.shape, generator=torch.Generator().manual_seed(3))
+        adapter.net.weight.add_(0.05 * step)
+        v_new = adapter.velocity(t.state, torch.full((2,), t.sigma), r.condition)
+    r.advantages = torch.tensor([1.0, -0.5])
+    stats = UpdateStats()
+    loss = obj.transition_loss(adapter, r, t, stats)
+    ratio = torch.exp(log_prob(v_new) - t.log_prob)
+    assert_close(stats.ratio[0], ratio)
+    assert (ratio - 1).abs().min() > 1e-3  # the policy moved
+    kl = reduce({k: (v_new.components[k] - v_old.components[k]) ** 2 for k in v_new.components})
+    assert_close(stats.kl[0], kl)
+    clipped = ratio.clamp(1 - obj.clip_range, 1 + obj.clip_range)
+    assert_close(loss, (torch.maximum(-r.advantages * ratio, -r.advantages * clipped) + 0.5 * kl).mean())
 
 
 def test_bad_settings_name_the_key():

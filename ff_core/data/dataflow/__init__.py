@@ -27,6 +27,7 @@ from .distributors import (
 )
 from .grouped import GroupedDistributor, GroupedItem, check_grouping
 from .joint import JointDataflowLoader
+from .lazy import LazyValue, materialize
 from .loader import DataflowLoader
 from .mixture import MixtureDistributor
 from .processors import CallableProcessor, IdentityProcessor
@@ -48,6 +49,7 @@ __all__ = [
     "IndexedDistributor",
     "IterableDistributor",
     "JointDataflowLoader",
+    "LazyValue",
     "ListBatchCollator",
     "MapDistributor",
     "MixtureDistributor",
@@ -64,6 +66,7 @@ __all__ = [
     "check_grouping",
     "check_state",
     "derive_seed",
+    "materialize",
     "merge_rank_states",
     "stream_slot",
     "video_token_count",

@@ -1,5 +1,9 @@
 """DataflowLoader: a ``torch.utils.data.DataLoader`` that wires the four roles (spec §1–2) and resumes exactly.
 
+Every batch is :func:`~ff_core.data.dataflow.lazy.materialize` d in the main process before it is yielded: a worker's
+roles may return :class:`~ff_core.data.dataflow.lazy.LazyValue` descriptions (a tensor-parquet row's uncompressed
+tensors: which file, which bytes) that are read here instead of crossing in shared memory.
+
 Resume modes (chosen at construction, see docs/dataflow.md):
 
 * ``"global"`` — resumable source + fixed-size batches: the state is one position in the global order, identical on
@@ -27,6 +31,7 @@ from .batchers import SimpleBatcher
 from .collators import DefaultBatchCollator
 from .coords import DataParallelCoords
 from .distributors import SamplerDistributor
+from .lazy import materialize
 from .pipeline import DataflowStream, Plan
 from .state import FORMAT, StateHistory, check_state, merge_rank_states
 
@@ -183,6 +188,7 @@ class DataflowLoader(DataLoader):
         self._stream.plan = plan
         delivered = 0
         for stamp, batch in self._worker_batches():
+            batch = materialize(batch)  # values a worker only described are read here, in the main process
             delivered += 1
             self._record(stamp, plan, last=plan.steps is not None and delivered == plan.steps)
             if self.stamp_key is not None:

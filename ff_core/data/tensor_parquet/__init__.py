@@ -4,12 +4,14 @@
 - :mod:`.format`: dtypes, one tensor's encoding and checked decoding, the card's schemas.
 - :mod:`.index`: the row index from the files' footers, cached and invalidated by file size and mtime.
 - :mod:`.reader`: :class:`TensorParquetDataset`, map-style random access.
+- :mod:`.file_tensor`: :class:`FileTensor`, an uncompressed value a DataLoader worker hands to the main process.
 - :mod:`.pages`: where a ``_bytes`` column chunk's values lie in its Parquet pages (the reader's direct path).
 - :mod:`.writer`: :class:`TensorParquetWriter`, one row per row group, atomic files.
 - :mod:`.shuffle`: :func:`two_level_order` for files with many rows per row group.
 - :mod:`.inspect`: ``ff data inspect`` / ``validate`` on a root.
 """
 
+from ff_core.data.tensor_parquet.file_tensor import FileTensor
 from ff_core.data.tensor_parquet.format import (
     I2V_SCHEMA,
     I2V_TRACK_SCHEMA,
@@ -24,6 +26,6 @@ from ff_core.data.tensor_parquet.shuffle import two_level_order
 from ff_core.data.tensor_parquet.writer import TensorParquetWriter
 
 __all__ = [
-    "I2V_SCHEMA", "I2V_TRACK_SCHEMA", "T2V_SCHEMA", "TENSOR_DTYPES", "TensorParquetDataset", "TensorParquetWriter",
-    "encode_tensor", "tensor_fields", "tensor_schema", "two_level_order",
+    "FileTensor", "I2V_SCHEMA", "I2V_TRACK_SCHEMA", "T2V_SCHEMA", "TENSOR_DTYPES", "TensorParquetDataset",
+    "TensorParquetWriter", "encode_tensor", "tensor_fields", "tensor_schema", "two_level_order",
 ]

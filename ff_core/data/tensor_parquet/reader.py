@@ -21,7 +21,9 @@ decoding again; visit rows group by group (:func:`~ff_core.data.tensor_parquet.s
 
 The dataset pickles without open files or caches: DataLoader workers open their own, lazily. In a worker, a row's
 tensors are read (or copied) into one shared-memory buffer, so the row crosses to the main process as one segment
-without torch copying it again (``shared_memory``).
+without torch copying it again (``shared_memory``); with ``hand_off`` a worker returns its uncompressed values as
+:class:`~ff_core.data.tensor_parquet.file_tensor.FileTensor` descriptions instead, read in the main process (fresh
+shared memory costs more than the read it carries: :mod:`.file_tensor`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ff_core.data.tensor_parquet.file_tensor import FileTensor, allocate, file_identity
 from ff_core.data.tensor_parquet.format import (
     BYTES,
     DTYPE,
@@ -75,6 +78,11 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             pyarrow (the reference the direct path is tested against; slower, same results and errors).
         shared_memory: put each row's tensors in one shared-memory buffer (what a DataLoader worker returns without
             another copy); ``None``: inside a DataLoader worker only.
+        hand_off: inside a DataLoader worker, return each uncompressed tensor as a
+            :class:`~ff_core.data.tensor_parquet.file_tensor.FileTensor` (which file, which bytes; checked and read
+            ahead) that the main process reads with one ``pread`` (:func:`~ff_core.data.dataflow.lazy.materialize`;
+            ``DataflowLoader`` does it for every batch), instead of sending the bytes through shared memory.
+            Compressed values are still decoded in the worker. Outside workers: no effect.
 
     Attributes:
         tensor_names: the tensors a row holds, in column order.
@@ -92,7 +100,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
                  cached_groups: int = 4, open_files: int = 128, copy: bool = False, direct: bool = True,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None, hand_off: bool = False) -> None:
         if cached_groups < 0 or open_files < 1:
             bad = "cached_groups must be >= 0" if cached_groups < 0 else "open_files must be >= 1"
             raise ValueError(f"TensorParquetDataset: {bad}, got {cached_groups if cached_groups < 0 else open_files}")
@@ -115,7 +123,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
         self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
-        self.shared_memory = shared_memory
+        self.shared_memory, self.hand_off = shared_memory, hand_off
         self._reset()
 
     def _reset(self) -> None:
@@ -169,6 +177,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         for t in self.tensor_names:
             checked = self._checked(group, t, r, i)
             row[t] = None if checked is None else self._tensor(group, checked, pending, t)
+        if pending and self.hand_off and torch.utils.data.get_worker_info() is not None:
+            row.update(self._hand_off(group.mapped, pending, i))
         if pending:
             row.update(self._arena(group.mapped, pending, self._shared()))
         return row
@@ -250,7 +260,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         for name, ((_, _, length), _, _) in pending.items():
             slots[name] = total
             total += -(-length // 64) * 64
-        arena = _allocate(total, shared)
+        arena = allocate(total, shared)
         out = {}
         for name, ((buf, start, length), shape, dtype) in pending.items():
             slot = arena[slots[name]: slots[name] + length]
@@ -261,10 +271,27 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             out[name] = slot.view(dtype).view(tuple(shape))
         return out
 
+    def _hand_off(self, mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]],
+                  i: int) -> dict[str, FileTensor]:
+        """The pending values that lie uncompressed in the file, as :class:`FileTensor` descriptions the main process
+        reads (removed from ``pending``); the kernel is asked to read them ahead meanwhile (a no-op when cached)."""
+        out = {}
+        for name in [n for n, (value, _, _) in pending.items() if value[0] is mapped.buffer]:
+            (_, start, length), shape, dtype = pending.pop(name)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(mapped.fd, start, length, os.POSIX_FADV_WILLNEED)
+            out[name] = FileTensor(str(mapped.path), mapped.identity, start, shape, dtype,
+                                   f"{name}{BYTES}: {self._row_place(i)}")
+        return out
+
+    def _row_place(self, i: int) -> str:
+        """Where dataset row ``i`` is in its file, for messages."""
+        f, g, _, _ = self.index.locate(i)
+        return f"row {i - int(self.index.file_start[f])} (row group {g}, dataset row {i})"
+
     def _row_error(self, i: int, column: str, reason: str) -> DatasetError:
-        f, g, r, _ = self.index.locate(i)
-        in_file = i - int(self.index.file_start[f])
-        return DatasetError(self.files[f], None, column, f"row {in_file} (row group {g}, dataset row {i}): {reason}")
+        f = self.index.locate(i)[0]
+        return DatasetError(self.files[f], None, column, f"{self._row_place(i)}: {reason}")
 
     def _forked(self) -> None:
         if os.getpid() != self._pid:  # forked after use: never share another process's mappings
@@ -404,6 +431,7 @@ class _Mapped:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         weakref.finalize(self, os.close, self.fd)  # closed with this handle (the mapping keeps its own descriptor)
+        self.identity = file_identity(self.fd)  # checked where a FileTensor of this file is read
         self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
@@ -471,18 +499,6 @@ class _Mapped:
 
 
 _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes (see _Mapped.release)
-
-
-def _allocate(nbytes: int, shared: bool) -> torch.Tensor:
-    """``nbytes`` of uint8: ``shared`` memory (torch sends it from a DataLoader worker without a copy), else memory
-    from Arrow's allocator (mimalloc or jemalloc, which keeps freed memory for the next row, where a fresh buffer
-    from the C allocator can cost page faults on every read)."""
-    if shared:
-        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate allocates with
-        if new_shared is not None:
-            return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
-        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-    return torch.frombuffer(memoryview(pa.allocate_buffer(nbytes)), dtype=torch.uint8)
 
 
 def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
