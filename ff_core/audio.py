@@ -18,9 +18,33 @@ torchaudio does not import beside the pinned torch (DESIGN, engineering notes): 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
+
+
+def clip_clock_start(video: Any) -> float:
+    """The first second of a decoded target video on its clip's clock: the grid time of its first frame
+    (``DecodedVideo.timestamps[0]`` of a clip from :func:`~ff_core.data.media.decode_clip`: official seconds at the
+    declared ``fps``, counted from the video stream's first timestamp); 0 for a video decoded whole or a tensor. Its
+    audio is cut from the same instant of the audio's clock (``clip_clock_start(video) - audio_clock_offset(audio)``,
+    :func:`clock_window`), never from the video file's seconds (``DecodedVideo.window``), which differ from the clock
+    when the manifest declares another ``fps``."""
+    if getattr(video, "window", None) is None:
+        return 0.0
+    return float(video.timestamps[0])
+
+
+def audio_clock_offset(audio: Any) -> float:
+    """When the decoded waveform's first sample plays, on the audio's clock: ``DecodedAudio.start`` is in the file's
+    seconds (from the audio stream's first timestamp), i.e. sample ``start * sample_rate``, which plays at
+    ``start * sample_rate / clock_rate`` on a declared ``sample_rate``; 0 for a tensor."""
+    start = float(getattr(audio, "start", 0.0) or 0.0)
+    if not start:
+        return 0.0
+    return start * float(audio.sample_rate) / float(audio.clock_rate)
 
 
 def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: float, *, tolerance: float,
@@ -31,7 +55,8 @@ def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: fl
     Args:
         waveform: float (channels, samples), the file's own samples.
         clock_rate: the rate they are played at (the manifest's ``sample_rate`` when declared, else the file's).
-        start: first second, on the audio's clock (the video clip's window start minus the audio's own start).
+        start: first second, on the audio's clock (:func:`clip_clock_start` of the video minus
+            :func:`audio_clock_offset` of the decoded audio).
         duration: seconds to keep (``num_frames / frame_rate``).
         tolerance: how many seconds short of ``duration`` are still accepted (padded later with silence): rounding
             of the source's length, never a stretch. ``math.inf``: any length (a codec that right-pads, MiniMax H3).

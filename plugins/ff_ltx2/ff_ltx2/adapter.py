@@ -43,7 +43,7 @@ from ff_core.adapter import (
     reject_input_media,
     scheduler_sigma_table,
 )
-from ff_core.audio import clock_window, to_model_rate
+from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import AudioSpan, MediaGeometry
 from ff_core.errors import ConfigError
@@ -134,13 +134,11 @@ def _check_number(key: str, value: Any, *, integer: bool, minimum: float, strict
 
 
 def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
-    """One decoded target video as ``uint8`` (F, 3, H, W) and its first second on the clip's clock (the official
-    clock the audio is cut on: the grid time of its first frame, ``DecodedVideo.timestamps[0]`` of a clip, counted from
-    the video stream's start and at its declared ``fps``; 0 for a video decoded whole)."""
+    """One decoded target video as ``uint8`` (F, 3, H, W) and its first second on the clip's clock, where the audio is
+    cut from (:func:`~ff_core.audio.clip_clock_start`)."""
     frames = getattr(item, "frames", None)
     if frames is not None:
-        window = getattr(item, "window", None)  # set for a clip (decode_clip): its timestamps are clock times
-        return frames.permute(0, 3, 1, 2), float(item.timestamps[0]) if window else 0.0
+        return frames.permute(0, 3, 1, 2), clip_clock_start(item)
     if isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
         return item, 0.0
     shape = tuple(item.shape) if isinstance(item, Tensor) else type(item).__name__
@@ -578,9 +576,7 @@ class LTX2T2AVAdapter(Adapter):
                                  f"{type(audio).__name__}")  # fmt: skip
             waveform, rate, offset = audio, float(cfg.sample_rate), 0.0
         else:
-            rate = float(audio.clock_rate)
-            # The first decoded sample's time is file seconds: sample start * sample_rate, played at the clock rate.
-            offset = float(getattr(audio, "start", 0.0)) * float(audio.sample_rate) / rate
+            rate, offset = float(audio.clock_rate), audio_clock_offset(audio)
         frames = 4 * self.audio_latent_frames
         samples = frames * cfg.mel_hop_length
         # 4 L hops can run past the clip's clock (L = round(duration * latents per second) rounded up): cut that much
