@@ -40,6 +40,11 @@ WAN_1_3B = {"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_
             "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6}  # fmt: skip
 WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+# MiniMax H3: diffusers' defaults of MiniMaxH3Transformer3DModel / AutoencoderKLMiniMaxH3(Audio) are the released
+# configs; the conditioner is a Qwen3-VL whose text stack is 5120 wide (the transformer's text_dim), read at layer 50
+# of 64: Qwen3-VL-32B's text config (its vision tower: 27 blocks of 1152, Qwen3-VL's default).
+QWEN3_VL_32B_TEXT = {"vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
 
 
 def count(build) -> int:
@@ -49,8 +54,23 @@ def count(build) -> int:
 
 def components() -> dict[str, dict[str, int]]:
     """Parameter counts per recipe: the trained transformer, the VAE, the text encoders (released after caching)."""
-    from diffusers import AutoencoderKL, AutoencoderKLWan, SD3Transformer2DModel, WanTransformer3DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        AutoencoderKLWan,
+        MiniMaxH3Transformer3DModel,
+        SD3Transformer2DModel,
+        WanTransformer3DModel,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        T5Config,
+        T5EncoderModel,
+    )
 
     def clip(hidden: int, layers: int, heads: int, projection: int) -> int:
         return count(lambda: CLIPTextModelWithProjection(CLIPTextConfig(
@@ -73,6 +93,11 @@ def components() -> dict[str, dict[str, int]]:
                             "text": wan_text},
         "Wan2.1 T2V 14B": {"trained": count(lambda: WanTransformer3DModel(**WAN_14B)), "vae": wan_vae,
                            "text": wan_text},
+        # The video and audio VAEs together (both stay: targets are encoded on the fly, samples decoded).
+        "MiniMax H3 (T2VA)": {"trained": count(MiniMaxH3Transformer3DModel),
+                              "vae": count(AutoencoderKLMiniMaxH3) + count(AutoencoderKLMiniMaxH3Audio),
+                              "text": count(lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+                                  text_config=QWEN3_VL_32B_TEXT, vision_config={"out_hidden_size": 5120})))},
     }  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-ADAPTER_INTERFACE_VERSION = "1.2"
+ADAPTER_INTERFACE_VERSION = "1.3"
 """The version (``major.minor``) of the adapter interface this ff-core provides (:class:`ff_core.adapter.Adapter`, its
 stage methods and class attributes, the hooks of :mod:`ff_core.hookspecs`). A plugin declares the version it targets
 (:attr:`ff_core.adapter.Adapter.interface_version` or the ``ff_adapter_interface_version`` hook); ff refuses a plugin
@@ -10,4 +10,7 @@ that targets another major version or a newer minor one (:func:`ff_core.plugins.
 existing adapters need not implement bump the minor; a change that breaks an existing adapter bumps the major.
 
 1.1: embedded (distilled) guidance (``Adapter.embedded_guidance``, ``with_embedded_guidance``), sampling sigmas for the
-initial noise's geometry (``sampling_sigmas(..., state=)``), the training table ``training_sigmas``."""
+initial noise's geometry (``sampling_sigmas(..., state=)``), the training table ``training_sigmas``.
+1.2: ``Adapter.component_parameters`` (``model.frozen_components``), ``default_component_weights``.
+1.3: ``Adapter.component_velocity``: the velocity with each latent component at its own noise level (sampling and GRPO
+replays call it when components step on their own schedules)."""

@@ -455,6 +455,23 @@ class Adapter(nn.Module):
         """Predict the flow velocity ``eps - x0`` at noise level ``sigma`` (shape (B,), in [0, 1])."""
         raise NotImplementedError
 
+    def component_velocity(self, state: LatentState, sigmas: dict[str, Tensor], condition: Condition) -> LatentState:
+        """The velocity with each latent component at its own noise level: what sampling and GRPO replays call when
+        the components step on their own schedules (:meth:`sampling_schedules`).
+
+        Default: :meth:`velocity` at the first component's level (a denoiser conditioned on one noise level: the
+        other components are stepped on their schedules but predicted at it). A family whose denoiser takes one noise
+        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it;
+        training noises every component at one level and calls :meth:`velocity`, which such a family implements as
+        this method with that level for every component.
+
+        Args:
+            state: the noisy latents.
+            sigmas: per component name (every one of ``state``'s), its noise levels, shape (B,).
+            condition: the prepared condition.
+        """
+        return self.velocity(state, sigmas[next(iter(state.components))], condition)
+
     def decode(self, state: LatentState) -> list[list[Tensor]]:
         """Decode latents to media: per sample, the contract's outputs (images: uint8 (3, H, W))."""
         raise NotImplementedError
@@ -513,8 +530,8 @@ class Adapter(nn.Module):
         """Per latent component of ``state``, its noise levels (``num_steps + 1`` values from 1 towards 0) for sampling.
 
         Default: :meth:`sampling_sigmas` for ``state``'s geometry, for every component. A family whose components
-        denoise on their own schedules (an audio stream beside video) overrides it; the velocity is evaluated at the
-        first component's level.
+        denoise on their own schedules (an audio stream beside video) overrides it; the velocity is evaluated with
+        :meth:`component_velocity` (by default at the first component's level).
 
         Args:
             state: the initial noise (component names and shapes).

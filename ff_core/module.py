@@ -207,6 +207,7 @@ class FlowModule(L.LightningModule):
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         if strategy is not None:
             self._check_strategy(strategy)
+        self._check_guidance()
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -358,6 +359,20 @@ class FlowModule(L.LightningModule):
                               "ModelParallelStrategy (FSDP2), whose reference copy would stay whole on every rank: "
                               "train a LoRA (its reference is the base with the LoRA disabled, sharded with it), or "
                               "use trainer.strategy: ddp")  # fmt: skip
+
+    def _check_guidance(self) -> None:
+        """A contract without classifier-free guidance (``negative_prompt: rejected``, MiniMax H3: a
+        guidance-distilled checkpoint) samples with one forward per step: a ``guidance_scale`` other than 1 would ask
+        for a second, unconditional forward the checkpoint has no branch for. Refused before any weight loads, naming
+        the key (spec dataset-guide, "MiniMax H3 datasets": training and evaluation keep ``guidance_scale: 1.0``)."""
+        if self.io_contract.uses_cfg:
+            return
+        keys = {"model.sampling.guidance_scale": self.sampling.guidance_scale,
+                "model.objective.init_args.guidance_scale": getattr(self.objective, "guidance_scale", 1.0)}
+        for key, value in keys.items():
+            if float(value) != 1.0:
+                raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free "
+                                       "guidance (its contract rejects negative prompts); keep it 1.0")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it

@@ -308,6 +308,12 @@ class Transition:
     log_prob: Tensor
     levels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    @property
+    def velocity_levels(self) -> float | dict[str, float]:
+        """The noise level(s) the step's velocity is evaluated at (:func:`guided_velocity`): per component when the
+        transition stores them (components on their own schedules), else the first component's."""
+        return {k: sigma for k, (sigma, _) in self.levels.items()} if self.levels else self.sigma
+
 
 @dataclass
 class Trajectory:
@@ -325,14 +331,36 @@ class Trajectory:
 
 
 def guided_velocity(
-    adapter: Adapter, state: LatentState, sigma: float, condition: Condition, negative: Condition | None, scale: float
+    adapter: Adapter,
+    state: LatentState,
+    sigma: float | Mapping[str, float],
+    condition: Condition,
+    negative: Condition | None,
+    scale: float,
 ) -> LatentState:
     """The velocity at ``(state, sigma)``, with classifier-free guidance ``v_neg + scale (v - v_neg)`` when
-    ``negative`` is given."""
-    s = torch.full((state.batch_size,), sigma, device=next(iter(state.components.values())).device)
-    v = adapter.velocity(state, s, condition)
+    ``negative`` is given. ``sigma`` is one noise level for every component (:meth:`Adapter.velocity
+    <ff_core.adapter.Adapter.velocity>`) or one per component name (:meth:`Adapter.component_velocity
+    <ff_core.adapter.Adapter.component_velocity>`: components on their own schedules)."""
+    device = next(iter(state.components.values())).device
+
+    def levels(value: float) -> Tensor:
+        return torch.full((state.batch_size,), value, device=device)
+
+    if isinstance(sigma, Mapping):
+        per = {name: levels(float(value)) for name, value in sigma.items()}
+
+        def predict(c: Condition) -> LatentState:
+            return adapter.component_velocity(state, per, c)
+    else:
+        s = levels(sigma)
+
+        def predict(c: Condition) -> LatentState:
+            return adapter.velocity(state, s, c)
+
+    v = predict(condition)
     if negative is not None:
-        v_neg = adapter.velocity(state, s, negative)
+        v_neg = predict(negative)
         v = v_neg.zip_map(v, lambda u, c: u + scale * (c - u))
     return v
 
@@ -382,13 +410,13 @@ def sample_ode(
     """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
     each component steps on its own schedule (:meth:`Adapter.sampling_schedules
     <ff_core.adapter.Adapter.sampling_schedules>`, which sees the initial noise's geometry), the velocity is evaluated
-    at the first component's noise level, with the conditions of :func:`guided_conditions`."""
+    with every component at its level (:meth:`Adapter.component_velocity
+    <ff_core.adapter.Adapter.component_velocity>`), with the conditions of :func:`guided_conditions`."""
     state = adapter.initial_noise(condition, generator)
     condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
     levels = schedules(adapter, state, num_steps, shift)
-    primary = levels[next(iter(state.components))]
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale)
         state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
     return state
 
@@ -417,7 +445,7 @@ def sample_sde(
     primary = levels[next(iter(state.components))]
     trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, primary[i], condition, negative, guidance_scale)
+        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale)
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
             out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max)

@@ -224,3 +224,49 @@ def test_components_step_on_their_own_schedules_and_replay_exactly():
         v = adapter.velocity(t.state, torch.full((2,), t.sigma), cond)
         replay = step_log_prob(t.state, v, t.next, t.levels, "flow_sde", 0.7, traj.sigma_max)
         assert torch.equal(replay.log_prob, t.log_prob)
+
+
+class PerStreamLevelAdapter(VideoAudioAdapter):
+    """``component_velocity`` conditions each stream on its own level (the audio velocity is ``-sigma_audio * x``), as
+    MiniMax H3 feeds its video and audio rows their own timesteps in one forward."""
+
+    name = "toy-per-stream-level"
+
+    def component_velocity(self, state, sigmas, condition):
+        v = super().velocity(state, sigmas["video"], condition)
+        audio = -sigmas["audio"][:, None] * state.components["audio"]
+        return LatentState({"video": v.components["video"], "audio": audio}, dict(state.masks))
+
+
+def test_sampling_and_replay_give_each_component_its_own_level():
+    """``Adapter.component_velocity`` (interface 1.3): the ODE sampler and GRPO's replay
+    (``Transition.velocity_levels``) evaluate the velocity with every component at its own schedule's level; the
+    default is ``velocity`` at the first component's (VideoAudioAdapter above)."""
+    from ff_core.sampling import guided_velocity
+
+    adapter, cond = PerStreamLevelAdapter(), {"c": torch.randn(2, 1)}
+    with torch.no_grad():
+        out = sample_ode(adapter, cond, num_steps=2, generator=torch.Generator().manual_seed(0))
+    x = adapter.initial_noise(cond, torch.Generator().manual_seed(0))
+    video, audio = x.components["video"], x.components["audio"]
+    a = [1.0, 0.75, 0.0]
+    for i, s in enumerate((1.0, 0.5)):
+        v = adapter.velocity(LatentState({"video": video, "audio": audio}), torch.full((2,), s), cond)
+        video = video - 0.5 * v.components["video"]
+        audio = audio + (a[i + 1] - a[i]) * (-a[i] * audio)  # at the audio's own level a[i], not the video's s
+    assert_close(out.components["video"], video)
+    assert_close(out.components["audio"], audio)
+    with torch.no_grad():
+        traj = sample_sde(adapter, cond, StochasticSampling(window=(0, 2)), num_steps=2,
+                          generator=torch.Generator().manual_seed(1))  # fmt: skip
+    for t in traj.transitions:
+        assert t.velocity_levels == {k: s for k, (s, _) in t.levels.items()}
+        v = guided_velocity(adapter, t.state, t.velocity_levels, cond, None, 1.0)
+        replay = step_log_prob(t.state, v, t.next, t.levels, "flow_sde", 0.7, traj.sigma_max)
+        assert torch.equal(replay.log_prob, t.log_prob)
+    # The default component_velocity: velocity at the first component's level (what VideoAudioAdapter relies on).
+    base, state = VideoAudioAdapter(), adapter.initial_noise(cond, torch.Generator().manual_seed(2))
+    levels = {"video": torch.full((2,), 0.5), "audio": torch.full((2,), 0.9)}
+    got = base.component_velocity(state, levels, cond)
+    want = base.velocity(state, levels["video"], cond)
+    assert all(torch.equal(got.components[k], want.components[k]) for k in want.components)

@@ -323,7 +323,8 @@ class GRPOObjective(Objective):
         """The mean over the micro-batch of one transition's clipped surrogate plus the KL term, with gradient."""
         trajectory = rollout.trajectory
         sigmas = t.levels or (t.sigma, t.sigma_next)
-        v = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative, self.guidance_scale)
+        v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
+                            self.guidance_scale)  # fmt: skip
         step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max)
         policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
                                      self.adv_clip_max)  # fmt: skip
@@ -344,7 +345,7 @@ class GRPOObjective(Objective):
     def kl(self, adapter: Adapter, rollout: Rollout, t, v, step) -> Tensor:
         """Per sample, the KL term to the reference at this transition (``kl_on``), element means, with gradient."""
         with torch.no_grad(), self.reference.active(adapter):
-            v_ref = guided_velocity(adapter, t.state, t.sigma, rollout.condition, rollout.negative,
+            v_ref = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
                                     self.guidance_scale)  # fmt: skip
             ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
                                 self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip

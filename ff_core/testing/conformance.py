@@ -223,6 +223,21 @@ class AdapterConformance:
             raise NotImplementedError("several outputs: override reference_media")
         return [[m.float().cpu() * 255] for m in media]  # images (3, H, W); videos (F, 3, H, W)
 
+    def reference_run(self, pipe: Any, latents: Any, *, steps: int, denoisers: list[str], call_latents: Any = None,
+                      **kwargs: Any) -> PipelineRun:  # fmt: skip
+        """One recorded run of the reference pipeline (:func:`~ff_core.testing.reference.run_pipeline`'s arguments and
+        result). Default: ``run_pipeline``, which records through ``callback_on_step_end``. Override it for a pipeline
+        without one (a diffusers modular pipeline: record its denoising loop's blocks), filling the same
+        :class:`~ff_core.testing.reference.PipelineRun` (and its ``stream_sigmas`` for streams on their own
+        schedules)."""
+        return run_pipeline(pipe, latents, steps=steps, denoisers=denoisers, call_latents=call_latents, **kwargs)
+
+    def reference_levels(self, adapter: Adapter, case: ReferenceCase, k: int) -> float | dict[str, float]:
+        """The noise level(s) of the reference run's step ``k`` at which the adapter's velocity is compared: the run's
+        sigma (default), or per latent component when components step on their own schedules (from the run's
+        ``stream_sigmas``; the adapter's ``component_velocity`` is then called)."""
+        return float(case.run.sigmas[k])
+
     def load_reference_lora(self, pipe: Any, adapter: Adapter, folder: Path, files: dict[str, Path]) -> None:
         """Load the adapter's exported LoRA files into the pipeline the way a user does (``load_lora_weights``; a
         second network with ``load_into_<name>=True``, as diffusers' Wan2.2 loader)."""
@@ -289,8 +304,9 @@ class AdapterConformance:
         if adapter.io_contract.uses_cfg:
             kwargs["negative_prompt"] = [c.negative_prompt or "" for c in inputs]
         layout = self.reference_layout
-        run = run_pipeline(pipe, layout.pipeline_latents(pipe, init), call_latents=layout.call_latents(pipe, init),
-                           steps=self.reference_steps, denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
+        run = self.reference_run(pipe, layout.pipeline_latents(pipe, init),
+                                 call_latents=layout.call_latents(pipe, init), steps=self.reference_steps,
+                                 denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
         return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance)
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
@@ -346,7 +362,8 @@ class AdapterConformance:
             sigma = float(case.run.sigmas[k])
             state = layout.adapter_state(pipe, case.run.latents[k], case.init)
             with torch.no_grad():
-                ours = state_tensor(velocity_at(adapter, state, sigma, case.condition))
+                ours = state_tensor(velocity_at(adapter, state, self.reference_levels(adapter, case, k),
+                                                case.condition))  # fmt: skip
             theirs = state_tensor(layout.adapter_state(pipe, case.run.velocity(k), case.init))
             problem = differences(ours, theirs, atol=self.velocity_atol, rtol=self.velocity_atol * 10, mask=mask)
             if problem is not None:

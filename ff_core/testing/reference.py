@@ -146,6 +146,8 @@ class PipelineRun:
     Attributes:
         latents: the pipeline's latents before the first step and after each (``steps + 1``).
         sigmas: the noise levels it stepped through (``steps + 1``, from its scheduler).
+        stream_sigmas: per latent stream (a name of :attr:`latents`' dict) that steps on its own schedule, its noise
+            levels (``steps + 1``; MiniMax H3's audio on its own scheduler); the others step on :attr:`sigmas`.
         tensors: its callback tensors at the first step (``prompt_embeds``, ...), besides the latents.
         calls: every denoiser call, ``(component name, module, args, kwargs)``, in order.
         output: the pipeline's output (decoded media).
@@ -153,18 +155,22 @@ class PipelineRun:
 
     latents: list[Latents] = field(default_factory=list)
     sigmas: Tensor | None = None
+    stream_sigmas: dict[str, Tensor] = field(default_factory=dict)
     tensors: dict[str, Tensor] = field(default_factory=dict)
     calls: list[tuple[str, nn.Module, tuple, dict]] = field(default_factory=list)
     output: Any = None
 
     def velocity(self, k: int) -> Latents:
         """The pipeline's velocity at step ``k`` (guidance included): its Euler update over the sigma step (per stream
-        when it has several, all on the recorded sigmas: its streams share one schedule)."""
-        step = float(self.sigmas[k + 1] - self.sigmas[k])
+        when it has several, each over its own schedule's step, :attr:`stream_sigmas`, else :attr:`sigmas`')."""
         after, before = self.latents[k + 1], self.latents[k]
         if isinstance(after, dict):
-            return {name: (after[name] - before[name]) / step for name in after}
-        return (after - before) / step
+            out = {}
+            for name in after:
+                sigmas = self.stream_sigmas.get(name, self.sigmas)
+                out[name] = (after[name] - before[name]) / float(sigmas[k + 1] - sigmas[k])
+            return out
+        return (after - before) / float(self.sigmas[k + 1] - self.sigmas[k])
 
 
 @torch.no_grad()
@@ -270,7 +276,12 @@ def condition_differences(condition: Condition, reference: dict[str, Tensor], *,
     return problems
 
 
-def velocity_at(adapter: Adapter, state: LatentState, sigma: float, condition: Condition) -> LatentState:
-    """The adapter's conditional velocity at one noise level for the whole batch."""
-    s = torch.full((state.batch_size,), float(sigma), device=state_tensor(state).device)
-    return adapter.velocity(state, s, condition)
+def velocity_at(adapter: Adapter, state: LatentState, sigma: float | dict[str, float],
+                condition: Condition) -> LatentState:  # fmt: skip
+    """The adapter's conditional velocity at one noise level for the whole batch (``velocity``), or at one level per
+    latent component (``component_velocity``: components on their own schedules)."""
+    device = state_tensor(state).device
+    if isinstance(sigma, dict):
+        levels = {name: torch.full((state.batch_size,), float(s), device=device) for name, s in sigma.items()}
+        return adapter.component_velocity(state, levels, condition)
+    return adapter.velocity(state, torch.full((state.batch_size,), float(sigma), device=device), condition)

@@ -3,7 +3,8 @@
 Every plugin's tiny-checkpoint factory needs the same three things, built offline in seconds:
 
 * **tokenizers** from an in-memory vocabulary (:func:`build_clip_tokenizer`, :func:`build_t5_tokenizer` (also the
-  (U)MT5 tokenizer Wan ships), :func:`build_gemma_tokenizer`): every word of the test datasets' vocabulary is one
+  (U)MT5 tokenizer Wan ships), :func:`build_gemma_tokenizer`,
+  :func:`build_qwen2_tokenizer`): every word of the test datasets' vocabulary is one
   token, any other text falls back to characters, so nothing crashes on unseen prompts;
 * **a tiny image VAE** (:func:`build_tiny_image_vae`): a diffusers ``AutoencoderKL`` trained briefly on the shapes
   images (:func:`train_vae`) with its ``shift_factor`` / ``scaling_factor`` set from the latent statistics
@@ -147,6 +148,44 @@ def build_gemma_tokenizer(max_length: int = 16, words: Sequence[str] = WORDS):
             vocab.setdefault(merged, len(vocab))
     # add_bos_token explicitly: the released tokenizer prepends <bos>, and without the flag none is added here.
     return GemmaTokenizerFast(vocab=vocab, merges=merges, model_max_length=max_length, add_bos_token=True)
+
+
+QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+)  # fmt: skip
+"""Qwen2/Qwen3-VL's special tokens (end of text, chat turns, the vision block markers Qwen3-VL's processor reads)."""
+
+
+def build_qwen2_tokenizer(max_length: int = 64, words: Sequence[str] = WORDS):
+    """A Qwen2 byte-level BPE tokenizer (``transformers.Qwen2TokenizerFast``, what Qwen2.5 / Qwen3-VL ship) whose merges
+    spell each word of ``words`` as one token (``word`` and ``Ġword``, after a space); every byte has a symbol, so any
+    text tokenizes. :data:`QWEN_SPECIAL_TOKENS` are special tokens (never split), so ``Qwen3VLProcessor`` finds its
+    vision markers.
+
+    Args:
+        max_length: ``model_max_length``.
+        words: the vocabulary spelled as single tokens.
+    """
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2TokenizerFast
+
+    vocab: dict[str, int] = {}
+    for token in sorted(ByteLevel.alphabet()):
+        vocab.setdefault(token, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for spelled in [w for word in words for w in ("\u0120" + word, word)]:  # Ġ: the byte-level space
+        parts = _apply_bpe(list(spelled), {m: r for r, m in enumerate(merges)})
+        merged = parts[0]
+        for part in parts[1:]:
+            merges.append((merged, part))
+            merged += part
+            vocab.setdefault(merged, len(vocab))
+    for token in QWEN_SPECIAL_TOKENS:
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Qwen2TokenizerFast(vocab=vocab, merges=merges, model_max_length=max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    return tokenizer
 
 
 # -- a tiny VAE trained on the shapes ----------------------------------------------------------------------------

@@ -42,10 +42,11 @@ from ff_core.adapter import (
     reject_input_media,
     scheduler_sigma_table,
 )
+from ff_core.audio import clock_window, to_model_rate
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import MediaGeometry
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
-from ff_ltx2.audio import clock_window, log_mel, to_model_rate
+from ff_ltx2.audio import log_mel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip

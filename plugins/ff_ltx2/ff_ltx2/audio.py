@@ -5,14 +5,13 @@ Spec dataset-guide, "Offline V2 records": decoded audio is the file's own sample
 logical clock override; "source-clock truncation, channel conversion, the single model-rate conversion, posterior
 selection, and latent packing remain adapter-owned". In that order:
 
-1. :func:`clock_window`: the samples covering ``[start, start + duration)`` on the source clock (the declared rate
-   when the manifest gives one), where ``duration = num_frames / frame_rate`` is the official LTX-2 clock. A clip
-   shorter than that by more than ``tolerance`` seconds is rejected, never stretched; the cut extends to ``keep``
-   seconds (the ``4 L`` mel hops' span, when longer) where the source has them.
-2. :func:`to_model_rate`: channels converted in torch (mono duplicated to stereo, N averaged to mono; ffmpeg's
-   mixing matrix would rescale them), then one PyAV ``AudioResampler`` pass from the clock rate to the model rate
-   (same layout in and out), then right-padded with zeros or trimmed to exactly the model's sample count (the
-   resampler's rounding and filter delay move the count by a few samples).
+1. :func:`~ff_core.audio.clock_window` (shared with the other audio codecs, :mod:`ff_core.audio`): the samples
+   covering ``[start, start + duration)`` on the source clock (the declared rate when the manifest gives one), where
+   ``duration = num_frames / frame_rate`` is the official LTX-2 clock. A clip shorter than that by more than
+   ``tolerance`` seconds is rejected, never stretched; the cut extends to ``keep`` seconds (the ``4 L`` mel hops'
+   span, when longer) where the source has them.
+2. :func:`~ff_core.audio.to_model_rate`: channels converted in torch, then one PyAV resampling pass to the model
+   rate, then right-padded with zeros or trimmed to exactly the model's sample count.
 3. :func:`log_mel`: ``torch.stft`` (Hann window, centred, reflect padding) magnitudes through a Slaney mel filter bank
    (:func:`mel_filter_bank`), ``log(clamp(mel, 1e-5))``: LTX-2's ``AudioProcessor`` (torchaudio ``MelSpectrogram``
    with ``power=1``, ``norm="slaney"``, ``mel_scale="slaney"``), without torchaudio, which does not import beside
@@ -23,69 +22,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from ff_core.audio import clock_window, to_model_rate
 
-def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: float, *, tolerance: float,
-                 what: str, keep: float | None = None) -> Tensor:  # fmt: skip
-    """The samples of ``waveform`` (C, N) covering ``[start, start + keep)`` seconds of its clock (as far as the
-    source goes), after checking that it covers ``[start, start + duration)``.
-
-    Args:
-        waveform: float (channels, samples), the file's own samples.
-        clock_rate: the rate they are played at (the manifest's ``sample_rate`` when declared, else the file's).
-        start: first second, on the audio's clock (the video clip's window start minus the audio's own start).
-        duration: seconds to keep (``num_frames / frame_rate``).
-        tolerance: how many seconds short of ``duration`` are still accepted (padded later with silence): rounding
-            of the source's length, never a stretch.
-        what: names the target in the error.
-        keep: seconds to cut, ``>= duration`` (``None``: ``duration``): the model's sample count may run past the
-            clip's clock (``4 L`` mel hops with ``L`` rounded up); audio the source has there is kept rather than
-            padded with silence, and a source ending earlier is not an error.
-    """
-    first = max(int(round(start * clock_rate)), 0)
-    count = int(round(duration * clock_rate))
-    have = waveform.shape[-1] - first
-    if have < count - tolerance * clock_rate:
-        raise ValueError(f"{what}: the audio covers {max(have, 0) / clock_rate:.3f} s from {start:.3f} s at its clock "
-                         f"rate {clock_rate:g} Hz, the clip needs {duration:.3f} s (num_frames / frame_rate); LTX-2 "
-                         "rejects clips shorter than the video clock instead of stretching them")  # fmt: skip
-    return waveform[:, first : first + max(count, int(round((keep or 0.0) * clock_rate)))]
-
-
-def to_model_rate(waveform: Tensor, clock_rate: float, rate: int, channels: int, samples: int) -> Tensor:
-    """``waveform`` (C, N) played at ``clock_rate``, converted to ``channels`` channels (1 or 2) and once with PyAV to
-    ``rate`` Hz, then right-padded with zeros or trimmed to exactly ``samples``; float32 (channels, samples).
-
-    Channels are converted here, not by the resampler: ffmpeg's mixing matrix scales mono to stereo by 1/sqrt(2)
-    per channel and stereo to mono by 1/sqrt(2) of the sum, which would change the target's loudness. Mono is
-    duplicated to stereo; stereo is averaged to mono; more than two channels are averaged to mono (and duplicated
-    for a stereo VAE); PyAV then only changes the rate, with the same
-    layout in and out.
-    """
-    import av
-
-    if channels not in (1, 2):
-        raise ValueError(f"the audio VAE takes 1 or 2 channels, its config says {channels}")
-    x = waveform.detach().float().cpu()
-    if x.shape[0] > channels:  # stereo to mono, or more than two channels: their mean
-        x = x.mean(0, keepdim=True)
-    if x.shape[0] < channels:  # mono to stereo: the same signal on both channels
-        x = x.repeat(channels, 1)
-    layout = {1: "mono", 2: "stereo"}[channels]
-    in_rate = int(round(clock_rate))
-    if in_rate == rate:
-        out = x
-    else:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x.numpy()), format="fltp", layout=layout)
-        frame.sample_rate = in_rate
-        resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
-        parts = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
-        out = torch.from_numpy(np.concatenate(parts, axis=1)) if parts else x.new_zeros(channels, 0)
-    out = out[:, :samples]
-    return torch.nn.functional.pad(out, (0, samples - out.shape[1])).contiguous()
+__all__ = ["clock_window", "log_mel", "mel_filter_bank", "to_model_rate"]
 
 
 def _hz_to_mel_slaney(freq: Tensor) -> Tensor:

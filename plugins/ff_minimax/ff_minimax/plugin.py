@@ -1,0 +1,19 @@
+"""Entry point module of ff-minimax (``[project.entry-points.ff] minimax = "ff_minimax.plugin"``)."""
+
+from __future__ import annotations
+
+from ff_core.hookspecs import hookimpl
+
+
+@hookimpl
+def ff_adapters():
+    """The MiniMax H3 adapter classes; importing them loads no weights."""
+    from ff_minimax.adapter import MiniMaxH3T2VAAdapter
+
+    return [MiniMaxH3T2VAAdapter]
+
+
+@hookimpl
+def ff_adapter_interface_version():
+    """The ff adapter-interface version the adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
+    return "1.3"  # Adapter.component_velocity: each latent component at its own noise level

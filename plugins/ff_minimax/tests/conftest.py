@@ -1,0 +1,60 @@
+"""Fixtures of the ff-minimax tests: tiny MiniMax H3 checkpoints built once per session on first use.
+
+Installed (``pip install -e plugins/ff_minimax``, what scripts/setup.sh does) the plugin registers through its entry
+point. Run from a source tree where it is not installed, the package goes on ``sys.path`` (and ``PYTHONPATH``, for
+``ff fit`` subprocesses) and ``FF_PLUGINS=ff_minimax.plugin`` registers it the way the entry point would."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+for folder in (PLUGIN_ROOT, TESTS):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("ff-minimax")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture(autouse=True, scope="module")
+def minimax_plugin_registered():
+    """Without the installed distribution, the registry sees ff_minimax.plugin for this module's tests, then forgets
+    it."""
+    if _installed():
+        yield
+        return
+    from ff_core.plugins import PLUGINS_ENV, get_registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PLUGINS_ENV, "ff_minimax.plugin")
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN_ROOT), os.environ.get("PYTHONPATH")])))
+        get_registry.cache_clear()
+        yield
+    get_registry.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax(tmp_path_factory):
+    """``tiny_minimax(variant)``: the folder of a tiny checkpoint of that variant (ff_minimax.testing.VARIANTS)."""
+    from ff_minimax.testing import build_tiny_minimax
+
+    built: dict[str, Path] = {}
+
+    def get(variant: str = "t2va") -> Path:
+        if variant not in built:
+            built[variant] = build_tiny_minimax(tmp_path_factory.mktemp(f"tiny-minimax-{variant}"), variant=variant)
+        return built[variant]
+
+    return get
