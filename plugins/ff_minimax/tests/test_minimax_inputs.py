@@ -14,6 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
+from ff_minimax.references import (
+    REF2VA_CONTRACT,
+    canonical_manifest,
+    manifest_tensor,
+    manifest_text,
+    reference_manifest,
+)
 from PIL import Image
 
 from ff_core.callbacks.media_log import audio_to_wav
@@ -24,14 +32,6 @@ from ff_core.data.validation import record_errors
 from ff_core.errors import DatasetErrors
 from ff_core.testing.clips import write_grey_mp4
 from ff_core.testing.contracts import SUPPORT_TABLE
-from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
-from ff_minimax.references import (
-    REF2VA_CONTRACT,
-    canonical_manifest,
-    manifest_tensor,
-    manifest_text,
-    reference_manifest,
-)
 
 VA = [{"type": "video", "path": "t.mp4", "fps": 24.0}, {"type": "audio", "path": "t.wav", "sample_rate": 32000}]
 
