@@ -70,6 +70,10 @@ class MiniMaxH3FL2VAAdapter(MiniMaxH3Adapter):
     name: ClassVar[str] = "minimax-h3-fl2va"
     io_contract: ClassVar[PipelineIOContract] = FL2VA_CONTRACT
     preprocess_version: ClassVar[str] = "1"
+    # One or two keyframes per record: a batch of several (GRPO rollouts) pads them, and so prepare_condition pads
+    # the realised prefix rows (sample_condition cuts each sample back to its own).
+    condition_collation: ClassVar[dict[str, str]] = {**MiniMaxH3Adapter.condition_collation, "keyframe_latents": "pad",
+                                                     "keyframe_anchors": "pad", "prefix_video_rows": "pad"}
 
     # -- condition side --------------------------------------------------------------------------
     def preprocess_identity(self) -> dict[str, Any]:
@@ -136,11 +140,19 @@ class MiniMaxH3FL2VAAdapter(MiniMaxH3Adapter):
                 passes the pipeline's, before the target noise is drawn from it, as the pipeline orders its draws.
             batch: the collated float32 batch, read instead of ``condition``'s (cast to the transformer's dtype).
         """
-        source = (batch or condition)["keyframe_latents"]
+        source = batch or condition
         device = condition["prompt_embeds"].device
-        rows = [realise_prefix([z[None].to(device, torch.float32) for z in sample], self.patch_size, self.scheduler,
-                               generator) for sample in source]  # fmt: skip
-        return {**condition, "prefix_video_rows": torch.stack(rows)}
+        rows = []
+        for i in range(len(source["keyframe_latents"])):
+            latents = self.sample_condition({k: source[k] for k in ("keyframe_latents", "keyframe_latents_mask")
+                                             if k in source}, i)["keyframe_latents"]  # fmt: skip
+            rows.append(realise_prefix([z[None].to(device, torch.float32) for z in latents], self.patch_size,
+                                       self.scheduler, generator))  # fmt: skip
+        # Padded when the batch mixes one- and two-keyframe records: its mask rides along for sample_condition.
+        n = max(r.shape[0] for r in rows)
+        prefix = torch.stack([torch.nn.functional.pad(r, (0, 0, 0, n - r.shape[0])) for r in rows])
+        mask = torch.stack([torch.arange(n, device=device) < r.shape[0] for r in rows])
+        return {**condition, "prefix_video_rows": prefix, "prefix_video_rows_mask": mask}
 
     # -- the packed sequence ---------------------------------------------------------------------
     def keyframe_anchors(self, condition: Condition) -> tuple[str, ...]:

@@ -245,6 +245,73 @@ def write_prompts(root: str | Path, n: int = 4) -> Path:
     return root
 
 
+KEYFRAME_FORMS: tuple[tuple[str, ...], ...] = (("first_frame",), ("last_frame",), ("first_frame", "last_frame"))
+"""The FL2VA record forms the keyframe datasets cycle through: first-only, last-only, first-plus-last."""
+
+
+def _keyframe(root: Path, rel: str, colour: str, size: int = TINY_SIZE) -> str:
+    """A PNG of a ``colour`` square on grey (the clips' look) at ``rel`` under ``root``; returns ``rel``."""
+    from PIL import Image
+
+    clip, _ = av_clip(colour, "low", 1, TINY_FPS, 8000, size=size)
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(clip[0]).save(root / rel)
+    return rel
+
+
+def _rewrite(root: Path, edit: Any) -> None:
+    """``train.jsonl``'s records passed through ``edit(index, record)``."""
+    records = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]
+    (root / "train.jsonl").write_text("".join(json.dumps(edit(i, r)) + "\n" for i, r in enumerate(records)))
+
+
+def write_keyframe_clips(root: str | Path, n: int = 3, *, preference: bool = False) -> Path:
+    """An FL2VA V2 dataset: :func:`write_av_clips`' clips, each record's ``input.media`` a slotted keyframe set cycling
+    through :data:`KEYFRAME_FORMS` (first-only, last-only, first-plus-last; PNGs of the clip's square under
+    ``conditions/``), and a legacy ``test.jsonl`` evaluation split of ``images`` rows (one image: the first frame; two:
+    first then last), paths under the default ``images/`` folder.
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        preference: preference pairs (offline DPO) instead of demonstrations.
+    """
+    root = write_av_clips(root, n, preference=preference)
+    (root / "test.txt").unlink()
+
+    def edit(i: int, record: dict[str, Any]) -> dict[str, Any]:
+        colour = record["metadata"]["colour"]
+        record["input"]["media"] = [
+            {"type": "image", "path": _keyframe(root, f"conditions/{i:03d}_{slot}.png", colour), "slot": slot}
+            for slot in KEYFRAME_FORMS[i % len(KEYFRAME_FORMS)]]  # fmt: skip
+        return record
+
+    _rewrite(root, edit)
+    (root / "test.jsonl").write_text(json.dumps(keyframe_prompt(root, 0)) + "\n")
+    return root
+
+
+def keyframe_prompt(root: Path, i: int) -> dict[str, Any]:
+    """A legacy FL2VA generation row (``prompt`` + ordered ``images``, resolved against ``images/``); row ``i`` has one
+    keyframe (the first frame) when ``i`` is even, two (first then last) when odd."""
+    colour, pitch = list(COLOURS)[i % len(COLOURS)], list(PITCHES)[i % len(PITCHES)]
+    names = [_keyframe(root / "images", f"{i:03d}_first.png", colour)]
+    if i % 2:
+        names.append(_keyframe(root / "images", f"{i:03d}_last.png", colour))
+    return {"prompt": f"a {colour} square with a {pitch} tone", "images": names}
+
+
+def write_keyframe_prompts(root: str | Path, n: int = 2) -> Path:
+    """An FL2VA generation dataset (GRPO rollouts, evaluation): legacy ``train.jsonl`` / ``test.jsonl`` rows with one
+    or two ordered keyframes (:func:`keyframe_prompt`)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [keyframe_prompt(root, i) for i in range(n)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    return root
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_minimax.testing", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")

@@ -1,0 +1,78 @@
+"""``ff fit`` on the CPU with the conditioned MiniMax H3 recipes (FL2VA keyframes, Ref2VA references; SFT, offline DPO,
+GRPO; 2 steps each) from generated datasets, and their inputs refused before weights load with the record's line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ff_minimax.testing import write_keyframe_clips, write_keyframe_prompts
+from test_minimax_fit import CONFIGS, fit
+
+from ff_core.cli import main
+
+
+def test_fl2va_sft_recipe_trains_on_first_last_and_both_keyframe_records(tiny_minimax, tmp_path):
+    data = write_keyframe_clips(tmp_path / "keyframes", 3)
+    slots = [[m["slot"] for m in json.loads(line)["input"]["media"]]
+             for line in (data / "train.jsonl").read_text().splitlines()]  # fmt: skip
+    assert slots == [["first_frame"], ["last_frame"], ["first_frame", "last_frame"]]
+    cli = fit("fl2va_sft_tiny.yaml", tiny_minimax("fl2va"), [{"name": "keyframes", "dataset_dir": str(data),
+              "eval": {}}], tmp_path / "run", "--trainer.max_steps", "3")  # fmt: skip
+    assert cli.trainer.global_step == 3 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    version = next((tmp_path / "run" / "lightning_logs").iterdir())
+    assert (version / "checkpoints" / "last.lora" / "pytorch_lora_weights.safetensors").stat().st_size > 0
+
+
+def test_fl2va_offline_dpo_recipe_trains_on_pairs(tiny_minimax, tmp_path):
+    data = write_keyframe_clips(tmp_path / "pairs", 2, preference=True)
+    cli = fit("fl2va_offline_dpo_tiny.yaml", tiny_minimax("fl2va"), [{"name": "pairs", "dataset_dir": str(data),
+              "eval": {}}], tmp_path / "run")  # fmt: skip
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+def test_fl2va_grpo_recipe_trains_on_its_rollouts(tiny_minimax, tmp_path):
+    data = write_keyframe_prompts(tmp_path / "prompts", 2)
+    assert [len(json.loads(r)["images"]) for r in (data / "train.jsonl").read_text().splitlines()] == [1, 2]
+    cli = fit("fl2va_grpo_tiny.yaml", tiny_minimax("fl2va"), [{"name": "prompts", "dataset_dir": str(data),
+              "eval": {}}], tmp_path / "run", "--model.objective.init_args.num_steps", "3",
+              "--model.objective.init_args.sampler",
+              json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2], "num_sde_steps": None}))  # fmt: skip
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2 and torch.isfinite(metrics["train/policy_loss"])
+    assert float(metrics["train/ratio_first_max_dev"]) == 0.0  # replay of the rollouts' target-only log-probs
+
+
+@pytest.fixture
+def no_fl2va_weights(monkeypatch):
+    from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights loaded before the records were checked")
+
+    monkeypatch.setattr(MiniMaxH3FL2VAAdapter, "_components", classmethod(refuse))
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"prompt": "p", "images": ["000_first.png"] * 3}], r"train\.jsonl:1: images\[2\]: 3 condition item\(s\), but "
+                                                         r"this adapter takes at most 2"),
+    ([{"prompt": "p", "images": ["000_first.png"]}, {"prompt": "q"}], r"train\.jsonl:2: images: bind at least 1"),
+    ([{"prompt": "p", "images": ["000_first.png"], "negative_prompt": "x"}],
+     r"train\.jsonl:1: negative_prompt: this adapter has no classifier-free guidance"),
+])  # fmt: skip
+def test_fl2va_rows_breaking_the_slot_rules_fail_before_weights_load(tiny_minimax, tmp_path, capsys, no_fl2va_weights,
+                                                                     rows, message):
+    data = write_keyframe_prompts(tmp_path / "prompts", 1)
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "validate", "--model", "minimax-h3-fl2va", "--split", "train", str(data)]) != 0
+    err = capsys.readouterr()
+    assert any(__import__("re").search(message, s) for s in (err.out, err.err)), err.out + err.err
+    with pytest.raises(Exception, match=message.split(": ", 1)[1]) as info:
+        fit("fl2va_grpo_tiny.yaml", tiny_minimax("fl2va"), [{"name": "p", "dataset_dir": str(data)}], tmp_path / "r")
+    assert "weights loaded" not in str(info.value)
+
+
+def test_recipes_exist_for_every_conditioned_cell():
+    names = {p.stem for p in CONFIGS.glob("*_tiny.yaml")}
+    assert {f"fl2va_{o}_tiny" for o in ("sft", "offline_dpo", "grpo")} <= names
