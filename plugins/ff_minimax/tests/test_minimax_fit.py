@@ -54,6 +54,28 @@ def test_t2va_sft_recipe_trains_from_mp4_and_wav_pairs(tiny_minimax, clips, tmp_
     assert lora.stat().st_size > 0
 
 
+def test_frozen_audio_trains_the_video_alone_under_full_fine_tuning(tiny_minimax, clips, tmp_path):
+    """``model.frozen_components: [audio]`` without LoRA: after 2 steps the audio stream's own layers (its input and
+    output projections) are bit-identical to the checkpoint's and out of the optimiser; the shared blocks trained."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(tiny_minimax("t2va"), subfolder="transformer").state_dict()
+    cli = fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "clips", "dataset_dir": str(clips)}], tmp_path,
+              "--model.lora", "null", "--model.frozen_components", "[audio]",
+              "--trainer.callbacks", json.dumps([{"class_path": "ff_core.callbacks.FlowCheckpoint",
+                                                  "init_args": {"save_last": True}}]))  # fmt: skip
+    assert cli.trainer.global_step == 2
+    trained = dict(cli.model.adapter.transformer.named_parameters())
+    audio = set(cli.model.adapter.component_parameters("audio")["transformer"])
+    assert audio == {"audio_proj_in.weight", "audio_proj_in.bias", "audio_proj_out.weight", "audio_proj_out.bias"}
+    for name in audio:
+        assert not trained[name].requires_grad and torch.equal(trained[name], base[name]), name
+    shared = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(trained[shared], base[shared])
+    optimised = {id(p) for group in cli.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimised == {id(p) for n, p in trained.items() if n not in audio}
+
+
 def test_t2va_offline_dpo_recipe_trains_on_audio_video_pairs(tiny_minimax, tmp_path):
     pairs = write_av_clips(tmp_path / "pairs", 2, preference=True)
     record = json.loads((pairs / "train.jsonl").read_text().splitlines()[0])
@@ -178,3 +200,13 @@ def test_records_breaking_the_rules_fail_validation_and_fit_before_weights_load(
     with pytest.raises(Exception, match=message.split(": ", 1)[1]) as info:
         fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "bad", "dataset_dir": str(bad)}], tmp_path / "run")
     assert "weights loaded" not in str(info.value)
+
+
+def test_a_target_shorter_than_the_clip_is_rejected_naming_the_record(tiny_minimax, tmp_path):
+    """Spec: the target video must cover the configured 24-fps duration (never stretched): 100 frames cannot give the
+    124-frame clip."""
+    short = write_av_clips(tmp_path / "short", 2, frames=100)
+    with pytest.raises(Exception, match=r"train\.jsonl:1: supervision\.target\.media\[0\]\.path: .*000\.mp4: video too "
+                                        r"short: 124 frames at 24 fps"):  # fmt: skip
+        fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "short", "dataset_dir": str(short)}],
+            tmp_path / "run")  # fmt: skip
