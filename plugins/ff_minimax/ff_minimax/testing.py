@@ -312,6 +312,70 @@ def write_keyframe_prompts(root: str | Path, n: int = 2) -> Path:
     return root
 
 
+REFERENCE_FORMS: tuple[tuple[str, ...], ...] = (("image",), ("image", "audio"), ("audio", "image", "image"))
+"""The Ref2VA reference lists the reference datasets cycle through, in order (types; audio never alone)."""
+
+
+def _references(root: Path, i: int, colour: str, pitch: str, form: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Reference files of row ``i`` under ``root/references`` (a ``colour`` square PNG, a 1 s mono ``pitch`` tone WAV
+    at 8 kHz) as ordered media objects, paths relative to the dataset folder."""
+    from ff_core.callbacks.media_log import audio_to_wav
+
+    out = []
+    for k, kind in enumerate(form):
+        if kind == "image":
+            out.append({"type": "image", "path": _keyframe(root, f"references/{i:03d}_{k}.png", colour)})
+        else:
+            _, tone = av_clip(colour, pitch, TINY_FRAMES, TINY_FPS, 8000)
+            rel = f"references/{i:03d}_{k}.wav"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone[:8000].T)).float(), 8000))
+            out.append({"type": "audio", "path": rel, "sample_rate": 8000})
+    return out
+
+
+def write_reference_clips(root: str | Path, n: int = 3, *, preference: bool = False) -> Path:
+    """A Ref2VA V2 dataset: :func:`write_av_clips`' clips, each record's ``input.media`` an ordered reference list
+    cycling through :data:`REFERENCE_FORMS`, and a legacy ``test.jsonl`` evaluation split of ``references`` rows.
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        preference: preference pairs (offline DPO) instead of demonstrations.
+    """
+    root = write_av_clips(root, n, preference=preference)
+    (root / "test.txt").unlink()
+
+    def edit(i: int, record: dict[str, Any]) -> dict[str, Any]:
+        meta = record["metadata"]
+        record["input"]["media"] = _references(root, i, meta["colour"], meta["pitch"],
+                                               REFERENCE_FORMS[i % len(REFERENCE_FORMS)])  # fmt: skip
+        return record
+
+    _rewrite(root, edit)
+    (root / "test.jsonl").write_text(json.dumps(reference_prompt(root, 1)) + "\n")
+    return root
+
+
+def reference_prompt(root: Path, i: int) -> dict[str, Any]:
+    """A legacy Ref2VA generation row: ``prompt`` + the ordered ``references`` of :data:`REFERENCE_FORMS` ``[i % 3]``
+    (paths relative to the dataset folder, as the spec resolves them)."""
+    colour, pitch = list(COLOURS)[i % len(COLOURS)], list(PITCHES)[i % len(PITCHES)]
+    refs = _references(root, i, colour, pitch, REFERENCE_FORMS[i % len(REFERENCE_FORMS)])
+    return {"prompt": f"a {colour} square with a {pitch} tone", "references": refs}
+
+
+def write_reference_prompts(root: str | Path, n: int = 2) -> Path:
+    """A Ref2VA generation dataset (GRPO rollouts, evaluation): legacy ``train.jsonl`` / ``test.jsonl`` rows with
+    ordered references (:func:`reference_prompt`)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [reference_prompt(root, i) for i in range(n)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    return root
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_minimax.testing", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
