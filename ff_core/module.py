@@ -365,14 +365,14 @@ class FlowModule(L.LightningModule):
         guidance-distilled checkpoint) samples with one forward per step: a ``guidance_scale`` other than 1 would ask
         for a second, unconditional forward the checkpoint has no branch for. Refused before any weight loads, naming
         the key (spec dataset-guide, "MiniMax H3 datasets": training and evaluation keep ``guidance_scale: 1.0``)."""
-        if self.io_contract.uses_cfg:
-            return
         keys = {"model.sampling.guidance_scale": self.sampling.guidance_scale,
                 "model.objective.init_args.guidance_scale": getattr(self.objective, "guidance_scale", 1.0)}
-        for key, value in keys.items():
-            if float(value) != 1.0:
-                raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free "
-                                       "guidance (its contract rejects negative prompts); keep it 1.0")  # fmt: skip
+        guided = {key: value for key, value in keys.items() if float(value) != 1.0}
+        if not guided or self.io_contract.uses_cfg:  # the contract is read only when CFG is asked for
+            return
+        key, value = next(iter(guided.items()))
+        raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free guidance (its "
+                               "contract rejects negative prompts); keep it 1.0")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it

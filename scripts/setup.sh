@@ -8,7 +8,9 @@
 # build/wan-squares-i2v with first frames, build/wan-squares-dpo preference pairs). For the LTX-2 recipes
 # (configs/ltx2/): tiny LTX-2 text/image-to-audio+video checkpoints (build/tiny-ltx2-t2av, build/tiny-ltx2-i2av) and
 # MP4+WAV clip datasets (build/ltx2-clips, build/ltx2-clips-dpo preference pairs, build/ltx2-clips-i2av[-dpo] with
-# first frames) and prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av).
+# first frames) and prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av). For the MiniMax H3 recipes
+# (configs/minimax/): a tiny text-to-video+audio checkpoint (build/tiny-minimax-t2va), MP4+WAV clip datasets
+# (build/minimax-clips, build/minimax-clips-dpo preference pairs) and prompt rows for GRPO (build/minimax-prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,4 +38,8 @@ pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]
 [ -f build/ltx2-clips-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av --dataset --i2av --n 8
 [ -f build/ltx2-clips-i2av-dpo/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av-dpo --dataset --i2av --preference --n 8
 [ -f build/ltx2-prompts-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-prompts-i2av --dataset --i2av --prompts --n 8
+[ -f build/tiny-minimax-t2va/model_index.json ] || python -m ff_minimax.testing --out build/tiny-minimax-t2va --variant t2va
+[ -f build/minimax-clips/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips --dataset --n 8
+[ -f build/minimax-clips-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips-dpo --dataset --preference --n 8
+[ -f build/minimax-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-prompts --dataset --prompts --n 8
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"
