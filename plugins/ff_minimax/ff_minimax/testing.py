@@ -385,7 +385,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--preference", action="store_true", help="with --dataset: preference pairs (the other pitch)")
     p.add_argument("--prompts", action="store_true", help="with --dataset: prompt-only rows")
     p.add_argument("--n", type=int, default=8, help="with --dataset: number of clips")
+    p.add_argument("--condition", choices=("keyframes", "references"), default=None,
+                   help="with --dataset: FL2VA keyframes or Ref2VA references with every record")
     a = p.parse_args(argv)
+    if a.dataset and a.condition:
+        writers = {("keyframes", True): write_keyframe_prompts, ("references", True): write_reference_prompts}
+        if a.prompts:
+            out = writers[(a.condition, True)](a.out, a.n)
+        elif a.condition == "keyframes":
+            out = write_keyframe_clips(a.out, a.n, preference=a.preference)
+        else:
+            out = write_reference_clips(a.out, a.n, preference=a.preference)
+        print(f"wrote {a.n} {a.condition} records to {out}")
+        return
     if a.dataset and a.prompts:
         print(f"wrote {a.n} prompt rows to {write_prompts(a.out, a.n)}")
         return
