@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from ff_minimax.ref2va import video_references_available
 from ff_minimax.testing import (
     write_keyframe_clips,
     write_keyframe_prompts,
@@ -139,3 +140,14 @@ def test_ref2va_rows_breaking_the_reference_rules_fail_before_weights_load(tiny_
     with pytest.raises(Exception, match=message.split(": ", 1)[1]) as info:
         fit("ref2va_grpo_tiny.yaml", tiny_minimax("ref2va"), [{"name": "p", "dataset_dir": str(data)}], tmp_path / "r")
     assert "weights loaded" not in str(info.value)
+
+
+@pytest.mark.skipif(video_references_available(), reason="torchvision is installed: video references are presented")
+def test_ref2va_video_reference_is_refused_here_before_weights_load(tmp_path, capsys):
+    """Without torchvision (no Qwen3-VL video processor) the contract takes image and audio references only."""
+    data = write_reference_prompts(tmp_path / "prompts", 1)
+    (data / "train.jsonl").write_text(json.dumps({"prompt": "p", "references": [
+        {"type": "image", "path": "references/000_0.png"}, {"type": "video", "path": "clip.mp4"}]}) + "\n")
+    assert main(["data", "validate", "--model", "minimax-h3-ref2va", "--split", "train", str(data)]) != 0
+    err = capsys.readouterr()
+    assert "train.jsonl:1: references[1].type: video is not a reference type here (audio, image)" in err.out + err.err
