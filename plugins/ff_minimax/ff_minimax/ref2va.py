@@ -162,6 +162,11 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
                                vae=self.vae, audio_vae=self.audio_vae)  # fmt: skip
         return pipe
 
+    def release_preprocessing(self) -> list[str]:
+        """Also drops the preprocessing blocks' pipeline, which holds the text encoder too."""
+        self.__dict__.pop("_reference_blocks", None)
+        return super().release_preprocessing()
+
     def _soundtrack(self, audio: Any) -> Tensor:
         """A reference soundtrack as the setup block's input at the audio VAE's rate: truncated to the clip's duration
         on its own clock (the block's order), converted to stereo and resampled once with PyAV (no torchaudio)."""

@@ -287,3 +287,12 @@ def test_video_references_follow_the_environment(adapter):
     """A video reference needs Qwen3-VL's video processor (torchvision); without it the contract refuses it."""
     types = adapter.io_contract.references.types
     assert ("video" in {t.value for t in types}) == video_references_available()
+
+
+def test_release_preprocessing_drops_the_blocks_text_encoder(tiny_minimax):
+    adapter = MiniMaxH3Ref2VAAdapter.from_pretrained(tiny_minimax("ref2va"), height=TINY_SIZE, width=TINY_SIZE,
+                                                     num_frames=TINY_FRAMES, reference_image_short_edge=SHORT_EDGE)
+    adapter.preprocess([item_for(adapter, ("image",))])
+    assert adapter._blocks().text_encoder is adapter.text_encoder is not None
+    assert adapter.release_preprocessing() == ["text_encoder"]
+    assert adapter.text_encoder is None and "_reference_blocks" not in adapter.__dict__
