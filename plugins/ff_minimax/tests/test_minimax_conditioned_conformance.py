@@ -1,7 +1,10 @@
-"""minimax-h3-fl2va and minimax-h3-ref2va against the adapter conformance kit's plumbing checks (stage shapes and
-dtypes, sampling, LoRA targets and export, train / eval modes, sharding blocks, preprocessing identity, ...). Parity
-with ``MiniMaxH3ModularPipeline`` is checked in test_minimax_fl2va.py / test_minimax_ref2va.py, which drive the
-pipeline's generator through the realised prefix (the kit's reference run draws the prefix noise itself)."""
+"""minimax-h3-fl2va and minimax-h3-ref2va against the adapter conformance kit: its plumbing checks (stage shapes and
+dtypes, sampling, LoRA targets and export, train / eval modes, sharding blocks, preprocessing identity, ...) for both,
+and for FL2VA its maths checks against ``MiniMaxH3ModularPipeline`` too (prompt encoding with the keyframes' vision
+blocks, both schedules, the denoiser at every step of a 3-step run on both streams, the final latents, decoding,
+target encoding, the LoRA export through ``load_lora_weights``), on T2VA's kit wiring. Ref2VA's parity with the
+pipeline is in test_minimax_ref2va.py (its recorded loop runs ``transformer_ref`` with reference rows on both
+streams)."""
 
 from __future__ import annotations
 
@@ -33,18 +36,11 @@ class _H3Targets:
                  (0.3 * torch.sin(2 * math.pi * 220.0 * (i + 1) * t)).repeat(2, 1)] for i in range(n)]  # fmt: skip
 
 
-class TestMiniMaxH3FL2VAConformance(_H3Targets, AdapterConformance):
-    adapter_cls = MiniMaxH3FL2VAAdapter
-    adapter_kwargs = ADAPTER_KWARGS
-
-    def build_checkpoint(self, path):
-        return build_tiny_minimax(path, variant="fl2va")
-
-    def make_inputs(self, adapter, folder):
-        """The first-plus-last form (both optional slots bound)."""
-        return [ConditionInput(self.prompts[0], None, [
-            {"type": "image", "data": _image(1), "path": folder / "first.png", "slot": "first_frame"},
-            {"type": "image", "data": _image(2, 24, 18), "path": folder / "last.png", "slot": "last_frame"}])]
+def keyframe_inputs(prompt: str, folder) -> list[ConditionInput]:
+    """The first-plus-last FL2VA form (both optional slots bound), keyframes of other aspect ratios than the canvas."""
+    return [ConditionInput(prompt, None, [
+        {"type": "image", "data": _image(1), "path": folder / "first.png", "slot": "first_frame"},
+        {"type": "image", "data": _image(2, 24, 18), "path": folder / "last.png", "slot": "last_frame"}])]
 
 
 class TestMiniMaxH3Ref2VAConformance(_H3Targets, AdapterConformance):
@@ -61,3 +57,57 @@ class TestMiniMaxH3Ref2VAConformance(_H3Targets, AdapterConformance):
             {"type": "image", "data": _image(1), "path": folder / "a.png"},
             {"type": "audio", "data": DecodedAudio(tone, 8000), "path": folder / "s.wav", "sample_rate": 8000},
             {"type": "image", "data": _image(3, 16, 24), "path": folder / "b.png"}])]
+
+
+# -- FL2VA through the kit's maths checks against MiniMaxH3ModularPipeline ---------------------------------------------
+import test_minimax_conformance as t2va  # noqa: E402  (a module: pytest does not collect T2VA's class twice)
+from ff_minimax.fl2va import to_pil  # noqa: E402
+
+
+class TestMiniMaxH3FL2VAReferenceConformance(t2va.TestMiniMaxH3T2VAConformance):
+    """The T2VA kit wiring (recorded denoising loop, both schedules) with the keyframes passed as ``image`` /
+    ``last_image``. The pipeline draws the keyframe noise from its generator before anything else, so the case's
+    condition is realised from a generator of the kit's seed (:meth:`MiniMaxH3FL2VAAdapter.realise`); the loop's rows
+    carry the keyframe rows first, which the recording drops (they never change: only target rows are stepped)."""
+
+    adapter_cls = MiniMaxH3FL2VAAdapter
+
+    def build_checkpoint(self, path):
+        return build_tiny_minimax(path, variant="fl2va")
+
+    def make_inputs(self, adapter, folder):
+        return keyframe_inputs(self.prompts[0], folder)
+
+    def reference_call_kwargs(self, adapter, inputs):
+        slots = {m["slot"]: to_pil(m["data"]) for m in inputs[0].media}
+        return {**super().reference_call_kwargs(adapter, inputs), "image": slots["first_frame"],
+                "last_image": slots["last_frame"]}  # fmt: skip
+
+    def run_reference(self, adapter, pipe, inputs, *, guidance_scale, embedded_guidance=None):
+        case = super().run_reference(adapter, pipe, inputs, guidance_scale=guidance_scale,
+                                     embedded_guidance=embedded_guidance)  # fmt: skip
+        case.condition = adapter.realise(case.condition, generator=torch.Generator().manual_seed(self.seed))
+        return case
+
+    def reference_run(self, pipe, latents, **kwargs):
+        run = super().reference_run(pipe, latents, **kwargs)
+        n = latents["latents"].shape[0]  # the target's rows: what the recording keeps of every step
+        self.__class__.keyframe_rows = run.latents[-1]["latents"].shape[0] - n
+        run.latents = [{**r, "latents": r["latents"][-n:]} for r in run.latents]
+        return run
+
+    def test_reference_velocity_is_the_negated_data_ward_prediction(self, adapter, reference, reference_case):
+        """As T2VA's, on the target rows of the recorded first forward (the keyframe rows' predictions dropped)."""
+        case = reference_case
+        _, module, args, kw = case.run.calls[0]
+        n = kw["hidden_states"].shape[1] - case.run.latents[0]["latents"].shape[0]
+        assert n == self.keyframe_rows > 0
+        with torch.no_grad():
+            raw, _ = module(*args, **{**kw, "return_dict": False})
+            state = self.reference_layout.adapter_state(reference, case.run.latents[0], case.init)
+            ours = adapter.component_velocity(state, {k: torch.tensor([v]) for k, v in
+                                                      self.reference_levels(adapter, case, 0).items()},
+                                              case.condition)  # fmt: skip
+        theirs = t2va.from_rows(reference, {"latents": -raw[0, n:], "audio_latents": torch.zeros_like(
+            case.run.latents[0]["audio_latents"])}, case.init)  # fmt: skip
+        torch.testing.assert_close(ours.components["video"], theirs.components["video"], atol=1e-5, rtol=1e-4)
