@@ -82,13 +82,14 @@ def test_contracts_match_the_support_table_row():
 
 # -- FL2VA ------------------------------------------------------------------------------------------------------------
 def test_fl2va_legacy_images_bind_first_then_last_in_written_order(media: Path):
-    """One image is the first frame; two are first then last, in the order written (never sorted by name)."""
+    """One image is the first frame; two are first then last, in the order written (never sorted by name, never
+    deduplicated: the same file twice is a first and a last frame)."""
     rows = [{"prompt": "one", "images": ["c.png"]}, {"prompt": "two", "images": ["c.png", "a.png"]},
-            {"prompt": "single", "image": "b.png"}]
+            {"prompt": "single", "image": "b.png"}, {"prompt": "same", "images": ["b.png", "b.png"]}]
     records = _records(media, rows, "fl_ok")
     assert _problems(records, FL2VA_CONTRACT) == []
     got = [keyframes(condition_input(r, FL2VA_CONTRACT), i) for i, r in enumerate(records)]
-    assert [[a for a, _ in k] for k in got] == [["first"], ["first", "last"], ["first"]]
+    assert [[a for a, _ in k] for k in got] == [["first"], ["first", "last"], ["first"], ["first", "last"]]
     # c.png (blue) is the first frame of row 2 although "a" sorts before "c".
     first, last = got[1][0][1], got[1][1][1]
     assert first[:, 0, 0].tolist() == [0, 0, 255] and last[:, 0, 0].tolist() == [255, 0, 0]
