@@ -151,3 +151,23 @@ def test_ref2va_video_reference_is_refused_here_before_weights_load(tmp_path, ca
     assert main(["data", "validate", "--model", "minimax-h3-ref2va", "--split", "train", str(data)]) != 0
     err = capsys.readouterr()
     assert "train.jsonl:1: references[1].type: video is not a reference type here (audio, image)" in err.out + err.err
+
+
+@pytest.mark.parametrize("workflow", ["fl2va", "ref2va"])
+def test_the_full_size_conditioned_recipes_parse(workflow, tmp_path):
+    """configs/minimax/minimax_h3_{fl2va,ref2va}.yaml are not run here; they parse, name the registered adapter and a
+    valid H3 clip on the released canvas."""
+    from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter
+    from ff_minimax.ref2va import MiniMaxH3Ref2VAAdapter
+    from ff_minimax.rules import check_clip
+
+    from ff_core.data.datamodule import FlowDataModule
+    from ff_core.lightning_cli import FlowCLI
+    from ff_core.module import FlowModule
+
+    cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
+        "--config", str(CONFIGS / f"minimax_h3_{workflow}.yaml"), "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32", "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    assert cli.model.adapter_cls is {"fl2va": MiniMaxH3FL2VAAdapter, "ref2va": MiniMaxH3Ref2VAAdapter}[workflow]
+    kwargs = cli.model.adapter_kwargs
+    assert check_clip(kwargs["num_frames"], kwargs["height"], kwargs["width"], 32) == kwargs["num_frames"] == 124
