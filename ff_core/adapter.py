@@ -407,7 +407,9 @@ class Adapter(nn.Module):
         return self
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        """Realise a collated batch of preprocessed conditions once, on the module's device."""
+        """Realise a collated batch of preprocessed conditions once, on the module's device. An adapter whose
+        realisation is random may take a keyword ``generator`` (a seeded CPU generator, or ``None``): the objectives
+        pass their per-micro-batch stream through :func:`ff_core.objectives.flow_matching.prepare_batch_condition`."""
         raise NotImplementedError
 
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:

@@ -125,9 +125,10 @@ class MiniMaxH3FL2VAAdapter(MiniMaxH3Adapter):
         return {"keyframe_latents": torch.stack(latents).float(),
                 "keyframe_anchors": torch.tensor([ANCHOR_CODES[a] for a in anchors], dtype=torch.int64)}
 
-    def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        """The batch on the transformer's device, plus its realised prefix (:meth:`realise`), drawn once here."""
-        return self.realise(super().prepare_condition(batch), batch=batch)
+    def prepare_condition(self, batch: dict[str, Tensor], generator: torch.Generator | None = None) -> Condition:
+        """The batch on the transformer's device, plus its realised prefix (:meth:`realise`), drawn once here from
+        ``generator`` (the objective's seeded per-micro-batch stream; ``None``: the global generator)."""
+        return self.realise(super().prepare_condition(batch), generator=generator, batch=batch)
 
     def realise(self, condition: Condition, generator: torch.Generator | None = None,
                 batch: dict[str, Tensor] | None = None) -> Condition:  # fmt: skip

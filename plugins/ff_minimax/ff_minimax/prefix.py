@@ -147,14 +147,18 @@ def realise_prefix(
         condition_latents: the normalised float32 condition latents, each (1, C, f, h, w), in packed order.
         patch_size: the transformer's ``(t, h, w)`` patch.
         scheduler: the video ``MiniMaxH3Scheduler`` (its ``scale_noise``).
-        generator: draws the noise (``None``: the global generator); on the latents' device.
+        generator: draws the noise (``None``: the global generator), on its own device.
     """
+    from diffusers.utils.torch_utils import randn_tensor
+
     if not condition_latents:
         raise ValueError("realise_prefix: no condition latents (T2VA has no prefix)")
     rows = []
     for z in condition_latents:
         z = z.float()
-        noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
+        # diffusers' randn_tensor, as the pipeline draws: on the generator's device (a CPU generator for a CUDA
+        # latent draws on the CPU and moves), so one seeded CPU stream gives the same prefix on any device.
+        noise = randn_tensor(tuple(z.shape), generator=generator, device=z.device, dtype=torch.float32)
         rows.append(patchify(scheduler.scale_noise(z, NOISE_AUG, noise), patch_size))
     return torch.cat(rows)
 

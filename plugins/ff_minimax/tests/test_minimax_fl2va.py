@@ -283,3 +283,29 @@ def test_keyframes_follow_the_slots_not_the_list_order(adapter):
     last = adapter.preprocess([item_for(KEYFRAMES["last"])])[0]
     assert last["keyframe_anchors"].tolist() == [1] and last["keyframe_latents"].shape[0] == 1
     assert np.array_equal(a["keyframe_anchors"].numpy(), [0, 1])
+
+
+def test_the_prefix_is_drawn_from_the_objectives_seeded_stream(adapter):
+    """prepare_condition takes the objective's per-micro-batch generator (ff_core prepare_batch_condition, child
+    stream 3): the same micro-batch seed gives the same prefix and loss whatever the global RNG did (a resumed run
+    repeats them), another seed another prefix."""
+    from ff_core.objectives.sft import SFTObjective
+
+    rows = adapter.preprocess([item_for(KEYFRAMES["both"])])
+    batch = {"condition": collate_conditions(rows, adapter.condition_collation), "target": targets(adapter, 1)}
+    realised, original = [], adapter.prepare_condition
+
+    def prepare(b, generator=None):
+        condition = original(b, generator=generator)
+        realised.append(condition["prefix_video_rows"])
+        return condition
+
+    objective = SFTObjective()
+    losses = []
+    with mock.patch.object(adapter, "prepare_condition", prepare):
+        for global_seed, seed in ((0, 5), (123, 5), (0, 6)):
+            torch.manual_seed(global_seed)
+            with torch.no_grad():
+                losses.append(objective.training_loss(adapter, batch, torch.Generator().manual_seed(seed)).loss)
+    assert torch.equal(realised[0], realised[1]) and torch.equal(losses[0], losses[1])
+    assert not torch.equal(realised[0], realised[2])
