@@ -112,6 +112,9 @@ class MiniMaxH3Adapter(Adapter):
     # Every attention projection (the block stack's and the text refiner's): H3 has self-attention only.
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
+    # FSDP2's param_dtype cast must leave the fp32 timestep and the fp64 rotary grid alone: the transformer embeds
+    # both in full precision itself, and bf16 would move rotary time coordinates by up to a unit (H3 has no guidance).
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "position_ids")
     transformer_subfolder: ClassVar[str] = "transformer"
     """The checkpoint partition the workflow runs (``transformer`` for T2VA / FL2VA, ``transformer_ref`` for Ref2VA)."""
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)

@@ -1,0 +1,50 @@
+"""Review fixes of the MiniMax H3 plugin: FSDP2's input cast keeps H3's full-precision inputs, the clip geometry is
+checked before any weight loads (``check_adapter_kwargs`` / ``resolve_output_geometry``), the pixel normalisation is
+fp32 whatever the default dtype."""
+
+from __future__ import annotations
+
+import torch
+from ff_minimax import MiniMaxH3T2VAAdapter
+from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
+
+from ff_core.adapter import Adapter, ConditionInput
+from ff_core.data.condition_collation import collate_conditions
+from ff_core.sharding import cast_forward_inputs
+
+LONG_PROMPT = "a red square with a low tone " * 12  # enough text rows for rotary coordinates bf16 cannot hold
+
+
+def _condition(adapter, prompt: str):
+    rows = adapter.preprocess([ConditionInput(prompt, None, [])])
+    return adapter.prepare_condition(collate_conditions(rows, adapter.condition_collation))
+
+
+def test_fsdp2_input_cast_keeps_the_fp64_rotary_grid(tiny_minimax):
+    """``model.sharding.param_dtype: bf16`` installs ff_core.sharding's cast hook on the transformer: H3's fp64
+    ``position_ids`` (and fp32 timestep) pass through unchanged, so the velocity equals the unhooked one exactly; with
+    only the base's names kept the rotary grid would be rounded to bf16 and the velocity would move."""
+    assert set(MiniMaxH3T2VAAdapter.full_precision_inputs) == {"timestep", "position_ids"}
+    seen = {}
+
+    def run(keep):
+        adapter = MiniMaxH3T2VAAdapter.from_pretrained(tiny_minimax("t2va"), height=TINY_SIZE, width=TINY_SIZE,
+                                                       num_frames=TINY_FRAMES, dtype="bfloat16").eval()  # fmt: skip
+        cond = _condition(adapter, LONG_PROMPT)
+        x = adapter.initial_noise(cond, torch.Generator().manual_seed(0))
+        sigmas = {"video": torch.tensor([0.6]), "audio": torch.tensor([0.6])}
+        if keep is not None:
+            cast_forward_inputs(adapter.transformer, torch.bfloat16, keep)
+            adapter.transformer.register_forward_pre_hook(
+                lambda m, a, kw: seen.__setitem__("dtype", kw["position_ids"].dtype), with_kwargs=True)
+        with torch.no_grad():
+            return adapter.component_velocity(x, sigmas, cond)
+
+    ref = run(None)
+    hooked = run(MiniMaxH3T2VAAdapter.full_precision_inputs)
+    assert seen["dtype"] == torch.float64
+    for k in ("video", "audio"):
+        torch.testing.assert_close(hooked.components[k], ref.components[k], rtol=0, atol=0)
+    rounded = run(Adapter.full_precision_inputs)  # what the base's names gave: the grid cast to bf16
+    assert seen["dtype"] == torch.bfloat16
+    assert max((rounded.components[k] - ref.components[k]).abs().max() for k in ("video", "audio")) > 1e-3
