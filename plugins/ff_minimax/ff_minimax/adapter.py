@@ -34,6 +34,7 @@ condition rows in front of the target rows) and :meth:`condition_timesteps`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, rej
 from ff_core.audio import clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
+from ff_core.errors import ConfigError
 from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, check_clip
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     if value not in _DTYPES:
-        raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        raise ConfigError("model.adapter_kwargs.dtype", f"unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[value]
 
 
@@ -229,6 +231,56 @@ class MiniMaxH3Adapter(Adapter):
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
                           "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
         return adapter
+
+    # -- checks before weights load (interface 1.4) ----------------------------------------------
+    _CLIP_DEFAULTS: ClassVar[dict[str, int]] = {"num_frames": 124, "height": 768, "width": 1344}
+    """:meth:`from_pretrained`'s clip defaults (the released canvas and the smallest aligned clip)."""
+
+    @classmethod
+    def _clip(cls, adapter_kwargs: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+        kw = {**cls._CLIP_DEFAULTS, **(adapter_kwargs or {})}
+        return kw["num_frames"], kw["height"], kw["width"]
+
+    @classmethod
+    def canvas_multiple(cls, pretrained_model_name_or_path: str | os.PathLike) -> int:
+        """What the canvas sides must be multiples of, from config files alone: the video VAE's spatial compression
+        (``prod(spatial_downsample_factors)``, ``vae/config.json``) times the transformer's spatial patch
+        (``transformer/config.json`` of the workflow's partition), as :meth:`__init__` computes it from the models."""
+        from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+
+        from ff_core.pretrained import read_config
+
+        def default(model: type, key: str) -> Any:
+            return inspect.signature(model.__init__).parameters[key].default
+
+        vae = read_config(pretrained_model_name_or_path, subfolder="vae")
+        transformer = read_config(pretrained_model_name_or_path, subfolder=cls.transformer_subfolder)
+        factors = vae.get("spatial_downsample_factors", default(AutoencoderKLMiniMaxH3, "spatial_downsample_factors"))
+        patch = transformer.get("patch_size", default(MiniMaxH3Transformer3DModel, "patch_size"))
+        return math.prod(int(f) for f in factors) * int(patch[2])
+
+    @classmethod
+    def check_adapter_kwargs(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
+    ) -> None:
+        """Before any weight loads (``ff fit`` set-up, ``ff data validate --model``): ``dtype`` known and the clip
+        within the spec's rules (:func:`~ff_minimax.rules.check_clip`: 5-15 s after rounding to ``17 n + 5``); with
+        the checkpoint, the canvas against :meth:`canvas_multiple`. Each a ``ConfigError`` naming the key."""
+        _dtype(adapter_kwargs.get("dtype", "float32"))
+        multiple = None if pretrained_model_name_or_path is None else cls.canvas_multiple(pretrained_model_name_or_path)
+        check_clip(*cls._clip(adapter_kwargs), multiple)
+
+    @classmethod
+    def resolve_output_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> tuple[MediaGeometry, None]:
+        """The video clip :meth:`output_geometry` decodes (the aligned ``num_frames`` on the 24-fps grid, fitted to
+        the canvas), from ``adapter_kwargs`` alone, so a too-short target video is named from its header before any
+        weight loads; the audio has no span: :meth:`target_waveform` right-pads a short soundtrack with silence (spec
+        "H3 audio")."""
+        num_frames, height, width = cls._clip(adapter_kwargs)
+        aligned = check_clip(num_frames, height, width)
+        return (MediaGeometry(height, width, num_frames=aligned, fps=float(FPS)), None)
 
     @property
     def denoiser(self) -> nn.Module:

@@ -25,5 +25,5 @@ def test_124_is_the_smallest_valid_clip_and_345_the_largest():
 
 def test_the_canvas_must_be_a_multiple_of_the_vae_and_patch():
     check_clip(124, 768, 1344, 32)
-    with pytest.raises(ValueError, match=r"model\.adapter_kwargs\.width must be a multiple of 32 .* got 1350"):
+    with pytest.raises(ValueError, match=r"model\.adapter_kwargs\.width: must be a multiple of 32 .* got 1350"):
         check_clip(124, 768, 1350, 32)
