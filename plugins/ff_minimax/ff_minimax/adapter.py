@@ -76,6 +76,15 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
+def pixel_stats(device: torch.device) -> tuple[Tensor, Tensor]:
+    """:data:`PIXEL_MEAN` / :data:`PIXEL_STD` as fp32 (1, 3, 1, 1, 1) tensors: an explicit dtype, since under
+    Lightning's bf16-true the default dtype is bf16 and would round them (0.485 -> 0.484375)."""
+    def stat(values: tuple[float, ...]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+
+    return stat(PIXEL_MEAN), stat(PIXEL_STD)
+
+
 @dataclass
 class PackedLayout:
     """The structure of one packed sequence, what the transformer reads by name besides the rows themselves.
@@ -590,8 +599,7 @@ class MiniMaxH3Adapter(Adapter):
             z = video[None].to(self.vae.device, torch.float32)
             mean, std = self._video_stats(z)
             pixels = self.vae.decode(z * std + mean, return_dict=False)[0].float()
-            pmean = torch.tensor(PIXEL_MEAN, device=pixels.device).view(1, -1, 1, 1, 1)
-            pstd = torch.tensor(PIXEL_STD, device=pixels.device).view(1, -1, 1, 1, 1)
+            pmean, pstd = pixel_stats(pixels.device)
             pixels = (pixels * pstd + pmean).clamp(0, 1)
             frames = (pixels[0] * 255).round().to(torch.uint8).permute(1, 0, 2, 3).cpu()
             a = audio[None].to(self.audio_vae.device, torch.float32)
@@ -653,8 +661,7 @@ class MiniMaxH3Adapter(Adapter):
             videos.append(video)
             starts.append(start)
         x = torch.stack(videos).to(self.vae.device).permute(0, 2, 1, 3, 4).float() / 255.0  # (B, 3, F, H, W)
-        pmean = torch.tensor(PIXEL_MEAN, device=x.device).view(1, -1, 1, 1, 1)
-        pstd = torch.tensor(PIXEL_STD, device=x.device).view(1, -1, 1, 1, 1)
+        pmean, pstd = pixel_stats(x.device)
         z = self.vae.encode((x - pmean) / pstd).latent_dist.sample(generator=generator).float()
         mean, std = self._video_stats(z)
         waves = torch.stack([self.target_waveform(outputs[1], starts[i], f"media[{i}][1]")

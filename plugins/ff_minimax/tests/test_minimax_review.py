@@ -48,3 +48,26 @@ def test_fsdp2_input_cast_keeps_the_fp64_rotary_grid(tiny_minimax):
     rounded = run(Adapter.full_precision_inputs)  # what the base's names gave: the grid cast to bf16
     assert seen["dtype"] == torch.bfloat16
     assert max((rounded.components[k] - ref.components[k]).abs().max() for k in ("video", "audio")) > 1e-3
+
+
+def test_pixel_normalisation_is_fp32_under_a_bf16_default_dtype(tiny_minimax):
+    """Lightning's bf16-true runs the stages with ``torch.set_default_dtype(torch.bfloat16)``: the ImageNet pixel
+    statistics must still be fp32 (bf16 rounds 0.485 to 0.484375), so target latents and decoded frames are what the
+    fp32 default gives, bit for bit."""
+    adapter = MiniMaxH3T2VAAdapter.from_pretrained(tiny_minimax("t2va"), height=TINY_SIZE, width=TINY_SIZE,
+                                                   num_frames=TINY_FRAMES).eval()  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (TINY_FRAMES, 3, TINY_SIZE, TINY_SIZE), generator=g, dtype=torch.uint8)
+    audio = torch.rand(2, adapter.audio_samples, generator=g) - 0.5
+    encoded, decoded = [], []
+    for default in (torch.float32, torch.bfloat16):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            encoded.append(adapter.encode_output([[video, audio]], {}, generator=torch.Generator().manual_seed(1)))
+            decoded.append(adapter.decode(encoded[0])[0][0])
+        finally:
+            torch.set_default_dtype(previous)
+    for k in ("video", "audio"):
+        torch.testing.assert_close(encoded[1].components[k], encoded[0].components[k], rtol=0, atol=0)
+    torch.testing.assert_close(decoded[1], decoded[0], rtol=0, atol=0)
