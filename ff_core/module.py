@@ -26,6 +26,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
+from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
@@ -609,9 +610,10 @@ class FlowModule(L.LightningModule):
         "output_types", "rates"}`` (media per sample, in the contract's output order; each row's reward metadata,
         for whatever scores the samples; the output kinds; their fps / sample rate where the adapter states them in
         an ``output_rates`` attribute, else ``None``). Batch ``i`` is seeded with ``sampling.seed + i``, so runs
-        compare."""
-        condition = self.adapter.prepare_condition(batch["condition"])
+        compare: its condition's own draws too (a noised condition prefix, MiniMax H3 FL2VA / Ref2VA), taken from the
+        same generator before the noise, as the pipelines draw them, never from the global RNG."""
         generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
+        condition = prepare_batch_condition(self.adapter, batch["condition"], generator)
         state = self.adapter.sample(
             condition,
             num_steps=self.sampling.num_steps,

@@ -71,3 +71,34 @@ def test_pixel_normalisation_is_fp32_under_a_bf16_default_dtype(tiny_minimax):
     for k in ("video", "audio"):
         torch.testing.assert_close(encoded[1].components[k], encoded[0].components[k], rtol=0, atol=0)
     torch.testing.assert_close(decoded[1], decoded[0], rtol=0, atol=0)
+
+
+def test_evaluation_draws_the_fl2va_prefix_from_the_sampling_seed(tiny_minimax):
+    """``FlowModule.generate`` realises the noised keyframe prefix from ``sampling.seed``'s generator (before the
+    noise, the pipeline's order: the FL2VA parity test checks that order against diffusers), so the global RNG does not
+    change an evaluation sample: it equals prefix + sampling + decoding from one fresh generator seeded alike."""
+    from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter
+
+    from ff_core.module import FlowModule, SamplingConfig
+
+    module = FlowModule("minimax-h3-fl2va", str(tiny_minimax("fl2va")),
+                        adapter_kwargs={"height": TINY_SIZE, "width": TINY_SIZE, "num_frames": TINY_FRAMES},
+                        sampling=SamplingConfig(num_steps=2, seed=7))  # fmt: skip
+    module.configure_model()
+    adapter = module.adapter
+    assert isinstance(adapter, MiniMaxH3FL2VAAdapter)
+    image = torch.randint(0, 256, (3, 16, 16), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    rows = adapter.preprocess([ConditionInput("a red square", None,
+                                              [{"type": "image", "data": image, "slot": "first_frame"}])])
+    batch = {"condition": collate_conditions(rows, adapter.condition_collation), "index": torch.arange(1),
+             "prompt": ["a red square"]}  # fmt: skip
+    videos = []
+    with torch.no_grad():
+        for global_seed in (0, 1):
+            torch.manual_seed(global_seed)
+            videos.append(module.generate(batch, 0)["media"][0][0])
+        g = torch.Generator().manual_seed(7)
+        expected = adapter.decode(adapter.sample(adapter.prepare_condition(batch["condition"], generator=g),
+                                                 num_steps=2, generator=g))[0][0]  # fmt: skip
+    torch.testing.assert_close(videos[1], videos[0], rtol=0, atol=0)
+    torch.testing.assert_close(videos[0], expected, rtol=0, atol=0)
