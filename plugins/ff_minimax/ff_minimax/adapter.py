@@ -50,6 +50,7 @@ from ff_core.audio import clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.errors import ConfigError
+from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, check_clip
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 # The modular pipeline's model facts (MiniMaxH3ModularPipeline properties): a checkpoint contract, not configuration.
 TEXT_ENCODER_LAYER = 50  # hidden_states[50] of Qwen3-VL conditions the transformer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's (ImageNet) pixel convention
-VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # per-row modality tags: index the transformer's AdaLN table
-KEYFRAME_NOISE_AUG = 0.999  # the t a visual condition row is held at
 AUDIO_CHANNELS = 2  # stereo, carried as two channel-major blocks of audio rows
 
 
@@ -476,7 +475,7 @@ class MiniMaxH3Adapter(Adapter):
     def condition_timesteps(self, video_t: float) -> tuple[float, float]:
         """``t`` of the condition rows when the target video is at ``video_t``: a visual anchor at
         ``max(t, 0.999)``, a reference soundtrack clean (``MiniMaxH3SetTimestepsStep``)."""
-        return max(video_t, KEYFRAME_NOISE_AUG), 1.0
+        return max(video_t, NOISE_AUG), 1.0
 
     def sample_condition(self, condition: Condition, index: int) -> Condition:
         """Sample ``index`` of a batched condition: its row of every tensor, a ``pad``-collated key
