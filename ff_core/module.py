@@ -229,6 +229,7 @@ class FlowModule(L.LightningModule):
         if strategy is not None:
             self._check_strategy(strategy)
         self._check_guidance()
+        self._check_micro_batch()
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -394,6 +395,19 @@ class FlowModule(L.LightningModule):
         key, value = next(iter(guided.items()))
         raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free guidance (its "
                                "contract rejects negative prompts); keep it 1.0")  # fmt: skip
+
+    def _check_micro_batch(self) -> None:
+        """An objective that batches its own forwards (GRPO's ``micro_batch_size``: samples per rollout and replay
+        forward, ``None`` the rank's whole share) must stay within the contract's ``max_batch_size`` (MiniMax H3: 1),
+        as the data batch sizes do; refused before any weight loads, naming the key."""
+        if not hasattr(self.objective, "micro_batch_size"):
+            return
+        most, size = self.io_contract.max_batch_size, self.objective.micro_batch_size
+        if most is not None and (size is None or size > most):
+            shown = "unset (the rank's whole share in one forward)" if size is None else str(size)
+            raise ConfigError("model.objective.init_args.micro_batch_size",
+                              f"{shown}, but adapter {self.adapter_cls.name!r} supports at most {most} sample(s) per "
+                              f"batch; set it to {most}")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it

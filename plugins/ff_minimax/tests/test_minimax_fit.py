@@ -168,6 +168,17 @@ def test_grpo_guidance_scale_is_rejected_before_weights_load(tiny_minimax, tmp_p
             tmp_path / "run", "--model.objective.init_args.guidance_scale", "3.0")  # fmt: skip
 
 
+@pytest.mark.parametrize("size", ["2", "null"])
+def test_grpo_micro_batch_size_above_one_is_rejected_before_weights_load(tiny_minimax, tmp_path, no_weights, size):
+    """B = 1 for the GRPO rollout and replay forwards too (``micro_batch_size``; unset means the rank's whole share)."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.txt").write_text("a red square\n")
+    with pytest.raises(Exception, match=r"model\.objective\.init_args\.micro_batch_size: .*supports at most 1 sample"):
+        fit("t2va_grpo_tiny.yaml", tiny_minimax("t2va"), [{"name": "prompts", "dataset_dir": str(prompts)}],
+            tmp_path / "run", "--model.objective.init_args.micro_batch_size", size)  # fmt: skip
+
+
 @pytest.mark.parametrize(("how", "message"), [
     ("negative_prompt", r"train\.jsonl:1: input\.negative_prompt: this adapter has no classifier-free guidance"),
     ("audio_first", r"train\.jsonl:1: supervision\.target\.media: expected outputs \(video, audio\) in this order, "
