@@ -8,6 +8,7 @@ come back from ``pretrained_model_name_or_path``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -228,6 +229,7 @@ class FlowModule(L.LightningModule):
         if strategy is not None:
             self._check_strategy(strategy)
         self._check_guidance()
+        self._check_guidance_rescale()
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -393,6 +395,25 @@ class FlowModule(L.LightningModule):
         key, value = next(iter(guided.items()))
         raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free guidance (its "
                                "contract rejects negative prompts); keep it 1.0")  # fmt: skip
+
+    def _rescale_kwargs(self) -> dict[str, Any]:
+        """``guidance_rescale=`` for ``adapter.sample`` only when it rescales: an adapter written against an
+        interface before it (1.1 - 1.3) may override ``sample`` without that argument (or ``**kwargs``)."""
+        rescale = self.sampling.guidance_rescale
+        values = rescale.values() if isinstance(rescale, dict) else [rescale]
+        return {"guidance_rescale": rescale} if any(float(v) for v in values) else {}
+
+    def _check_guidance_rescale(self) -> None:
+        """A ``guidance_rescale`` the adapter's ``sample`` cannot take (an override without it or ``**kwargs``) is
+        refused before any weight loads, naming the key, rather than as a TypeError at the first validation."""
+        if not self._rescale_kwargs():
+            return
+        parameters = inspect.signature(self.adapter_cls.sample).parameters.values()
+        if any(p.name == "guidance_rescale" or p.kind is p.VAR_KEYWORD for p in parameters):
+            return
+        raise ConfigError("model.sampling.guidance_rescale", f"{self.sampling.guidance_rescale}, but adapter "
+                          f"{self.adapter_cls.name!r} overrides sample() without a guidance_rescale argument; keep it "
+                          "0.0")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it
@@ -619,7 +640,7 @@ class FlowModule(L.LightningModule):
             generator=generator,
             shift=self.sampling.shift,
             embedded_guidance=self.sampling.embedded_guidance,
-            guidance_rescale=self.sampling.guidance_rescale,
+            **self._rescale_kwargs(),
         )
         types = self.output_types
         rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))
@@ -677,7 +698,8 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
     per-component mapping of ``per_component`` (config key -> value: ``model.sampling.guidance_scale``) name the
     adapter's latent components (:attr:`~ff_core.adapter.Adapter.latent_components`; undeclared: checked once the
     model runs), and an adapter that declares no branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not
-    overridden) freezes none. One :class:`ConfigError` naming the key and the valid names."""
+    overridden) freezes none, and freezing every component (nothing would train) is refused. One
+    :class:`ConfigError` naming the key and the valid names."""
     names = getattr(adapter_cls, "latent_components", None)
     if frozen and getattr(adapter_cls, "component_parameters", None) is Adapter.component_parameters:
         raise ConfigError("model.frozen_components", f"adapter {adapter_cls.name!r} does not declare which "
@@ -688,6 +710,9 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
         if name not in names:
             raise ConfigError("model.frozen_components", f"{name!r} is not a latent component of "
                               f"{adapter_cls.name}; they are {list(names)}")  # fmt: skip
+    if frozen and set(names) <= set(frozen):  # every branch frozen: configure_optimizers would find nothing to train
+        raise ConfigError("model.frozen_components", f"{sorted(frozen)} freezes every latent component of "
+                          f"{adapter_cls.name} ({list(names)}): nothing would train; leave one out")  # fmt: skip
     mappings = {"model.objective.init_args.component_weights": weights, **(per_component or {})}
     for key, value in mappings.items():
         if isinstance(value, dict) and sorted(value) != sorted(names):

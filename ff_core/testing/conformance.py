@@ -710,6 +710,9 @@ class AdapterConformance:
         assert isinstance(clean, LatentState) and clean.batch_size == len(inputs)
         noise = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
         assert list(noise.components) == list(clean.components)
+        declared = type(adapter).latent_components  # what per-component config keys are checked against
+        assert declared is None or list(declared) == list(clean.components), (
+            f"latent_components declares {list(declared or ())}, the stages produce {list(clean.components)}")
         sigma = torch.full((clean.batch_size,), 0.5)
         velocity = adapter.velocity(clean, sigma, condition)
         for name, tensor in clean.components.items():

@@ -119,6 +119,9 @@ class MiniMaxH3Adapter(Adapter):
     # weighted (ff averages the two means, half their sum: the same gradient direction). A config's
     # component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    # The LatentState components of every H3 workflow (T2VA, FL2VA, Ref2VA): per-component config maps
+    # (guidance, component_weights, frozen_components) are checked before weights load.
+    latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
     # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
 
