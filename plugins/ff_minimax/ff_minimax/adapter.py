@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media
-from ff_core.audio import clock_window, to_model_rate
+from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, check_clip
@@ -551,9 +551,8 @@ class MiniMaxH3Adapter(Adapter):
     # -- target side -----------------------------------------------------------------------------
     def _video(self, item: Any, index: int) -> tuple[Tensor, float]:
         frames = getattr(item, "frames", None)
-        if frames is not None:
-            window = getattr(item, "window", None)
-            video, start = frames.permute(0, 3, 1, 2), float(window[0]) if window else 0.0
+        if frames is not None:  # its start on the clip's clock (declared fps), where the audio is cut from
+            video, start = frames.permute(0, 3, 1, 2), clip_clock_start(item)
         elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
             video, start = item, 0.0
         else:
@@ -573,8 +572,12 @@ class MiniMaxH3Adapter(Adapter):
         Args:
             audio: a ``DecodedAudio`` (its ``clock_rate`` honours the manifest's ``sample_rate``) or a float (C, N)
                 tensor already at the audio VAE's rate.
-            start: the video clip's first second on the file's clock.
+            start: the video clip's first second on the clip's clock (:func:`~ff_core.audio.clip_clock_start`).
             what: names the target in errors.
+
+        One clock for both streams, as ff-ltx2's: ``start`` is official seconds (the video's declared ``fps``), and the
+        decoded waveform's own start (file seconds) is put on the audio's clock (its declared ``sample_rate``) by
+        :func:`~ff_core.audio.audio_clock_offset`.
         """
         waveform = getattr(audio, "waveform", None)
         if waveform is None:
@@ -583,7 +586,7 @@ class MiniMaxH3Adapter(Adapter):
                                  f"{type(audio).__name__}")  # fmt: skip
             waveform, rate, offset = audio, float(self.audio_rate), 0.0
         else:
-            rate, offset = float(audio.clock_rate), float(getattr(audio, "start", 0.0))
+            rate, offset = float(audio.clock_rate), audio_clock_offset(audio)
         seconds = self.audio_samples / self.audio_rate
         window = clock_window(waveform, rate, start - offset, seconds, tolerance=math.inf, what=what)
         return to_model_rate(window, rate, self.audio_rate, AUDIO_CHANNELS, self.audio_samples)
