@@ -257,6 +257,24 @@ class Adapter(nn.Module):
         return None
 
     @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` geometry the adapter cannot train on, before any weight loads: raise
+        ``ValueError(reason)``; ``FlowDataModule.setup`` reports it as a :class:`~ff_core.errors.ConfigError` naming
+        ``data.buckets[i]``. A bucket replaces the first output's geometry only (:mod:`ff_core.data.buckets`), so a
+        family whose other outputs are cut to that output's clip (LTX-2's audio: the clip's ``num_frames /
+        frame_rate`` seconds) refuses buckets whose clip differs from its own. Same rules as :meth:`resolve_contract`
+        (config files and ``adapter_kwargs`` only, cheap). Default: every bucket is accepted.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint folder or hub id, or ``None`` when unknown.
+            adapter_kwargs: ``model.adapter_kwargs``.
+            geometry: the bucket's geometry (``height``, ``width``, ``num_frames``, ``fps``, ``start``).
+        """
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:
         """Load every component with its library's ``from_pretrained`` from a folder or hub id."""
         raise NotImplementedError(f"{cls.__name__} must implement from_pretrained")

@@ -299,6 +299,8 @@ class FlowDataModule(L.LightningDataModule):
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
         if self.adapter_name is not None:
+            if self.buckets is not None:  # before any header is read
+                self._check_buckets(get_adapter_class(self.adapter_name))
             self._check_target_spans(get_adapter_class(self.adapter_name))
         if self.buckets is not None:
             if self.train_rows is not None:
@@ -318,6 +320,17 @@ class FlowDataModule(L.LightningDataModule):
         geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         if geometry:
             raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None))
+
+    def _check_buckets(self, cls: type[Adapter]) -> None:
+        """Each bucket against the adapter (:meth:`~ff_core.adapter.Adapter.check_bucket`: config files only), before
+        any target header is read or weight loads; one ConfigError naming the first bucket it refuses."""
+        for i, bucket in enumerate(self.buckets):
+            try:
+                cls.check_bucket(self.pretrained_model_name_or_path, self.adapter_kwargs, bucket.geometry)
+            except ConfigError:  # a model.adapter_kwargs value, named by its own key
+                raise
+            except ValueError as exc:
+                raise ConfigError(f"data.buckets[{i}]", str(exc)) from None
 
     def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
         """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""

@@ -284,6 +284,24 @@ class LTX2T2AVAdapter(Adapter):
         return (MediaGeometry(s["height"], s["width"], num_frames=s["num_frames"], fps=float(s["frame_rate"])),
                 AudioSpan(duration, tolerance=float(s["audio_tolerance"])))  # fmt: skip
 
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` clip other than ``adapter_kwargs``' (before weights load): a bucket replaces the
+        video's geometry only, while the audio is cut for the adapter's ``num_frames / frame_rate`` seconds, its span
+        checked from 0 s, the transformer conditioned on ``frame_rate`` and every clip encoded at the adapter's
+        canvas; a bucket with another size, length, rate or start would train on misaligned pairs or fail after
+        weights load."""
+        video, _ = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
+        ours = (video.height, video.width, video.num_frames, video.fps, 0.0)
+        if (geometry.height, geometry.width, geometry.num_frames, geometry.fps, geometry.start) != ours:
+            raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {video.height}x{video.width}, "
+                             f"{video.num_frames} frames at {video.fps:g} fps from 0 s (its audio is cut to that "
+                             f"clip's clock), got {geometry.height}x{geometry.width}, {geometry.num_frames} frames at "
+                             f"{geometry.fps} fps from {geometry.start:g} s; leave data.buckets unset")  # fmt: skip
+
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def _components(cls, path: str, dt: torch.dtype, revision: str | None) -> dict[str, Any]:
