@@ -27,6 +27,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
+from ff_core.objectives.flow_matching import COMPONENT_WEIGHTS_KEY
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
@@ -713,7 +714,7 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
     if frozen and set(names) <= set(frozen):  # every branch frozen: configure_optimizers would find nothing to train
         raise ConfigError("model.frozen_components", f"{sorted(frozen)} freezes every latent component of "
                           f"{adapter_cls.name} ({list(names)}): nothing would train; leave one out")  # fmt: skip
-    mappings = {"model.objective.init_args.component_weights": weights, **(per_component or {})}
+    mappings = {COMPONENT_WEIGHTS_KEY: weights, **(per_component or {})}
     for key, value in mappings.items():
         if isinstance(value, dict) and sorted(value) != sorted(names):
             raise ConfigError(key, f"names {sorted(value)}; {adapter_cls.name}'s latent components are {list(names)} "

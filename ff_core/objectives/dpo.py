@@ -161,7 +161,7 @@ class DPOObjective(Objective):
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
         self.reference_offload = reference_offload
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:

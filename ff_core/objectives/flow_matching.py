@@ -211,7 +211,12 @@ def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
     return noise.float() - x0.float()
 
 
-def check_component_weights(weights: Mapping[str, float] | None, key: str) -> dict[str, float] | None:
+COMPONENT_WEIGHTS_KEY = "model.objective.init_args.component_weights"
+"""The objectives' ``component_weights`` as LightningCLI configs spell it: the one name errors give it."""
+
+
+def check_component_weights(weights: Mapping[str, float] | None,
+                            key: str = COMPONENT_WEIGHTS_KEY) -> dict[str, float] | None:  # fmt: skip
     """``weights`` as a plain dict, checked: finite, non-negative, not all zero. ``key`` names the config key."""
     if weights is None:
         return None

@@ -193,7 +193,7 @@ class GRPOObjective(Objective):
         self.clip_range, self.adv_clip_max, self.global_std = clip_range, adv_clip_max, global_std
         self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
         self.reference_offload = reference_offload
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
         self._rewards_device: torch.device | None = None
 

@@ -62,7 +62,7 @@ class SFTObjective(Objective):
             raise ValueError(f"model.objective.num_train_timesteps must be >= 1, got {num_train_timesteps}")
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
 
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None

@@ -246,7 +246,7 @@ def test_component_weights_are_checked_where_the_objective_is_built(weights):
     from ff_core.objectives import DPOObjective
 
     for objective in (SFTObjective, DPOObjective):
-        with pytest.raises(ValueError, match="model.objective.component_weights must map latent component names"):
+        with pytest.raises(ValueError, match=r"model\.objective\.init_args\.component_weights must map latent "):
             objective(component_weights=weights)
 
 
