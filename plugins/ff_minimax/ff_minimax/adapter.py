@@ -34,6 +34,7 @@ condition rows in front of the target rows) and :meth:`condition_timesteps`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -198,6 +199,24 @@ class MiniMaxH3Adapter(Adapter):
             "tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
             "processor": load_processor(path, "processor", revision),
         }  # fmt: skip
+
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` clip other than ``adapter_kwargs``' canvas and length on H3's 24-fps grid (before
+        weights load): a bucket replaces the video's geometry only, while every clip is encoded at the adapter's
+        canvas and its audio cut to the adapter's aligned duration. A bucket's ``start`` is honoured (the audio is cut
+        from the clip's start on its clock)."""
+        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
+        kw = {k: (adapter_kwargs or {}).get(k, signature[k].default) for k in ("height", "width", "num_frames")}
+        if (geometry.height, geometry.width, geometry.num_frames, geometry.fps) != (
+                kw["height"], kw["width"], kw["num_frames"], float(FPS)):  # fmt: skip
+            raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {kw['height']}x{kw['width']}, "
+                             f"{kw['num_frames']} frames at {FPS} fps, got {geometry.height}x{geometry.width}, "
+                             f"{geometry.num_frames} frames at {geometry.fps} fps; leave data.buckets unset or give "
+                             "those")  # fmt: skip
 
     @classmethod
     def from_pretrained(
