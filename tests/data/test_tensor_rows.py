@@ -257,7 +257,8 @@ class LazyFlagCollator(TensorRowCollator):
     def collate(self, samples):
         batch = super().collate(samples)
         parts = ("latents", "condition")
-        batch["lazy"] = [all(isinstance(v, LazyValue) for v in batch[part].values()) for part in parts]
+        batch["lazy"] = [all(isinstance(v, LazyValue) for k, v in batch[part].items() if not k.endswith("_mask"))
+                         for part in parts]
         return batch
 
 
@@ -275,11 +276,12 @@ def same(a, b) -> bool:
         for (_, x), (_, y) in zip(fa, fb))
 
 
-@pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}])
+@pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}, {"prompt_embeds": "pad", "pooled": "stack"}])
 def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(tmp_path, collation):
     """Workers stack the rows' tensors as file ranges (a padded text embedding too); the loader reads them into the
-    batch in the main process: every batch equals the one read without workers, key by key, bit for bit. With
-    condition collation rules the conditions are read in the worker (the rules need tensors)."""
+    batch in the main process: every batch equals the one read without workers, key by key, bit for bit, masks
+    included. Condition collation rules (Wan's: text embeddings padded per batch, the rest stacked) keep the
+    conditions file ranges too: nothing but the masks is read in the worker."""
     columns = TensorColumns(condition={"text_embedding": "prompt_embeds", "pooled": "pooled"}, latents=("latent",),
                             pad={"text_embedding": 6} if collation is None else {})
     rows = [{"prompt": f"p{i}", **row_tensors(i, text=1 + i % 6)} for i in range(10)]
@@ -292,8 +294,10 @@ def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(t
                             collation), batch_size=3, num_workers=workers, coords=DataParallelCoords(0, 1))
         batches[workers] = list(dl)
     assert len(batches[0]) == 4 and all(b["lazy"] == [False, False] for b in batches[0])
-    lazy = [True, False] if collation else [True, True]
-    assert all(b["lazy"] == lazy for b in batches[2])
+    assert all(b["lazy"] == [True, True] for b in batches[2])
+    if collation:  # padded to each batch's longest, with the mask of real entries
+        assert all(b["condition"]["prompt_embeds_mask"].sum(1).tolist() ==
+                   [1 + i % 6 for i in b["index"].tolist()] for b in batches[2])
     for a, b in zip(batches[0], batches[2]):
         assert same({**a, "lazy": None}, {**b, "lazy": None})
         assert not any(isinstance(v, LazyValue) for _, v in flat(b))
