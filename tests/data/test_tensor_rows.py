@@ -444,3 +444,19 @@ def test_setup_warns_when_row_groups_hold_many_rows_and_no_window_is_set(tmp_pat
         "shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) to shuffle groups, then rows "
         "within windows of groups"]
     assert warnings(tmp_path / "ref", row_group_window=2) == []
+
+
+@pytest.mark.parametrize("hand_off", [None, False])
+def test_data_hand_off_turns_file_ranges_off(tmp_path, hand_off):
+    """``data.hand_off`` (default true): workers hand uncompressed values over as file ranges; ``false``: they read
+    them and the rows cross in shared memory (shards far larger than RAM, FUSE)."""
+    write_rows(tmp_path / "s", [sd3_row(i, False) for i in range(2)])
+    kw = {} if hand_off is None else {"hand_off": hand_off}
+    data = FlowDataModule([{"name": "s", "tensor_parquet_dir": str(tmp_path / "s")}], adapter="sd3-5", **kw)
+    data.setup("fit")
+    ds = data.train_rows.datasets[0]
+    crossed = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)))
+    lazy = {k for k, v in crossed.items() if isinstance(v, LazyValue)}
+    assert lazy == (set() if hand_off is False else {"prompt_embeds", "pooled_prompt_embeds", "latent"})
+    with pytest.raises(ValueError, match="data.hand_off must be true or false, got 'auto'"):
+        FlowDataModule([{"name": "s", "tensor_parquet_dir": str(tmp_path / "s")}], hand_off="auto")
