@@ -300,7 +300,8 @@ def test_a_loader_iteration_closes_the_files_it_read_and_forked_children_inherit
     assert queue.get() == 0 and len(files.open) == 1  # the child closed its copies; the parent's are untouched
     for stop in (None, 1):  # an iteration run to its end, or abandoned after one batch
         dist = SamplerDistributor(range(len(rows)), shuffle=False, name="t", identity={"t": {"rows": len(rows)}})
-        loader = DataflowLoader(dist, Rows(ds), collator=Stack(), batch_size=1, num_workers=1, coords=DataParallelCoords(0, 1))
+        loader = DataflowLoader(dist, Rows(ds), collator=Stack(), batch_size=1, num_workers=1,
+                                coords=DataParallelCoords(0, 1))
         it = iter(loader)
         got = [next(it)["int64"][0] for _ in range(stop or len(rows))]
         assert len(files.open) == 1  # held while the iteration runs
