@@ -330,7 +330,8 @@ def dataflow_rate(root: Path, adapter: str, budget: float, workers: int, hand_of
     it = iter(loader)
     first = next(it)  # workers started and primed
     nbytes = sum(t.numel() * t.element_size() for t in flat_tensors(first))
-    sink = torch.zeros(nbytes, dtype=torch.uint8)
+    sink = torch.zeros(2 * nbytes, dtype=torch.uint8)  # text lengths vary by row: room for the longest batch
+    consumed = [0]
 
     def consume(batch: dict) -> None:
         at = 0
@@ -338,10 +339,13 @@ def dataflow_rate(root: Path, adapter: str, budget: float, workers: int, hand_of
             n = t.numel() * t.element_size()
             sink[at: at + n].copy_(t.reshape(-1).view(torch.uint8))
             at += n
+        consumed[0] += at
 
     r = timed(lambda _: next(it), iter(range(len(loader) - 1)), budget, nbytes, consume)
+    row_bytes = consumed[0] / (r["rows"] * batch_size)
     per_row = {k: r[k] / batch_size for k in ("ms_row", "read_ms", "consume_ms", "cpu_ms")}
-    return {**r, **per_row, "rows_s": r["rows_s"] * batch_size, "row_bytes": nbytes / batch_size}
+    return {**r, **per_row, "rows_s": r["rows_s"] * batch_size, "row_bytes": row_bytes,
+            "gb_s": r["rows_s"] * batch_size * row_bytes / 1e9}
 
 
 def shared_memory_cost(row_bytes: int, budget: float) -> dict:
