@@ -1,8 +1,9 @@
 """Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
 
 Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]
-[--loader-only]``. Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory
-figures; ``--loader-only``: only the DataLoader table). Shards are
+[--loader-only] [--training-only [--repeat N]]``. Prints markdown tables (``--layouts ff``: only ff's layout, the
+copy ceilings and the memory figures; ``--loader-only``: only the DataLoader tables; ``--training-only``: only ff's
+layout written and the training loader table, measured N times). Shards are
 generated in a temporary folder (removed at the end) in two layouts holding the same rows:
 
 * ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
@@ -39,6 +40,9 @@ as file ranges (``hand_off=True``: a worker locates and checks the row, the main
 uncompressed tensors when it materialises the row), each row materialised and consumed in the main process as
 above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
 fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
+The training loader: the ``DataflowLoader`` ``ff fit`` builds (``FlowDataModule.setup`` then ``train_dataloader``) for
+Wan I2V and Wan T2V over ff's layout, their ``tensor_columns``, ``condition_collation`` and contract batch size, with
+0, 1 and 2 workers and ``data.hand_off`` on and off; the 1-minute load average is printed around it.
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).

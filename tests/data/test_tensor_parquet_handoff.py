@@ -178,6 +178,8 @@ def test_stack_promotes_mixed_dtypes_as_torch_does(tmp_path):
         assert torch.equal(got, torch.stack([half, full]))
     uniform = [torch.randn(2, 3) for _ in range(3)]
     assert torch.equal(stack(uniform), torch.stack(uniform))
+    with pytest.raises(RuntimeError, match="not resizable"):  # as host_empty's docstring says
+        stack(uniform).resize_(4, 2, 3)
 
 
 def located(tmp_path, tensors: list[torch.Tensor], name: str = "raw.bin") -> list[FileTensor]:
