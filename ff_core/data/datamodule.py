@@ -137,6 +137,11 @@ class FlowDataModule(L.LightningDataModule):
             rows within each window of this many groups, keeping this many decoded groups per reader
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
+        hand_off: tensor-parquet shards with ``num_workers > 0`` only: workers hand uncompressed tensors to the main
+            process as file ranges, which it reads straight into the batch (``TensorParquetDataset(hand_off=True)``,
+            docs/datasets.md); ``False``: workers read them and the rows cross in shared memory. The file-range path
+            wins when the shards are page-cached; turn it off when the dataset is far larger than RAM (every read
+            then waits on the disk in the main process) or on file systems where reads are slow (FUSE, network).
         buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries
             ``[{height, width, num_frames?, fps?, start?, batch_size?}]``. Each training record goes to one bucket from
             its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
@@ -172,6 +177,7 @@ class FlowDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         row_group_window: int | None = None,
+        hand_off: bool = True,
         buckets: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
         adapter: str | None = None,
@@ -193,6 +199,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.preprocess_parallelism must be 'local' or 'global', got {preprocess_parallelism!r}")
         if row_group_window is not None and (isinstance(row_group_window, bool) or row_group_window < 1):
             raise ValueError(f"data.row_group_window must be an integer >= 1 or null, got {row_group_window!r}")
+        if not isinstance(hand_off, bool):
+            raise ValueError(f"data.hand_off must be true or false, got {hand_off!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
@@ -211,6 +219,7 @@ class FlowDataModule(L.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.row_group_window = row_group_window
+        self.hand_off = hand_off
         self.buckets = [Bucket.from_config(b, f"data.buckets[{i}]") for i, b in enumerate(buckets or [])] or None
         if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
             raise ValueError(f"data.max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
@@ -344,7 +353,7 @@ class FlowDataModule(L.LightningDataModule):
                                    "tensor-parquet shards")
         window = self.row_group_window
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
-                                         supervision=self._supervision)
+                                         supervision=self._supervision, hand_off=self.hand_off)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
         self.tensor_columns = columns
         largest = self.train_rows.max_group_rows()
