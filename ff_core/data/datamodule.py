@@ -310,7 +310,8 @@ class FlowDataModule(L.LightningDataModule):
             if self.train_rows is not None:
                 raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
                                   "a packing batcher (docs/dataflow.md), not geometry buckets")
-            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets])
+            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets],
+                                                    cache_dir=self.cache_root)  # fmt: skip
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
