@@ -89,7 +89,9 @@ class ConditionInput:
             ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode_media` returns
             (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
             the file; ``slot`` the contract slot the item binds to, whether written in the record or filled in
-            declaration order (absent for references and grouped inputs, which bind by list order).
+            declaration order (absent for references and grouped inputs, which bind by list order); ``fps``,
+            ``sample_rate`` and ``audio_path`` the record's declared overrides and a video's separate soundtrack file,
+            present only where the record wrote them.
     """
 
     prompt: str
@@ -442,7 +444,9 @@ class Adapter(nn.Module):
         return self
 
     def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        """Realise a collated batch of preprocessed conditions once, on the module's device."""
+        """Realise a collated batch of preprocessed conditions once, on the module's device. An adapter whose
+        realisation is random may take a keyword ``generator`` (a seeded CPU generator, or ``None``): the objectives
+        pass their per-micro-batch stream through :func:`ff_core.objectives.flow_matching.prepare_batch_condition`."""
         raise NotImplementedError
 
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:

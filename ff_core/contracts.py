@@ -97,18 +97,26 @@ class ReferenceSpec:
         min_count: fewest entries.
         max_count: most entries.
         requires_one_of: at least one entry must have one of these types (H3: an image or a video).
+        max_per_type: ``(type, most)`` pairs capping the entries of one type (H3: 9 images, 3 videos, 3 audio clips,
+            the limits diffusers' ``MiniMaxH3Ref2VASetupStep`` enforces), so a list the pipeline would refuse is
+            refused before any weights load; a type not named is capped by ``max_count`` alone.
     """
 
     types: frozenset[MediaType] = frozenset(MediaType)
     min_count: int = 1
     max_count: int = 12
     requires_one_of: frozenset[MediaType] = frozenset()
+    max_per_type: tuple[tuple[MediaType, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "types", frozenset(MediaType(t) for t in self.types))
         object.__setattr__(self, "requires_one_of", frozenset(MediaType(t) for t in self.requires_one_of))
+        object.__setattr__(self, "max_per_type", tuple((MediaType(t), int(n)) for t, n in self.max_per_type))
         if not 0 <= self.min_count <= self.max_count:
             raise ValueError(f"need 0 <= min_count <= max_count, got {self.min_count}..{self.max_count}")
+        kinds = [t for t, _ in self.max_per_type]
+        if len(set(kinds)) != len(kinds) or any(n < 0 for _, n in self.max_per_type):
+            raise ValueError(f"max_per_type needs one non-negative cap per type, got {self.max_per_type}")
 
     def count_problem(self, types: Sequence[MediaType]) -> str | None:
         """Why an ordered reference list of these types breaks the count or the image-or-video rule, or ``None``.
@@ -121,6 +129,10 @@ class ReferenceSpec:
         if self.requires_one_of and not any(t in self.requires_one_of for t in types):
             need = " or ".join(sorted(t.value for t in self.requires_one_of))
             return f"needs at least one {need} reference (found only {', '.join(t.value for t in types)})"
+        for mtype, most in self.max_per_type:
+            found = sum(t is mtype for t in types)
+            if found > most:
+                return f"takes at most {most} {mtype} reference(s), found {found}"
         return None
 
 
@@ -211,7 +223,8 @@ class PipelineIOContract:
         if self.references is not None:
             r = self.references
             types = "|".join(sorted(t.value for t in r.types))
-            inputs.append(f"references[{r.min_count}-{r.max_count}]:{types}")
+            caps = "".join(f", {t}<={n}" for t, n in r.max_per_type)
+            inputs.append(f"references[{r.min_count}-{r.max_count}{caps}]:{types}")
         if self.grouped is not None:
             g = self.grouped
             hi = "" if g.max_count is None else g.max_count

@@ -10,7 +10,10 @@
 # MP4+WAV clip datasets (build/ltx2-clips, build/ltx2-clips-dpo preference pairs, build/ltx2-clips-i2av[-dpo] with
 # first frames) and prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av). For the MiniMax H3 recipes
 # (configs/minimax/): a tiny text-to-video+audio checkpoint (build/tiny-minimax-t2va), MP4+WAV clip datasets
-# (build/minimax-clips, build/minimax-clips-dpo preference pairs) and prompt rows for GRPO (build/minimax-prompts).
+# (build/minimax-clips, build/minimax-clips-dpo preference pairs) and prompt rows for GRPO (build/minimax-prompts);
+# FL2VA / Ref2VA checkpoints (build/tiny-minimax-fl2va, build/tiny-minimax-ref2va) and the same datasets with
+# keyframes (build/minimax-keyframes[-dpo], build/minimax-keyframe-prompts) or references (build/minimax-references[-dpo],
+# build/minimax-reference-prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,4 +45,13 @@ pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]
 [ -f build/minimax-clips/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips --dataset --n 8
 [ -f build/minimax-clips-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips-dpo --dataset --preference --n 8
 [ -f build/minimax-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-prompts --dataset --prompts --n 8
+for v in fl2va ref2va; do
+  [ -f build/tiny-minimax-$v/model_index.json ] || python -m ff_minimax.testing --out build/tiny-minimax-$v --variant $v
+done
+[ -f build/minimax-keyframes/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframes --dataset --condition keyframes --n 6
+[ -f build/minimax-keyframes-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframes-dpo --dataset --condition keyframes --preference --n 6
+[ -f build/minimax-keyframe-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframe-prompts --dataset --condition keyframes --prompts --n 4
+[ -f build/minimax-references/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references --dataset --condition references --n 6
+[ -f build/minimax-references-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references-dpo --dataset --condition references --preference --n 6
+[ -f build/minimax-reference-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-reference-prompts --dataset --condition references --prompts --n 4
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"

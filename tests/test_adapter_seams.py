@@ -211,3 +211,29 @@ def test_grpo_rollouts_and_replays_carry_the_embedded_guidance():
     module = FlowModule(f"{__name__}:GuidedAdapter", "unused", objective=objective)
     with pytest.raises(ConfigError, match=r"model\.objective\.embedded_guidance: 1\.5 is set"):
         module._check_embedded_guidance(GuidedAdapter(embedded_guidance=None))
+
+
+def test_prepare_batch_condition_passes_the_objectives_stream_to_stochastic_conditions():
+    """The objectives realise a batch's condition through prepare_batch_condition: an adapter whose prepare_condition
+    takes ``generator`` draws from the seeded child stream (reproducible, whatever the global RNG did); any other is
+    called with the batch alone, as before."""
+    from ff_core.objectives.flow_matching import CONDITION_STREAM, child_generator, prepare_batch_condition
+
+    class Fixed:
+        def prepare_condition(self, batch):
+            return dict(batch)
+
+    class Drawn:
+        def prepare_condition(self, batch, generator=None):
+            return {**batch, "noise": torch.randn(3, generator=generator)}
+
+    batch = {"x": torch.ones(1)}
+    assert prepare_batch_condition(Fixed(), batch, torch.Generator().manual_seed(1)) == batch
+    draws = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        stream = child_generator(torch.Generator().manual_seed(1), CONDITION_STREAM)
+        draws.append(prepare_batch_condition(Drawn(), batch, stream)["noise"])
+    assert torch.equal(draws[0], draws[1])
+    expected = torch.randn(3, generator=child_generator(torch.Generator().manual_seed(1), CONDITION_STREAM))
+    assert torch.equal(draws[0], expected)

@@ -89,6 +89,26 @@ def test_condition_input_carries_decoded_media_in_record_order_with_bound_slots(
     assert all("slot" not in m for m in condition_input(load_split(config, "test", None)[0], refs).media)
 
 
+def test_condition_input_passes_the_declared_overrides(tmp_path):
+    """A record's declared fps / sample_rate / audio_path reach preprocess beside the decoded media, only where written
+    (what an adapter keeps for identity, e.g. MiniMax H3 Ref2VA's reference_manifest)."""
+    from ff_core.callbacks.media_log import audio_to_wav
+    from ff_core.testing.clips import write_grey_mp4
+
+    write_grey_mp4(tmp_path / "m.mp4", 4, 12)
+    (tmp_path / "s.wav").write_bytes(audio_to_wav(torch.zeros(1, 800), 8000))
+    solid_png(tmp_path / "a.png", 4, 4)
+    refs = [{"type": "video", "path": "m.mp4", "fps": 12, "audio_path": "s.wav", "sample_rate": 16000},
+            {"type": "audio", "path": "s.wav"}, {"type": "image", "path": "a.png"}]
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "p", "references": refs}) + "\n")
+    (record,) = load_split(DatasetConfig(name="r", dataset_dir=str(tmp_path), eval={}), "test", None)
+    contract = PipelineIOContract(outputs=(IMAGE_OUT,), references=ReferenceSpec())
+    video, audio, image = condition_input(record, contract).media
+    assert (video["fps"], video["sample_rate"], video["audio_path"]) == (12.0, 16000.0, tmp_path / "s.wav")
+    assert video["data"].declared_fps == 12.0 and video["data"].audio.declared_sample_rate == 16000.0
+    assert not {"fps", "sample_rate", "audio_path"} & (set(audio) | set(image))
+
+
 def test_condition_input_refuses_a_binding_that_fails_validation(conditioned_dir):
     """Reached without the data module's validation (no adapter name): the slot problem names file, line, field."""
     (record,) = load_split(DatasetConfig(name="c", dataset_dir=str(conditioned_dir)), "train", "sft")[:1]

@@ -65,6 +65,20 @@ def test_h3_single_sample_no_cfg_and_references():
     )
 
 
+def test_reference_caps_per_type():
+    """ReferenceSpec.max_per_type caps one type's entries beside the total (H3 Ref2VA: 9 images, 3 videos, 3 audio,
+    the modular pipeline's limits); a type it does not name is capped by the total alone."""
+    spec = ReferenceSpec(max_count=12, requires_one_of=frozenset({MediaType.IMAGE}),
+                         max_per_type=((MediaType.IMAGE, 2), (MediaType.AUDIO, 1)))
+    i, v, a = MediaType.IMAGE, MediaType.VIDEO, MediaType.AUDIO
+    assert spec.count_problem([i, i, a, v, v, v]) is None
+    assert spec.count_problem([i, i, i]) == "takes at most 2 image reference(s), found 3"
+    assert spec.count_problem([i, a, a]) == "takes at most 1 audio reference(s), found 2"
+    assert spec.count_problem([a]) == "needs at least one image reference (found only audio)"
+    contract = PipelineIOContract(outputs=(IMAGE_OUT,), references=spec)
+    assert contract.describe() == "prompt + references[1-12, image<=2, audio<=1]:audio|image|video -> image; CFG"
+
+
 def test_sensenova_grouped_images_keep_order():
     c = SUPPORT_TABLE["sensenova"]
     assert c.grouped.type is MediaType.IMAGE and c.grouped.min_count == 0 and c.grouped.max_count is None
@@ -88,6 +102,8 @@ def test_contracts_are_plain_hashable_data():
         (lambda: PipelineIOContract(outputs=(IMAGE_OUT,), min_bound_slots=1), "min_bound_slots"),
         (lambda: PipelineIOContract(outputs=(IMAGE_OUT,), max_batch_size=0), "max_batch_size"),
         (lambda: ReferenceSpec(min_count=3, max_count=2), "min_count <= max_count"),
+        (lambda: ReferenceSpec(max_per_type=(("image", 2), ("image", 3))), "one non-negative cap per type"),
+        (lambda: ReferenceSpec(max_per_type=(("audio", -1),)), "one non-negative cap per type"),
         (lambda: SlotSpec("x", "pointcloud"), "pointcloud"),
     ],
 )

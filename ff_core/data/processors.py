@@ -26,12 +26,16 @@ from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.data.validation import bind_slots
 from ff_core.errors import DatasetError, raise_collected
 
+#: The declared per-item fields :func:`condition_input` passes on beside the decoded media, when a record sets them.
+DECLARED_KEYS = ("fps", "sample_rate", "audio_path")
+
 
 def condition_input(record: Record, contract: PipelineIOContract) -> ConditionInput:
     """The input side of one record for ``adapter.preprocess``: its prompts and its decoded condition media.
 
     Media keep record order (``inputs``, or legacy Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``
-    (see :class:`~ff_core.adapter.ConditionInput`). ``slot`` is the binding contract validation resolves
+    plus the record's declared ``fps`` / ``sample_rate`` / ``audio_path`` where it wrote them (see
+    :class:`~ff_core.adapter.ConditionInput`). ``slot`` is the binding contract validation resolves
     (:func:`~ff_core.data.validation.bind_slots`): an unslotted item that fills a declared slot carries that name.
 
     Args:
@@ -49,6 +53,9 @@ def condition_input(record: Record, contract: PipelineIOContract) -> ConditionIn
         entry = {"type": item.type.value, "data": decode_media(item, referenced_by=record.where), "path": item.path}
         if id(item) in slot_of:
             entry["slot"] = slot_of[id(item)]
+        # The record's own words, for an adapter that keeps them (H3 Ref2VA's reference_manifest): decoding reports
+        # the file's clocks beside the declared ones but not which file a soundtrack came from.
+        entry.update({k: v for k in DECLARED_KEYS if (v := getattr(item, k)) is not None})
         media.append(entry)
     return ConditionInput(record.prompt, record.negative_prompt, media)
 

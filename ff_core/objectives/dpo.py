@@ -32,10 +32,12 @@ from torch import Tensor, nn
 
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
+    CONDITION_STREAM,
     TimestepSampler,
     check_component_weights,
     child_generator,
     monte_carlo_draws,
+    prepare_batch_condition,
 )
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.objectives.sft import flow_matching_error
@@ -173,7 +175,8 @@ class DPOObjective(Objective):
         if self.reference is None:
             raise RuntimeError("DPOObjective has no reference model: FlowModule.configure_model builds it; used alone, "
                                "call objective.configure_model(adapter, lora=...) first")  # fmt: skip
-        condition = adapter.prepare_condition(batch["condition"])  # once: both encodes and all four forwards
+        # Once: both encodes and all four forwards.
+        condition = prepare_batch_condition(adapter, batch["condition"], child_generator(generator, CONDITION_STREAM))
         if "chosen_latents" in batch and "rejected_latents" in batch:  # tensor-parquet rows: stored, no VAE runs
             chosen = adapter.stored_latents(batch["chosen_latents"], condition)
             rejected = adapter.stored_latents(batch["rejected_latents"], condition)

@@ -8,10 +8,11 @@ predicting the velocity ``v = eps - x0``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -20,7 +21,7 @@ from ff_core.data.dataflow.distributors import derive_seed
 from ff_core.sampling import component_mean, euler_step, keep_pinned, shift_sigma  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
-    from ff_core.adapter import Adapter, LatentState
+    from ff_core.adapter import Adapter, Condition, LatentState
 
 
 @dataclass
@@ -113,6 +114,28 @@ class TimestepSampler:
             return ascending[(sigma * len(table)).long().clamp_(max=len(table) - 1)].to(device)
         shift = shift if shift is not None else self.shift if self.shift is not None else 1.0
         return shift_sigma(sigma, shift).to(device)
+
+
+CONDITION_STREAM = 3
+"""The child stream (:func:`child_generator`) a stochastic condition realisation draws from (streams 1 and 2 are the
+target codec's; a GRPO rollout's micro-batch starting at row ``r`` takes ``CONDITION_STREAM + r``)."""
+
+
+def prepare_batch_condition(adapter: Adapter, batch: dict[str, Any],
+                            generator: torch.Generator | None = None) -> Condition:  # fmt: skip
+    """``adapter.prepare_condition(batch)``, passing ``generator`` when the adapter's ``prepare_condition`` takes a
+    ``generator`` keyword: an adapter whose condition is realised stochastically once per batch (MiniMax H3 FL2VA /
+    Ref2VA noise their condition prefix) then draws from the objective's seeded stream, so its draws are reproducible
+    per rank and micro-batch and a resumed run repeats them; any other adapter is called as before.
+
+    Args:
+        adapter: the adapter.
+        batch: the collated preprocessed conditions.
+        generator: a seeded CPU generator (``None``: the adapter draws from the global one).
+    """
+    if generator is not None and "generator" in inspect.signature(adapter.prepare_condition).parameters:
+        return adapter.prepare_condition(batch, generator=generator)
+    return adapter.prepare_condition(batch)
 
 
 def child_generator(generator: torch.Generator | None, stream: int) -> torch.Generator | None:

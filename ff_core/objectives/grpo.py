@@ -33,7 +33,13 @@ from torch import Tensor, nn
 from ff_core.data.dataflow import check_grouping
 from ff_core.errors import ConfigError
 from ff_core.objectives.base import LossOutput, Objective
-from ff_core.objectives.flow_matching import check_component_weights, resolve_component_weights
+from ff_core.objectives.flow_matching import (
+    CONDITION_STREAM,
+    check_component_weights,
+    child_generator,
+    prepare_batch_condition,
+    resolve_component_weights,
+)
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.rewards.base import RewardBatch, Rewards
@@ -270,7 +276,8 @@ class GRPOObjective(Objective):
         with torch.no_grad():
             for start in range(0, n, size):
                 rows = slice(start, min(start + size, n))
-                condition = adapter.prepare_condition(slice_batch(batch["condition"], rows))
+                condition = prepare_batch_condition(adapter, slice_batch(batch["condition"], rows),
+                                                    child_generator(generator, CONDITION_STREAM + start))
                 trajectory = sample_sde(adapter, condition, self.sampler, num_steps=self.num_steps,
                                         guidance_scale=self.guidance_scale, generator=generator, shift=self.shift,
                                         embedded_guidance=self.embedded_guidance,

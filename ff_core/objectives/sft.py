@@ -20,12 +20,14 @@ import torch
 
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
+    CONDITION_STREAM,
     TimestepSampler,
     check_component_weights,
     child_generator,
     monte_carlo_draws,
     noise_state,
     per_sample_squared_error,
+    prepare_batch_condition,
     resolve_component_weights,
     velocity_target,
 )
@@ -66,7 +68,7 @@ class SFTObjective(Objective):
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
     ) -> LossOutput:
-        condition = adapter.prepare_condition(batch["condition"])
+        condition = prepare_batch_condition(adapter, batch["condition"], child_generator(generator, CONDITION_STREAM))
         if "latents" in batch:  # rows of tensor-parquet shards: the clean latents are stored, no VAE runs
             clean = adapter.stored_latents(batch["latents"], condition)
         else:

@@ -118,6 +118,8 @@ class MiniMaxH3Adapter(Adapter):
     # Spec support table / issue: "loss = mean over video + mean over audio", literally m_video + m_audio
     # (ff_core.sampling.component_mean sums w_k m_k, unnormalised). A config's component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
+    condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
 
     def __init__(
         self,
@@ -411,6 +413,24 @@ class MiniMaxH3Adapter(Adapter):
         ``max(t, 0.999)``, a reference soundtrack clean (``MiniMaxH3SetTimestepsStep``)."""
         return max(video_t, KEYFRAME_NOISE_AUG), 1.0
 
+    def sample_condition(self, condition: Condition, index: int) -> Condition:
+        """Sample ``index`` of a batched condition: its row of every tensor, a ``pad``-collated key
+        (:attr:`condition_collation`) cut back to its own length by its ``<key>_mask`` (the masks themselves dropped).
+        A GRPO rollout batch holds several prompts (of different token counts, different keyframe counts); each is
+        still one packed sequence of its own."""
+        padded = {k for k, rule in self.condition_collation.items() if rule == "pad"}
+        masks = {f"{k}_mask" for k in padded}
+        one = {}
+        for key, value in condition.items():
+            if key in masks:
+                continue
+            row = value[index] if isinstance(value, Tensor) else value
+            if key in padded and f"{key}_mask" in condition:
+                keep = condition[f"{key}_mask"][index].to(torch.bool)
+                row = row if bool(keep.all()) else row[keep]  # a view when unpadded: forwards share the tensor
+            one[key] = row
+        return one
+
     # -- the denoiser ----------------------------------------------------------------------------
     def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
         """Both streams at ``sigma`` (training noises every component at one level)."""
@@ -423,7 +443,7 @@ class MiniMaxH3Adapter(Adapter):
         video, audio = state.components["video"], state.components["audio"]
         outs_v, outs_a = [], []
         for i in range(video.shape[0]):
-            one = {k: v[i] if isinstance(v, Tensor) else v for k, v in condition.items()}
+            one = self.sample_condition(condition, i)
             v, a = self._forward(one, video[i], audio[i], float(sigmas["video"][i]), float(sigmas["audio"][i]))
             outs_v.append(v)
             outs_a.append(a)

@@ -9,8 +9,10 @@ from ff_core.hookspecs import hookimpl
 def ff_adapters():
     """The MiniMax H3 adapter classes; importing them loads no weights."""
     from ff_minimax.adapter import MiniMaxH3T2VAAdapter
+    from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter
+    from ff_minimax.ref2va import MiniMaxH3Ref2VAAdapter
 
-    return [MiniMaxH3T2VAAdapter]
+    return [MiniMaxH3T2VAAdapter, MiniMaxH3FL2VAAdapter, MiniMaxH3Ref2VAAdapter]
 
 
 @hookimpl

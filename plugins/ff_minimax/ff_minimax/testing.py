@@ -245,6 +245,137 @@ def write_prompts(root: str | Path, n: int = 4) -> Path:
     return root
 
 
+KEYFRAME_FORMS: tuple[tuple[str, ...], ...] = (("first_frame",), ("last_frame",), ("first_frame", "last_frame"))
+"""The FL2VA record forms the keyframe datasets cycle through: first-only, last-only, first-plus-last."""
+
+
+def _keyframe(root: Path, rel: str, colour: str, size: int = TINY_SIZE) -> str:
+    """A PNG of a ``colour`` square on grey (the clips' look) at ``rel`` under ``root``; returns ``rel``."""
+    from PIL import Image
+
+    clip, _ = av_clip(colour, "low", 1, TINY_FPS, 8000, size=size)
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(clip[0]).save(root / rel)
+    return rel
+
+
+def _rewrite(root: Path, edit: Any) -> None:
+    """``train.jsonl``'s records passed through ``edit(index, record)``."""
+    records = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]
+    (root / "train.jsonl").write_text("".join(json.dumps(edit(i, r)) + "\n" for i, r in enumerate(records)))
+
+
+def write_keyframe_clips(root: str | Path, n: int = 3, *, preference: bool = False) -> Path:
+    """An FL2VA V2 dataset: :func:`write_av_clips`' clips, each record's ``input.media`` a slotted keyframe set cycling
+    through :data:`KEYFRAME_FORMS` (first-only, last-only, first-plus-last; PNGs of the clip's square under
+    ``conditions/``), and a legacy ``test.jsonl`` evaluation split of ``images`` rows (one image: the first frame; two:
+    first then last), paths under the default ``images/`` folder.
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        preference: preference pairs (offline DPO) instead of demonstrations.
+    """
+    root = write_av_clips(root, n, preference=preference)
+    (root / "test.txt").unlink()
+
+    def edit(i: int, record: dict[str, Any]) -> dict[str, Any]:
+        colour = record["metadata"]["colour"]
+        record["input"]["media"] = [
+            {"type": "image", "path": _keyframe(root, f"conditions/{i:03d}_{slot}.png", colour), "slot": slot}
+            for slot in KEYFRAME_FORMS[i % len(KEYFRAME_FORMS)]]  # fmt: skip
+        return record
+
+    _rewrite(root, edit)
+    (root / "test.jsonl").write_text(json.dumps(keyframe_prompt(root, 0)) + "\n")
+    return root
+
+
+def keyframe_prompt(root: Path, i: int) -> dict[str, Any]:
+    """A legacy FL2VA generation row (``prompt`` + ordered ``images``, resolved against ``images/``); row ``i`` has one
+    keyframe (the first frame) when ``i`` is even, two (first then last) when odd."""
+    colour, pitch = list(COLOURS)[i % len(COLOURS)], list(PITCHES)[i % len(PITCHES)]
+    names = [_keyframe(root / "images", f"{i:03d}_first.png", colour)]
+    if i % 2:
+        names.append(_keyframe(root / "images", f"{i:03d}_last.png", colour))
+    return {"prompt": f"a {colour} square with a {pitch} tone", "images": names}
+
+
+def write_keyframe_prompts(root: str | Path, n: int = 2) -> Path:
+    """An FL2VA generation dataset (GRPO rollouts, evaluation): legacy ``train.jsonl`` / ``test.jsonl`` rows with one
+    or two ordered keyframes (:func:`keyframe_prompt`)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [keyframe_prompt(root, i) for i in range(n)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    return root
+
+
+REFERENCE_FORMS: tuple[tuple[str, ...], ...] = (("image",), ("image", "audio"), ("audio", "image", "image"))
+"""The Ref2VA reference lists the reference datasets cycle through, in order (types; audio never alone)."""
+
+
+def _references(root: Path, i: int, colour: str, pitch: str, form: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Reference files of row ``i`` under ``root/references`` (a ``colour`` square PNG, a 1 s mono ``pitch`` tone WAV
+    at 8 kHz) as ordered media objects, paths relative to the dataset folder."""
+    from ff_core.callbacks.media_log import audio_to_wav
+
+    out = []
+    for k, kind in enumerate(form):
+        if kind == "image":
+            out.append({"type": "image", "path": _keyframe(root, f"references/{i:03d}_{k}.png", colour)})
+        else:
+            _, tone = av_clip(colour, pitch, TINY_FRAMES, TINY_FPS, 8000)
+            rel = f"references/{i:03d}_{k}.wav"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone[:8000].T)).float(), 8000))
+            out.append({"type": "audio", "path": rel, "sample_rate": 8000})
+    return out
+
+
+def write_reference_clips(root: str | Path, n: int = 3, *, preference: bool = False) -> Path:
+    """A Ref2VA V2 dataset: :func:`write_av_clips`' clips, each record's ``input.media`` an ordered reference list
+    cycling through :data:`REFERENCE_FORMS`, and a legacy ``test.jsonl`` evaluation split of ``references`` rows.
+
+    Args:
+        root: the dataset folder (created).
+        n: training records.
+        preference: preference pairs (offline DPO) instead of demonstrations.
+    """
+    root = write_av_clips(root, n, preference=preference)
+    (root / "test.txt").unlink()
+
+    def edit(i: int, record: dict[str, Any]) -> dict[str, Any]:
+        meta = record["metadata"]
+        record["input"]["media"] = _references(root, i, meta["colour"], meta["pitch"],
+                                               REFERENCE_FORMS[i % len(REFERENCE_FORMS)])  # fmt: skip
+        return record
+
+    _rewrite(root, edit)
+    (root / "test.jsonl").write_text(json.dumps(reference_prompt(root, 1)) + "\n")
+    return root
+
+
+def reference_prompt(root: Path, i: int) -> dict[str, Any]:
+    """A legacy Ref2VA generation row: ``prompt`` + the ordered ``references`` of :data:`REFERENCE_FORMS` ``[i % 3]``
+    (paths relative to the dataset folder, as the spec resolves them)."""
+    colour, pitch = list(COLOURS)[i % len(COLOURS)], list(PITCHES)[i % len(PITCHES)]
+    refs = _references(root, i, colour, pitch, REFERENCE_FORMS[i % len(REFERENCE_FORMS)])
+    return {"prompt": f"a {colour} square with a {pitch} tone", "references": refs}
+
+
+def write_reference_prompts(root: str | Path, n: int = 2) -> Path:
+    """A Ref2VA generation dataset (GRPO rollouts, evaluation): legacy ``train.jsonl`` / ``test.jsonl`` rows with
+    ordered references (:func:`reference_prompt`)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [reference_prompt(root, i) for i in range(n)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    return root
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ff_minimax.testing", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output checkpoint folder")
@@ -254,7 +385,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--preference", action="store_true", help="with --dataset: preference pairs (the other pitch)")
     p.add_argument("--prompts", action="store_true", help="with --dataset: prompt-only rows")
     p.add_argument("--n", type=int, default=8, help="with --dataset: number of clips")
+    p.add_argument("--condition", choices=("keyframes", "references"), default=None,
+                   help="with --dataset: FL2VA keyframes or Ref2VA references with every record")
     a = p.parse_args(argv)
+    if a.dataset and a.condition:
+        writers = {("keyframes", True): write_keyframe_prompts, ("references", True): write_reference_prompts}
+        if a.prompts:
+            out = writers[(a.condition, True)](a.out, a.n)
+        elif a.condition == "keyframes":
+            out = write_keyframe_clips(a.out, a.n, preference=a.preference)
+        else:
+            out = write_reference_clips(a.out, a.n, preference=a.preference)
+        print(f"wrote {a.n} {a.condition} records to {out}")
+        return
     if a.dataset and a.prompts:
         print(f"wrote {a.n} prompt rows to {write_prompts(a.out, a.n)}")
         return
