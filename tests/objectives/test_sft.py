@@ -298,3 +298,16 @@ def test_default_weights_that_leave_no_term_after_freezing_fail_before_weights_l
                r"loss \(frozen and left out: \['video'\]\) need finite weights >= 0, at least one > 0")
     with pytest.raises(ConfigError, match=message):
         check_components(VideoOnlyByDefault, ["video"], None)
+
+
+def test_one_component_without_weights_is_the_masked_element_mean_bit_for_bit():
+    """SD3 / Wan (one ``latent`` component, no ``default_component_weights``): the error is the mean over active
+    elements, bit for bit the masked mean computed directly, and ``{latent: 1}`` (``1 * m``) changes no bit."""
+    g = torch.Generator().manual_seed(7)
+    mask = (torch.rand(3, 1, 2, 5, generator=g) > 0.3).float()
+    pred = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)}, {"latent": mask})
+    target = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)})
+    sq, full = (pred.components["latent"] - target.components["latent"]) ** 2, mask.expand(3, 4, 2, 5)
+    direct = (sq * full).flatten(1).sum(1) / full.flatten(1).sum(1)
+    assert torch.equal(per_sample_squared_error(pred, target), direct)
+    assert torch.equal(per_sample_squared_error(pred, target, {"latent": 1.0}), direct)
