@@ -284,9 +284,10 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         summary, media_errors = _summarise(path.name, records, args.check_media)
         errors.extend(media_errors)
         if geometry and len(errors) == before:  # the headers of files that exist, in records that hold
+            from ff_core.data.datamodule import cache_root
             from ff_core.data.target_spans import target_span_errors
 
-            errors.extend(target_span_errors(records, geometry))
+            errors.extend(target_span_errors(records, geometry, cache_dir=cache_root()))  # `ff fit` reuses the headers
         summaries.append(summary)
     return _report(args, contract, summaries, errors, _grouped(warnings), out)
 

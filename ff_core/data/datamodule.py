@@ -96,6 +96,12 @@ CACHE_DIR_ENV = "FF_CACHE_DIR"
 DEFAULT_CACHE_DIR = "~/.cache/ff/datasets"
 
 
+def cache_root(cache_dir: str | None = None) -> str:
+    """ff's cache folder (condition caches, media headers): ``cache_dir`` (``data.cache_dir``), else
+    ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``."""
+    return os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+
+
 class EpochAlignedLoader(DataflowLoader):
     """A :class:`DataflowLoader` whose length counts the whole current epoch, as Lightning expects.
 
@@ -253,7 +259,7 @@ class FlowDataModule(L.LightningDataModule):
     @property
     def cache_root(self) -> str:
         """The condition cache folder: ``data.cache_dir``, else ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``."""
-        return os.path.expanduser(self.cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+        return cache_root(self.cache_dir)
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -313,7 +319,8 @@ class FlowDataModule(L.LightningDataModule):
             if self.train_rows is not None:
                 raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
                                   "a packing batcher (docs/dataflow.md), not geometry buckets")
-            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets])
+            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets],
+                                                    cache_dir=self.cache_root)  # fmt: skip
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
@@ -322,11 +329,13 @@ class FlowDataModule(L.LightningDataModule):
     def _check_target_spans(self, cls: type[Adapter]) -> None:
         """Targets too short for the adapter's clip (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), from
         their headers: every one reported, naming file, line and field, before weights load (the adapter_kwargs
-        checked first: the geometry is computed from them)."""
+        checked first: the geometry is computed from them). The headers are cached in the cache root's ``headers/``
+        (:mod:`~ff_core.data.header_cache`): a restart reads only the files that changed."""
         check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         if geometry:
-            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None))
+            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None,
+                                               cache_dir=self.cache_root))  # fmt: skip
 
     def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
         """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""

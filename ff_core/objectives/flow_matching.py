@@ -238,9 +238,10 @@ def per_sample_squared_error(
     The components reduce as :func:`~ff_core.sampling.component_mean` says (GRPO's step log-probabilities reduce the
     same way): without ``component_weights`` they are pooled by element count, so a video + audio state weighs each
     latent element equally (a stream with more latent elements weighs more). With them, each component's own mean over
-    its active elements is averaged with these weights, ``sum_k w_k e_k / sum_k w_k``: ``{video: 1, audio: 1}`` weighs
-    the streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the audio out of the loss (it is still
-    noised and denoised). Masked-out elements (mask 0, pinned by a condition) contribute neither error nor count.
+    its active elements times its weight, summed, ``sum_k w_k e_k`` (not normalised by the weights' sum):
+    ``{video: 1, audio: 1}`` weighs the streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the
+    audio out of the loss (it is still noised and denoised). Masked-out elements (mask 0, pinned by a condition)
+    contribute neither error nor count.
 
     Args:
         pred: the predicted velocity.

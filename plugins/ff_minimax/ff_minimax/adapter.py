@@ -115,9 +115,8 @@ class MiniMaxH3Adapter(Adapter):
     transformer_subfolder: ClassVar[str] = "transformer"
     """The checkpoint partition the workflow runs (``transformer`` for T2VA / FL2VA, ``transformer_ref`` for Ref2VA)."""
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    # Spec support table / issue: "loss = mean over video + mean over audio": each stream's own mean, equally
-    # weighted (ff averages the two means, half their sum: the same gradient direction). A config's
-    # component_weights still wins.
+    # Spec support table / issue: "loss = mean over video + mean over audio", literally m_video + m_audio
+    # (ff_core.sampling.component_mean sums w_k m_k, unnormalised). A config's component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
     # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
