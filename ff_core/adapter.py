@@ -168,9 +168,11 @@ class Adapter(nn.Module):
             bf16 would round to steps of up to 4.
         default_component_weights: how the flow-matching error (SFT, DPO) and GRPO's step log-probabilities reduce
             over the latent components when the objective's ``component_weights`` is unset
-            (:func:`~ff_core.sampling.component_mean`): ``None`` (default) pools
-            every element of every component; a family whose reference trainer sums one mean per stream (LTX-2:
-            ``{video: 1, audio: 1}``) declares it here, so the audio is not drowned by the video's element count.
+            (:func:`~ff_core.sampling.component_mean`: ``sum_k w_k m_k``, each component's mean times its weight,
+            unnormalised): ``None`` (default) pools every element of every component; a family whose reference
+            trainer sums one mean per stream declares it here (MiniMax H3: ``{video: 1, audio: 1}``; LTX-2:
+            ``{video: 0.5, audio: 0.5}``), so the audio is not drowned by the video's element count. Finite, >= 0,
+            at least one > 0 among the components that are not frozen (checked before any weight loads).
         latent_components: the names of the :class:`LatentState` components the adapter's stages produce, in order
             (``("video", "audio")``), read without weights: ``model.frozen_components`` and the objective's
             ``component_weights`` keys are checked against them before any weight loads. ``None`` (default):

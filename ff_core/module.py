@@ -27,11 +27,10 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
-from ff_core.objectives.flow_matching import COMPONENT_WEIGHTS_KEY
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
-from ff_core.sampling import guides
+from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_kept_weights, guides
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -698,8 +697,10 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
     """Before any weight loads: ``model.frozen_components``, the objective's ``component_weights`` and any
     per-component mapping of ``per_component`` (config key -> value: ``model.sampling.guidance_scale``) name the
     adapter's latent components (:attr:`~ff_core.adapter.Adapter.latent_components`; undeclared: checked once the
-    model runs), and an adapter that declares no branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not
-    overridden) freezes none, and freezing every component (nothing would train) is refused. One
+    model runs), the weights the loss will use (the objective's, else the adapter's ``default_component_weights``
+    minus the frozen components) give at least one kept component a weight > 0, an adapter that declares no
+    branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not overridden) freezes none, and freezing every
+    component (nothing would train) is refused. One
     :class:`ConfigError` naming the key and the valid names."""
     names = getattr(adapter_cls, "latent_components", None)
     if frozen and getattr(adapter_cls, "component_parameters", None) is Adapter.component_parameters:
@@ -719,6 +720,14 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
         if isinstance(value, dict) and sorted(value) != sorted(names):
             raise ConfigError(key, f"names {sorted(value)}; {adapter_cls.name}'s latent components are {list(names)} "
                               "(name each once)")  # fmt: skip
+    # The loss is sum_k w_k m_k over the components kept (ff_core.sampling.component_mean). Config weights are
+    # honoured as written, frozen components included (checked where the objective is built); unset, the adapter's
+    # default minus the frozen components, which must leave a term.
+    if weights is None and getattr(adapter_cls, "default_component_weights", None) is not None:
+        dropped = set(frozen)
+        kept = {k: w for k, w in adapter_cls.default_component_weights.items() if k not in dropped}
+        check_kept_weights(kept, [n for n in names if n not in dropped], sorted(dropped),
+                           key=f"{COMPONENT_WEIGHTS_KEY} (unset: {adapter_cls.name}'s default_component_weights)")
 
 
 def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[str]]:

@@ -286,9 +286,10 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         # The headers of files that exist, in records that hold; of the training split only, as `ff fit` checks them
         # (evaluation splits hold legacy prompt rows, without targets: target_span_errors would skip them anyway).
         if geometry and split == "train" and len(errors) == before:
+            from ff_core.data.datamodule import cache_root
             from ff_core.data.target_spans import target_span_errors
 
-            errors.extend(target_span_errors(records, geometry))
+            errors.extend(target_span_errors(records, geometry, cache_dir=cache_root()))  # `ff fit` reuses the headers
         summaries.append(summary)
     return _report(args, contract, summaries, errors, _grouped(warnings), out)
 

@@ -160,9 +160,11 @@ class LTX2T2AVAdapter(Adapter):
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors")
-    # The LTX-2 trainers add one mean error per stream; pooled by element count the audio would get ~2 % of the loss
-    # at a 5 s 512x768 clip (16,128 of 802,560 latent elements). A config's component_weights still wins.
-    default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    # One mean error per stream, as the LTX-2 trainers; pooled by element count the audio would get ~2 % of the loss
+    # at a 5 s 512x768 clip (16,128 of 802,560 latent elements). 0.5 each (the loss is sum_k w_k m_k,
+    # ff_core.sampling.component_mean): half the trainers' sum, ff's LTX-2 loss scale since the per-stream means came
+    # in, which the recipes' lr / DPO beta and the benchmark figures were set at. A config's component_weights wins.
+    default_component_weights: ClassVar[dict[str, float] | None] = {"video": 0.5, "audio": 0.5}
     latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
 
     def __init__(

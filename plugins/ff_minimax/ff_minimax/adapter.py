@@ -116,9 +116,8 @@ class MiniMaxH3Adapter(Adapter):
     transformer_subfolder: ClassVar[str] = "transformer"
     """The checkpoint partition the workflow runs (``transformer`` for T2VA / FL2VA, ``transformer_ref`` for Ref2VA)."""
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    # Spec support table / issue: "loss = mean over video + mean over audio": each stream's own mean, equally
-    # weighted (ff averages the two means, half their sum: the same gradient direction). A config's
-    # component_weights still wins.
+    # Spec support table / issue: "loss = mean over video + mean over audio", literally m_video + m_audio
+    # (ff_core.sampling.component_mean sums w_k m_k, unnormalised). A config's component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
     # The LatentState components of every H3 workflow (T2VA, FL2VA, Ref2VA): per-component config maps
     # (guidance, component_weights, frozen_components) are checked before weights load.
