@@ -1,8 +1,9 @@
 """Tensor-parquet random reads: the card's recipe, a whole-row-group reader, ff's reader, and memory copy.
 
 Run: ``python benchmarks/tensor_parquet.py [--gb 2] [--seconds 4] [--workdir DIR] [--quick] [--layouts ff]
-[--loader-only]``. Prints markdown tables (``--layouts ff``: only ff's layout, the copy ceilings and the memory
-figures; ``--loader-only``: only the DataLoader table). Shards are
+[--loader-only] [--training-only [--repeat N]]``. Prints markdown tables (``--layouts ff``: only ff's layout, the
+copy ceilings and the memory figures; ``--loader-only``: only the DataLoader tables; ``--training-only``: only ff's
+layout written and the training loader table, measured N times). Shards are
 generated in a temporary folder (removed at the end) in two layouts holding the same rows:
 
 * ``reference``: as the reference writer writes them: one row group per chunk file of ``--group-rows`` rows
@@ -39,6 +40,9 @@ as file ranges (``hand_off=True``: a worker locates and checks the row, the main
 uncompressed tensors when it materialises the row), each row materialised and consumed in the main process as
 above, with the time (and CPU time) each row's read took inside its worker; and the cost of copying a row into
 fresh shared memory (what torch charges for every tensor a worker returns that is not in shared memory already).
+The training loader: the ``DataflowLoader`` ``ff fit`` builds (``FlowDataModule.setup`` then ``train_dataloader``) for
+Wan I2V and Wan T2V over ff's layout, their ``tensor_columns``, ``condition_collation`` and contract batch size, with
+0, 1 and 2 workers and ``data.hand_off`` on and off; the 1-minute load average is printed around it.
 Memory: a fresh process reads every row of half, then all, of the ff-layout rows in random order; ``VmHWM`` is its
 peak resident set, ``RssAnon`` its private memory at the end, ``RssFile`` the mapped file pages resident at the
 end (page cache the kernel reclaims, bounded by ``open_files``).
@@ -58,6 +62,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -68,13 +73,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ff_core.data.dataflow import (  # noqa: E402
-    DataflowLoader,
-    DataParallelCoords,
-    SamplerDistributor,
-    materialize,
-)
-from ff_core.data.sources import DatasetConfig  # noqa: E402
+from ff_core.data.dataflow import DataflowLoader, materialize  # noqa: E402
+from ff_core.data.datamodule import FlowDataModule  # noqa: E402
 from ff_core.data.tensor_parquet import (  # noqa: E402
     I2V_TRACK_SCHEMA,
     TensorParquetDataset,
@@ -82,7 +82,6 @@ from ff_core.data.tensor_parquet import (  # noqa: E402
     encode_tensor,
     two_level_order,
 )
-from ff_core.data.tensor_rows import TensorColumns, TensorRowCollator, TensorRowProcessor, TensorRows, open_shards  # noqa: E402,E501
 
 SHAPES = {"vae_latent": (16, 16, 60, 104), "first_frame_latent": (16, 16, 60, 104), "clip_feature": (257, 1280),
           "track_points": (121, 2500, 2), "track_visibility": (121, 2500), "object_ids": (2500,),
@@ -115,8 +114,9 @@ def make_row(i: int, scale: float, pool: torch.Tensor) -> dict:
             "fps": 24.0, **row_tensors(i, scale, pool)}
 
 
-def write_layouts(root: Path, rows: int, scale: float, group_rows: int) -> int:
-    """Both layouts of the same rows (ff's in two shards, so half the dataset is one shard); returns payload bytes."""
+def write_layouts(root: Path, rows: int, scale: float, group_rows: int, reference: bool = True) -> int:
+    """Both layouts of the same rows (ff's in two shards, so half the dataset is one shard; ``reference=False``: ff's
+    only); returns payload bytes."""
     most = max(sum(math.prod(s) * 4 for s in row_shapes(i, scale).values()) for i in range(128))
     pool = torch.randint(0, 256, (most + 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     payload, pending, half = 0, [], rows // 2
@@ -129,7 +129,9 @@ def write_layouts(root: Path, rows: int, scale: float, group_rows: int) -> int:
         pending.append({k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
                        | {k2: v2 for k, v in row.items() if isinstance(v, torch.Tensor)
                           for k2, v2 in encode_tensor(v, k).items()})
-        if len(pending) == group_rows or i == rows - 1:
+        if not reference:
+            pending = []
+        elif len(pending) == group_rows or i == rows - 1:
             path = root / "reference" / "shard000" / "combined_parquet_dataset" / "worker_0"
             path.mkdir(parents=True, exist_ok=True)
             table = pa.Table.from_pylist(pending, schema=I2V_TRACK_SCHEMA)
@@ -277,11 +279,11 @@ def loader_rate(ds: TensorParquetDataset, order: torch.Tensor, budget: float, ro
             "worker_cpu_ms_row": 1e3 * sum(b for _, b in reads) / len(reads)}
 
 
-# Training's reading of the card's rows, as Wan I2V's adapter declares it: three condition columns (the text
-# embedding zero-padded to a fixed length so rows batch together), one latent; the track columns are not read.
-TRAINING_COLUMNS = TensorColumns(condition={"text_embedding": "prompt_embeds", "clip_feature": "image_embeds",
-                                            "first_frame_latent": "first_frame_latent"},
-                                 latents={"vae_latent": "video"}, prompt="caption", pad={"text_embedding": 192})
+TRAINING_ADAPTERS = ("wan2_i2v", "wan2_t2v")
+"""The adapters whose training loaders are measured: Wan I2V reads the card's text embedding (stored without padding,
+padded per batch by its ``condition_collation``, with a mask), CLIP feature, first-frame latent and latent, one row a
+batch (its contract's ``max_batch_size``); Wan T2V the text embedding and latent, four rows a batch (so the text
+embeddings are padded to each batch's longest). The track columns are not read."""
 
 
 def flat_tensors(batch: Any) -> list[torch.Tensor]:
@@ -290,19 +292,50 @@ def flat_tensors(batch: Any) -> list[torch.Tensor]:
     return [batch] if isinstance(batch, torch.Tensor) else []
 
 
-def dataflow_rate(root: Path, budget: float, workers: int, hand_off: bool, batch_size: int) -> dict:
-    """Batches of ``batch_size`` rows from ``DataflowLoader`` as ``ff fit`` builds it over shards (SamplerDistributor,
-    TensorRowProcessor, TensorRowCollator), each batch's tensors copied once in the main process (consumption)."""
-    sources = open_shards([DatasetConfig(name="bench", tensor_parquet_dir=str(root))], TRAINING_COLUMNS, "bench",
-                          hand_off=hand_off)
-    rows = TensorRows([s.dataset for s in sources])
-    loader = DataflowLoader(SamplerDistributor(rows, seed=1, name="bench", identity={"bench": {"rows": len(rows)}}),
-                            TensorRowProcessor(rows, TRAINING_COLUMNS), collator=TensorRowCollator(),
-                            batch_size=batch_size, num_workers=workers, coords=DataParallelCoords(0, 1))
+class _Trainer:
+    """What ``FlowDataModule.train_dataloader`` reads of a Lightning trainer: one rank, no accumulation, and the
+    module's adapter (only its class-level ``condition_collation`` is used: no weights are loaded)."""
+
+    distributed_sampler_kwargs = None
+    accumulate_grad_batches = 1
+
+    def __init__(self, adapter: type) -> None:
+        self.lightning_module = SimpleNamespace(adapter=adapter)
+
+
+def training_batch_size(adapter: str, most: int = 4) -> int:
+    """Rows per training batch: ``most``, or fewer when the adapter's contract allows fewer (Wan I2V: one)."""
+    from ff_core.plugins import get_adapter_class
+    from ff_core.pretrained import resolve_contract
+
+    limit = resolve_contract(get_adapter_class(adapter), None).max_batch_size
+    return most if limit is None else min(most, limit)
+
+
+def training_loader(root: Path, adapter: str, workers: int, hand_off: bool, batch_size: int) -> DataflowLoader:
+    """The training loader exactly as ``ff fit`` builds it for ``adapter`` over ``root``:
+    ``FlowDataModule(data.datasets=[{tensor_parquet_dir: root}], per_device_batch_size, num_workers, hand_off)``,
+    ``setup("fit")`` (the adapter's ``tensor_columns`` resolved, the shards opened against them) and
+    ``train_dataloader()`` (SamplerDistributor, TensorRowProcessor, TensorRowCollator with the adapter's
+    ``condition_collation``)."""
+    from ff_core.plugins import get_adapter_class
+
+    data = FlowDataModule([{"name": "bench", "tensor_parquet_dir": str(root)}], per_device_batch_size=batch_size,
+                          eval_batch_size=batch_size, num_workers=workers, hand_off=hand_off, adapter=adapter, seed=1)
+    data.setup("fit")
+    data.trainer = _Trainer(get_adapter_class(adapter))
+    return data.train_dataloader()
+
+
+def dataflow_rate(root: Path, adapter: str, budget: float, workers: int, hand_off: bool, batch_size: int) -> dict:
+    """Batches of ``batch_size`` rows from the loader ``ff fit`` builds (:func:`training_loader`), each batch's
+    tensors (masks included) copied once in the main process (consumption)."""
+    loader = training_loader(root, adapter, workers, hand_off, batch_size)
     it = iter(loader)
     first = next(it)  # workers started and primed
     nbytes = sum(t.numel() * t.element_size() for t in flat_tensors(first))
-    sink = torch.zeros(nbytes, dtype=torch.uint8)
+    sink = torch.zeros(2 * nbytes, dtype=torch.uint8)  # text lengths vary by row: room for the longest batch
+    consumed = [0]
 
     def consume(batch: dict) -> None:
         at = 0
@@ -310,10 +343,13 @@ def dataflow_rate(root: Path, budget: float, workers: int, hand_off: bool, batch
             n = t.numel() * t.element_size()
             sink[at: at + n].copy_(t.reshape(-1).view(torch.uint8))
             at += n
+        consumed[0] += at
 
     r = timed(lambda _: next(it), iter(range(len(loader) - 1)), budget, nbytes, consume)
+    row_bytes = consumed[0] / (r["rows"] * batch_size)
     per_row = {k: r[k] / batch_size for k in ("ms_row", "read_ms", "consume_ms", "cpu_ms")}
-    return {**r, **per_row, "rows_s": r["rows_s"] * batch_size, "row_bytes": nbytes / batch_size}
+    return {**r, **per_row, "rows_s": r["rows_s"] * batch_size, "row_bytes": row_bytes,
+            "gb_s": r["rows_s"] * batch_size * row_bytes / 1e9}
 
 
 def shared_memory_cost(row_bytes: int, budget: float) -> dict:
@@ -349,6 +385,9 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=list(READERS), default=list(READERS),
                         help="the layouts to measure (both are written; the copy ceilings are always measured)")
     parser.add_argument("--loader-only", action="store_true", help="only the DataLoader table (and shared memory)")
+    parser.add_argument("--training-only", action="store_true",
+                        help="only ff's layout and the training loader table (repeated --repeat times)")
+    parser.add_argument("--repeat", type=int, default=1, help="with --training-only: times the table is measured")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -362,11 +401,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ff-tp-bench-", dir=args.workdir))
     try:
         t = time.perf_counter()
-        payload = write_layouts(work, rows, scale, args.group_rows)
+        payload = write_layouts(work, rows, scale, args.group_rows, reference=not args.training_only)
         row_bytes = payload / rows
         print(f"{rows} rows of {row_bytes / 1e6:.2f} MB per layout ({payload / 1e9:.2f} GB), written in "
               f"{time.perf_counter() - t:.0f} s; {args.group_rows} rows per row group in the reference layout\n")
-        results = measure(work, rows, row_bytes, budget, args.quick, args.layouts, args.loader_only)
+        if args.training_only:
+            results = {}
+            for _ in range(args.repeat):
+                training_table(work, budget, results)
+        else:
+            results = measure(work, rows, row_bytes, budget, args.quick, args.layouts, args.loader_only)
         print(json.dumps(results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -436,17 +480,36 @@ def loaders(work: Path, row_bytes: float, budget: float, layouts: list[str], ord
               f"{r['gb_s']:.2f} | {r['ms_row']:.2f} | {r['cpu_ms']:.2f} | {r['worker_ms_row']:.2f} | "
               f"{r['worker_cpu_ms_row']:.2f} |")
     if "ff" in layouts:
-        print("\n| training loader, batches of 4 | workers | rows cross as | rows/s | ms/row delivered + consumed | "
-              "ms/row consume | main process: cpu ms/row |\n|---|---|---|---|---|---|---|")
-        for workers, hand_off in ((0, False), (1, False), (2, False), (1, True), (2, True)):
-            key = f"ff/dataflow{workers}{'/hand_off' if hand_off else ''}"
-            r = results[key] = best_of(ROUNDS, lambda: dataflow_rate(work / "ff", budget, workers, hand_off, 4))
-            how = "-" if not workers else "file ranges (hand_off)" if hand_off else "shared memory"
-            print(f"| ff, {r['row_bytes'] / 1e6:.1f} MB read a row | {workers} | {how} | {r['rows_s']:.1f} | "
-                  f"{r['ms_row']:.2f} | {r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
+        training_table(work, budget, results)
     r = results["share_memory"] = best_of(ROUNDS, lambda: shared_memory_cost(int(row_bytes), budget))
     print(f"\nA row's bytes copied into fresh shared memory (`clone().share_memory_()`, what a worker's tensor costs "
           f"to send): {r['ms_row']:.2f} ms ({r['cpu_ms']:.2f} ms CPU)")
+
+
+def load() -> str:
+    """The 1-minute load average (``uptime``'s first figure): how busy the machine was."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def training_table(work: Path, budget: float, results: dict) -> None:
+    """The training loaders (:func:`training_loader`) of :data:`TRAINING_ADAPTERS` with 0, 1 and 2 workers, rows
+    crossing in shared memory (``data.hand_off: false``) or as file ranges, best of :data:`ROUNDS` each; the load
+    average around them."""
+    print(f"\nload {load()} at {time.strftime('%H:%M:%S', time.gmtime())} UTC")
+    print("| training loader (adapter, rows a batch, MB read a row) | workers | rows cross as | rows/s | "
+          "ms/row delivered + consumed | ms/row consume | main process: cpu ms/row |\n|---|---|---|---|---|---|---|")
+    for adapter, workers, hand_off in ((a, w, h) for a in TRAINING_ADAPTERS
+                                       for w, h in ((0, False), (1, False), (2, False), (1, True), (2, True))):
+        batch = training_batch_size(adapter)
+        key = f"ff/dataflow{workers}{'/hand_off' if hand_off else ''}"
+        key += "" if adapter == TRAINING_ADAPTERS[0] else f"/{adapter}"
+        r = best_of(ROUNDS, lambda: dataflow_rate(work / "ff", adapter, budget, workers, hand_off, batch))
+        results[key] = r  # the last run's; every run's under "<key>/runs"
+        results.setdefault(f"{key}/runs", []).append(r)
+        how = "-" if not workers else "file ranges (hand_off)" if hand_off else "shared memory"
+        print(f"| {adapter}, {batch}, {r['row_bytes'] / 1e6:.1f} MB | {workers} | {how} | {r['rows_s']:.1f} | "
+              f"{r['ms_row']:.2f} | {r['consume_ms']:.2f} | {r['cpu_ms']:.2f} |")
+    print(f"load {load()} at {time.strftime('%H:%M:%S', time.gmtime())} UTC")
 
 
 def r_rows(root: Path) -> int:

@@ -13,4 +13,7 @@ existing adapters need not implement bump the minor; a change that breaks an exi
 initial noise's geometry (``sampling_sigmas(..., state=)``), the training table ``training_sigmas``.
 1.2: ``Adapter.component_parameters`` (``model.frozen_components``), ``default_component_weights``.
 1.3: ``Adapter.component_velocity``: the velocity with each latent component at its own noise level (sampling and GRPO
-replays call it when components step on their own schedules)."""
+replays call it when components step on their own schedules).
+1.4: checks before weights load: ``Adapter.latent_components`` (per-component config keys), ``check_adapter_kwargs``,
+``resolve_output_geometry`` (target spans from headers), ``check_bucket`` (``data.buckets``); ``sample``'s
+``guidance_rescale`` (``FlowModule`` passes it only when a run rescales: an older ``sample`` override still works)."""

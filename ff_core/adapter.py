@@ -168,9 +168,11 @@ class Adapter(nn.Module):
             bf16 would round to steps of up to 4.
         default_component_weights: how the flow-matching error (SFT, DPO) and GRPO's step log-probabilities reduce
             over the latent components when the objective's ``component_weights`` is unset
-            (:func:`~ff_core.sampling.component_mean`): ``None`` (default) pools
-            every element of every component; a family whose reference trainer sums one mean per stream (LTX-2:
-            ``{video: 1, audio: 1}``) declares it here, so the audio is not drowned by the video's element count.
+            (:func:`~ff_core.sampling.component_mean`: ``sum_k w_k m_k``, each component's mean times its weight,
+            unnormalised): ``None`` (default) pools every element of every component; a family whose reference
+            trainer sums one mean per stream declares it here (MiniMax H3: ``{video: 1, audio: 1}``; LTX-2:
+            ``{video: 0.5, audio: 0.5}``), so the audio is not drowned by the video's element count. Finite, >= 0,
+            at least one > 0 among the components that are not frozen (checked before any weight loads).
         latent_components: the names of the :class:`LatentState` components the adapter's stages produce, in order
             (``("video", "audio")``), read without weights: ``model.frozen_components`` and the objective's
             ``component_weights`` keys are checked against them before any weight loads. ``None`` (default):
@@ -255,6 +257,24 @@ class Adapter(nn.Module):
         seconds an audio target must hold on its clock), or ``None`` (not checked). ``None`` (default): nothing is
         checked before loading; decoding still rejects a short clip when it reaches it."""
         return None
+
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` geometry the adapter cannot train on, before any weight loads: raise
+        ``ValueError(reason)``; ``FlowDataModule.setup`` reports it as a :class:`~ff_core.errors.ConfigError` naming
+        ``data.buckets[i]``. A bucket replaces the first output's geometry only (:mod:`ff_core.data.buckets`), so a
+        family whose other outputs are cut to that output's clip (LTX-2's audio: the clip's ``num_frames /
+        frame_rate`` seconds) refuses buckets whose clip differs from its own. Same rules as :meth:`resolve_contract`
+        (config files and ``adapter_kwargs`` only, cheap). Default: every bucket is accepted.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint folder or hub id, or ``None`` when unknown.
+            adapter_kwargs: ``model.adapter_kwargs``.
+            geometry: the bucket's geometry (``height``, ``width``, ``num_frames``, ``fps``, ``start``).
+        """
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:

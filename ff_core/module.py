@@ -8,6 +8,7 @@ come back from ``pretrained_model_name_or_path``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
-from ff_core.sampling import guides
+from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_kept_weights, guides
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -229,6 +230,7 @@ class FlowModule(L.LightningModule):
         if strategy is not None:
             self._check_strategy(strategy)
         self._check_guidance()
+        self._check_guidance_rescale()
         self._check_micro_batch()
         if stage != TrainerFn.FITTING:
             return
@@ -395,6 +397,25 @@ class FlowModule(L.LightningModule):
         key, value = next(iter(guided.items()))
         raise ConfigError(key, f"{value}, but adapter {self.adapter_cls.name!r} has no classifier-free guidance (its "
                                "contract rejects negative prompts); keep it 1.0")  # fmt: skip
+
+    def _rescale_kwargs(self) -> dict[str, Any]:
+        """``guidance_rescale=`` for ``adapter.sample`` only when it rescales: an adapter written against an
+        interface before it (1.1 - 1.3) may override ``sample`` without that argument (or ``**kwargs``)."""
+        rescale = self.sampling.guidance_rescale
+        values = rescale.values() if isinstance(rescale, dict) else [rescale]
+        return {"guidance_rescale": rescale} if any(float(v) for v in values) else {}
+
+    def _check_guidance_rescale(self) -> None:
+        """A ``guidance_rescale`` the adapter's ``sample`` cannot take (an override without it or ``**kwargs``) is
+        refused before any weight loads, naming the key, rather than as a TypeError at the first validation."""
+        if not self._rescale_kwargs():
+            return
+        parameters = inspect.signature(self.adapter_cls.sample).parameters.values()
+        if any(p.name == "guidance_rescale" or p.kind is p.VAR_KEYWORD for p in parameters):
+            return
+        raise ConfigError("model.sampling.guidance_rescale", f"{self.sampling.guidance_rescale}, but adapter "
+                          f"{self.adapter_cls.name!r} overrides sample() without a guidance_rescale argument; keep it "
+                          "0.0")  # fmt: skip
 
     def _check_micro_batch(self) -> None:
         """An objective that batches its own forwards (GRPO's ``micro_batch_size``: samples per rollout and replay
@@ -635,7 +656,7 @@ class FlowModule(L.LightningModule):
             generator=generator,
             shift=self.sampling.shift,
             embedded_guidance=self.sampling.embedded_guidance,
-            guidance_rescale=self.sampling.guidance_rescale,
+            **self._rescale_kwargs(),
         )
         types = self.output_types
         rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))
@@ -692,8 +713,11 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
     """Before any weight loads: ``model.frozen_components``, the objective's ``component_weights`` and any
     per-component mapping of ``per_component`` (config key -> value: ``model.sampling.guidance_scale``) name the
     adapter's latent components (:attr:`~ff_core.adapter.Adapter.latent_components`; undeclared: checked once the
-    model runs), and an adapter that declares no branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not
-    overridden) freezes none. One :class:`ConfigError` naming the key and the valid names."""
+    model runs), the weights the loss will use (the objective's, else the adapter's ``default_component_weights``
+    minus the frozen components) give at least one kept component a weight > 0, an adapter that declares no
+    branches (:meth:`~ff_core.adapter.Adapter.component_parameters` not overridden) freezes none, and freezing every
+    component (nothing would train) is refused. One
+    :class:`ConfigError` naming the key and the valid names."""
     names = getattr(adapter_cls, "latent_components", None)
     if frozen and getattr(adapter_cls, "component_parameters", None) is Adapter.component_parameters:
         raise ConfigError("model.frozen_components", f"adapter {adapter_cls.name!r} does not declare which "
@@ -704,11 +728,22 @@ def check_components(adapter_cls: type[Adapter], frozen: list[str], weights: dic
         if name not in names:
             raise ConfigError("model.frozen_components", f"{name!r} is not a latent component of "
                               f"{adapter_cls.name}; they are {list(names)}")  # fmt: skip
-    mappings = {"model.objective.init_args.component_weights": weights, **(per_component or {})}
+    if frozen and set(names) <= set(frozen):  # every branch frozen: configure_optimizers would find nothing to train
+        raise ConfigError("model.frozen_components", f"{sorted(frozen)} freezes every latent component of "
+                          f"{adapter_cls.name} ({list(names)}): nothing would train; leave one out")  # fmt: skip
+    mappings = {COMPONENT_WEIGHTS_KEY: weights, **(per_component or {})}
     for key, value in mappings.items():
         if isinstance(value, dict) and sorted(value) != sorted(names):
             raise ConfigError(key, f"names {sorted(value)}; {adapter_cls.name}'s latent components are {list(names)} "
                               "(name each once)")  # fmt: skip
+    # The loss is sum_k w_k m_k over the components kept (ff_core.sampling.component_mean). Config weights are
+    # honoured as written, frozen components included (checked where the objective is built); unset, the adapter's
+    # default minus the frozen components, which must leave a term.
+    if weights is None and getattr(adapter_cls, "default_component_weights", None) is not None:
+        dropped = set(frozen)
+        kept = {k: w for k, w in adapter_cls.default_component_weights.items() if k not in dropped}
+        check_kept_weights(kept, [n for n in names if n not in dropped], sorted(dropped),
+                           key=f"{COMPONENT_WEIGHTS_KEY} (unset: {adapter_cls.name}'s default_component_weights)")
 
 
 def frozen_parameters(adapter: Adapter, components: list[str]) -> dict[str, set[str]]:

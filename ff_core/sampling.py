@@ -19,8 +19,9 @@ Convention (SD3): ``x_sigma = (1 - sigma) x0 + sigma eps``, the network predicts
 Log-probabilities are computed in fp32 and are the **mean over active latent elements** (Flow-GRPO averages over
 elements; pinned elements, mask 0, are excluded); over the components of a multi-component state (video + audio)
 they reduce as the flow-matching error of SFT and DPO does (:func:`component_mean`): each component's own mean
-weighted by ``component_weights`` (LTX-2's default: ``(mean_video + mean_audio) / 2``), or pooled by element count
-without weights (a single component: its mean, whatever the weights); ``frozen_components`` are left out. The sampled
+weighted by ``component_weights`` and summed, ``sum_k w_k m_k`` (LTX-2's default: ``0.5 m_video + 0.5 m_audio``;
+MiniMax H3's ``m_video + m_audio``), or pooled by element count without weights (a single component: its mean);
+``frozen_components`` are left out. The sampled
 ``x_next`` is rounded to the state's storage dtype *before* its log-prob is taken, and a :class:`Transition` stores
 exactly the inputs replay needs (``x_t``, rounded ``x_next``, the noise levels), so a replay with the same weights
 recomputes the same fp32 mean and gets a bitwise-equal log-prob (tests/test_sampling.py). In bf16 the velocity
@@ -41,12 +42,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from ff_core.errors import ConfigError
+
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, Condition, LatentState
 
 StepKind = Literal["ode", "flow_sde", "cps"]
 STEP_KINDS: tuple[str, ...] = ("ode", "flow_sde", "cps")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+COMPONENT_WEIGHTS_KEY = "model.objective.init_args.component_weights"
 
 Sigmas = tuple[float, float] | Mapping[str, tuple[float, float]]
 """One step's ``(sigma, sigma_next)``, shared by every component or per component name (own schedules)."""
@@ -147,22 +151,25 @@ def component_mean(
     component_weights: Mapping[str, float] | None = None,
     frozen_components: Collection[str] = (),
 ) -> Tensor:
-    """Per sample, the mean of per-element values over the active elements (mask 1) of a latent state's components,
-    reduced over the components as ``component_weights`` says; fp32, shape (B,).
+    """Per sample, the per-element values of a latent state's components reduced to one number: each component's
+    mean over its active elements (mask 1), weighted and summed as ``component_weights`` say; fp32, shape (B,).
 
     The one reduction of every per-element quantity of a (multi-component) latent state: the flow-matching error of
     SFT and DPO (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`), GRPO's step log-probabilities
-    and its KL term (:func:`step_log_prob`). Without ``component_weights`` the components are pooled by element
-    count (each active element weighs the same, a stream with more elements weighs more); with them, each component's
-    own mean ``m_k`` over its active elements is averaged as ``sum_k w_k m_k / sum_k w_k`` (``{video: 1, audio: 1}``:
-    the streams weigh the same whatever their sizes). ``frozen_components`` are left out altogether (their weights
-    too). Masked-out elements (mask 0, pinned by a condition) contribute neither value nor count.
+    and its KL term (:func:`step_log_prob`). With ``component_weights`` it is literally ``sum_k w_k m_k``, ``m_k``
+    component ``k``'s own mean over its active elements, over the components not left out, **not normalised** by the
+    weights' sum: MiniMax H3's "loss = mean over video + mean over audio" (spec, H3) is ``{video: 1, audio: 1}``, and
+    DPO's beta and GRPO's ratios see that scale (docs/objectives.md, "Several latent components"). Without
+    ``component_weights`` the components are pooled by element count (each active element weighs the same: SD3 and
+    Wan's one-component mean, bit for bit). ``frozen_components`` are left out altogether, their terms and weights
+    (LTX-2 with a frozen audio: ``0.5 m_video``). Masked-out elements (mask 0, pinned by a condition) contribute
+    neither value nor count.
 
     Args:
         per_element: per component name, values shaped like the component.
         masks: per component name, its {0, 1} mask (absent or ``None``: every element active).
-        component_weights: per component name its weight (finite, >= 0, not all 0); every component that is not
-            frozen must be named. ``None``: pooled by element count.
+        component_weights: per component name its weight (finite, >= 0; at least one of the components kept > 0);
+            every component that is not frozen must be named. ``None``: pooled by element count.
         frozen_components: components left out (``model.frozen_components``).
     """
     if frozen_components:
@@ -174,11 +181,7 @@ def component_mean(
         if component_weights is not None:
             component_weights = {k: w for k, w in component_weights.items() if k not in frozen_components}
     if component_weights is not None:
-        missing = sorted(set(per_element) - set(component_weights))
-        extra = sorted(set(component_weights) - set(per_element))
-        if missing or extra:
-            raise ValueError(f"model.objective.init_args.component_weights names {sorted(component_weights)}; the "
-                             f"latent components are {list(per_element)}")  # fmt: skip
+        check_kept_weights(component_weights, list(per_element), frozen_components)
     total = count = weighted = None
     for name, values in per_element.items():
         mask = masks.get(name)
@@ -189,8 +192,25 @@ def component_mean(
             weighted = term if weighted is None else weighted + term
         total, count = (t, c) if total is None else (total + t, count + c)
     if component_weights is not None:
-        return weighted / sum(float(component_weights[name]) for name in per_element)
+        return weighted
     return total / count.clamp_min(1)
+
+
+def check_kept_weights(weights: Mapping[str, float], components: Collection[str],
+                       frozen_components: Collection[str] = (), key: str = COMPONENT_WEIGHTS_KEY) -> None:  # fmt: skip
+    """``weights`` (frozen components already left out) name exactly ``components`` (the kept ones), each finite and
+    >= 0, at least one > 0: a sum of zero terms would train nothing, silently. One :class:`ConfigError` naming
+    ``key`` (``model.objective.init_args.component_weights``); ``FlowModule`` runs it before any weight loads where
+    the adapter declares its ``latent_components``, :func:`component_mean` on every call."""
+    missing = sorted(set(components) - set(weights))
+    extra = sorted(set(weights) - set(components))
+    if missing or extra:
+        raise ConfigError(key, f"names {sorted(weights)}; the latent components are {list(components)}")
+    values = [float(weights[k]) for k in components]
+    if any(not math.isfinite(w) or w < 0 for w in values) or not any(w > 0 for w in values):
+        left_out = f" (frozen and left out: {sorted(frozen_components)})" if frozen_components else ""
+        raise ConfigError(key, f"the latent components kept in the loss{left_out} need finite weights >= 0, at least "
+                          f"one > 0; got {dict(weights)}")  # fmt: skip
 
 
 # -- one step of a latent state -------------------------------------------------------------------------------------

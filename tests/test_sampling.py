@@ -108,10 +108,10 @@ def _active_mean(values, mask=None):
 
 def test_step_log_prob_weighs_each_components_own_mean():
     """docs/objectives.md, "Several latent components": with ``component_weights`` {video: 3, audio: 1} the log-prob is
-    (3 m_video + 1 m_audio) / 4, each m the mean log-density over that component's active elements (3 of 4 video
-    elements, the first pinned; 5 audio ones), each component under its own (sigma, sigma_next); the same weights the
-    SFT error uses (``per_sample_squared_error`` reduces through the same ``component_mean``). A frozen component's
-    density leaves it (its weight ignored); replay with the same reduction is bitwise the rollout's."""
+    3 m_video + 1 m_audio (unnormalised), each m the mean log-density over that component's active elements (3 of 4
+    video elements, the first pinned; 5 audio ones), each component under its own (sigma, sigma_next); the same
+    weights the SFT error uses (``per_sample_squared_error`` reduces through the same ``component_mean``). A frozen
+    component's density leaves it (3 m_video alone); replay with the same reduction is bitwise the rollout's."""
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
     x, v = state(2, 4, masks={"video": mask}), state(2, 4, seed=1)
     sigmas = {"video": (0.8, 0.6), "audio": (0.5, 0.3)}
@@ -123,7 +123,7 @@ def test_step_log_prob_weighs_each_components_own_mean():
         dens[name] = torch.distributions.Normal(mean, std).log_prob(out.next.components[name])
     video = torch.stack([_active_mean(dens["video"][i], mask[i]) for i in range(2)])
     audio = dens["audio"].mean(1)
-    assert_close(out.log_prob, (3 * video + audio) / 4)
+    assert_close(out.log_prob, 3 * video + audio)
     pooled = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7).log_prob  # no weights: 3 + 5 elements pooled
     assert_close(pooled, torch.stack([(dens["video"][i] * mask[i]).sum() + dens["audio"][i].sum() for i in range(2)])
                  / 8)  # fmt: skip
@@ -132,8 +132,8 @@ def test_step_log_prob_weighs_each_components_own_mean():
     assert torch.equal(replay.log_prob, out.log_prob)
     frozen = step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights=weights,
                            frozen_components={"audio"})  # fmt: skip
-    assert_close(frozen.log_prob, video)
-    with pytest.raises(ValueError, match=r"component_weights names \['video'\]; the latent components are "
+    assert_close(frozen.log_prob, 3 * video)
+    with pytest.raises(ValueError, match=r"component_weights: names \['video'\]; the latent components are "
                                          r"\['video', 'audio'\]"):  # fmt: skip
         step_log_prob(x, v, out.next, sigmas, "flow_sde", 0.7, component_weights={"video": 1.0})
     with pytest.raises(ValueError, match="freezes every latent component"):

@@ -1,5 +1,6 @@
 """Geometry buckets for mixed resolutions and durations: each training record is assigned, from its target's header
-alone (``probe_media``: width, height, duration, frame rate; nothing decoded), to one of a recipe's bucket
+alone (``probe_media``: width, height, duration, frame rate; nothing decoded; cached across runs,
+:mod:`~ff_core.data.header_cache`), to one of a recipe's bucket
 geometries, and its target is then decoded and fitted to that bucket (:class:`~ff_core.data.processors.
 RecordProcessor`). Batches are drawn per bucket (:class:`~ff_core.data.dataflow.BucketBatcher`), so no batch mixes
 shapes and no token is padded.
@@ -15,12 +16,15 @@ loads.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ff_core.contracts import MediaType
 from ff_core.data.geometry import MediaGeometry
-from ff_core.data.media import MediaHeader, clip_source_frames, probe_media
+from ff_core.data.header_cache import HEADER_CACHE_FOLDER, HeaderCache
+from ff_core.data.media import MediaHeader, clip_source_frames
 from ff_core.data.records import Record
 from ff_core.errors import DatasetError, raise_collected
 
@@ -80,14 +84,18 @@ def choose_bucket(header: MediaHeader, geometries: Sequence[MediaGeometry], decl
     return min(candidates, key=rank)
 
 
-def assign_buckets(records: Sequence[Record], geometries: Sequence[MediaGeometry]) -> list[int]:
+def assign_buckets(records: Sequence[Record], geometries: Sequence[MediaGeometry],
+                   cache_dir: str | os.PathLike | None = None) -> list[int]:  # fmt: skip
     """Each record's bucket, from its first candidate's first target header; every record that fits no bucket is
     reported (``DatasetErrors``) before training starts.
 
     Args:
         records: the training records (demonstrations or preference pairs: both arms must fit the same bucket).
         geometries: the buckets' geometries.
+        cache_dir: ff's cache folder: the headers are cached in its ``headers/`` across runs
+            (:class:`~ff_core.data.header_cache.HeaderCache`); ``None``: every header read from its file.
     """
+    headers = HeaderCache(None if cache_dir is None else Path(cache_dir).expanduser() / HEADER_CACHE_FOLDER)
     out, errors = [], []
     for record in records:
         choices = set()
@@ -96,7 +104,7 @@ def assign_buckets(records: Sequence[Record], geometries: Sequence[MediaGeometry
                 choices.add(0)
                 continue
             item = candidate[0]
-            header = probe_media(item.path, item.type, referenced_by=record.where, field=item.field_of("path"))
+            header = headers.probe(item.path, item.type, record, item.field_of("path"))
             choices.add(choose_bucket(header, geometries, item.fps))
         if None in choices or len(choices) > 1:
             what = ("fits no bucket" if None in choices else "has candidates in different buckets "
@@ -108,6 +116,7 @@ def assign_buckets(records: Sequence[Record], geometries: Sequence[MediaGeometry
             out.append(-1)
             continue
         out.append(choices.pop())
+    headers.save()
     raise_collected(errors)
     return out
 

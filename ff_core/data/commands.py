@@ -275,7 +275,7 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
     splits, errors = read_splits(_dataset(args), args.split, args.trainer)
     warnings: list[DatasetWarning] = []
     summaries: list[SplitSummary] = []
-    for _, path, records in splits:
+    for split, path, records in splits:
         if contract is not None:
             errors.extend(e for r in records for e in record_errors(r, contract[1]))
             warnings.extend(w for r in records for w in record_warnings(r, contract[1], contract[0]))
@@ -283,10 +283,13 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         before = len(errors)
         summary, media_errors = _summarise(path.name, records, args.check_media)
         errors.extend(media_errors)
-        if geometry and len(errors) == before:  # the headers of files that exist, in records that hold
+        # The headers of files that exist, in records that hold; of the training split only, as `ff fit` checks them
+        # (evaluation splits hold legacy prompt rows, without targets: target_span_errors would skip them anyway).
+        if geometry and split == "train" and len(errors) == before:
+            from ff_core.data.datamodule import cache_root
             from ff_core.data.target_spans import target_span_errors
 
-            errors.extend(target_span_errors(records, geometry))
+            errors.extend(target_span_errors(records, geometry, cache_dir=cache_root()))  # `ff fit` reuses the headers
         summaries.append(summary)
     return _report(args, contract, summaries, errors, _grouped(warnings), out)
 

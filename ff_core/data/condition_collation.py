@@ -13,6 +13,11 @@ hand in every family invites mistakes (a padded token attended to, a mask off by
 * ``list``: a list of the per-sample tensors, untouched (the adapter loops or packs them itself).
 
 Non-tensor values (strings, numbers, nested structures) of ``stack`` keys go through ``default_collate`` as before.
+
+Values may be :class:`~ff_core.data.dataflow.lazy.LazyValue` descriptions (tensor-parquet values a DataLoader worker
+only located): ``stack`` and ``pad`` then return a lazy batch (each value read into its slice where the batch is
+materialised, in the main process; padding zeroed there), its mask computed from the shapes alone, and the batch
+equals the one collated from the tensors themselves, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import default_collate
+
+from ff_core.data.dataflow.lazy import LazyValue, materialize, stack
 
 STACK, PAD, LIST = "stack", "pad", "list"
 RULES = (STACK, PAD, LIST)
@@ -64,28 +71,48 @@ def collate_conditions(
             batch[key] = values
         elif rule == PAD:
             batch[key], batch[f"{key}{MASK_SUFFIX}"] = pad_stack(key, values, ids)
-        elif all(isinstance(v, torch.Tensor) for v in values):
+        elif all(isinstance(v, (torch.Tensor, LazyValue)) for v in values):
             shapes = [tuple(v.shape) for v in values]
             if len(set(shapes)) > 1:
                 found = ", ".join(f"sample {i}: {s}" for i, s in zip(ids, shapes))
                 raise ValueError(f"condition {key!r}: the samples of one batch have different shapes ({found}); "
                                  "declare it 'pad' or 'list' in the adapter's condition_collation")
-            batch[key] = torch.stack(values)
+            lazy = any(isinstance(v, LazyValue) for v in values)
+            batch[key] = stack(values) if lazy else torch.stack(values)  # lazy: read where the batch is materialised
         else:
             batch[key] = default_collate(values)
     return batch
 
 
-def pad_stack(key: str, values: Sequence[torch.Tensor], ids: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad ``(L_i, ...)`` tensors on axis 0 to the longest and stack them; the ``(B, L)`` mask of real entries."""
+def pad_stack(
+    key: str, values: Sequence[torch.Tensor | LazyValue], ids: Sequence[Any]
+) -> tuple[torch.Tensor | LazyValue, torch.Tensor]:
+    """Zero-pad ``(L_i, ...)`` tensors on axis 0 to the longest and stack them; the ``(B, L)`` mask of real entries.
+
+    Lazy values of one dtype give a lazy batch (each padded where it is read: :meth:`LazyValue.padded`); of several
+    dtypes they are read here and padded as tensors are (the batch takes the first value's dtype, as before)."""
     trailing = {tuple(v.shape[1:]) for v in values}
-    if any(v.ndim == 0 for v in values) or len(trailing) > 1:
+    if any(len(v.shape) == 0 for v in values) or len(trailing) > 1:
         found = ", ".join(f"sample {i}: {tuple(v.shape)}" for i, v in zip(ids, values))
         raise ValueError(f"condition {key!r} is padded on axis 0, so its other axes must agree ({found})")
     length = max(v.shape[0] for v in values)
-    out = values[0].new_zeros((len(values), length, *values[0].shape[1:]))
     mask = torch.zeros(len(values), length, dtype=torch.bool)
+    for row, v in enumerate(values):  # from the shapes alone: the same mask whether the values are read yet or not
+        mask[row, : v.shape[0]] = True
+    if any(isinstance(v, LazyValue) for v in values):
+        if len({v.dtype for v in values}) == 1:
+            return stack([_padded(v, length) for v in values]), mask
+        values = [materialize(v) for v in values]
+    out = values[0].new_zeros((len(values), length, *values[0].shape[1:]))
     for row, v in enumerate(values):
         out[row, : v.shape[0]] = v
-        mask[row, : v.shape[0]] = True
     return out, mask
+
+
+def _padded(value: torch.Tensor | LazyValue, length: int) -> torch.Tensor | LazyValue:
+    """``value`` zero-padded on axis 0 to ``length``: lazily for a lazy value, by copy for a (shorter) tensor."""
+    if value.shape[0] == length:
+        return value
+    if isinstance(value, LazyValue):
+        return value.padded(length)
+    return torch.cat([value, value.new_zeros((length - value.shape[0], *value.shape[1:]))])

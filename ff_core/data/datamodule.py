@@ -96,6 +96,12 @@ CACHE_DIR_ENV = "FF_CACHE_DIR"
 DEFAULT_CACHE_DIR = "~/.cache/ff/datasets"
 
 
+def cache_root(cache_dir: str | None = None) -> str:
+    """ff's cache folder (condition caches, media headers): ``cache_dir`` (``data.cache_dir``), else
+    ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``."""
+    return os.path.expanduser(cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+
+
 class EpochAlignedLoader(DataflowLoader):
     """A :class:`DataflowLoader` whose length counts the whole current epoch, as Lightning expects.
 
@@ -137,6 +143,11 @@ class FlowDataModule(L.LightningDataModule):
             rows within each window of this many groups, keeping this many decoded groups per reader
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
+        hand_off: tensor-parquet shards with ``num_workers > 0`` only: workers hand uncompressed tensors to the main
+            process as file ranges, which it reads straight into the batch (``TensorParquetDataset(hand_off=True)``,
+            docs/datasets.md); ``False``: workers read them and the rows cross in shared memory. The file-range path
+            wins when the shards are page-cached; turn it off when the dataset is far larger than RAM (every read
+            then waits on the disk in the main process) or on file systems where reads are slow (FUSE, network).
         buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries
             ``[{height, width, num_frames?, fps?, start?, batch_size?}]``. Each training record goes to one bucket from
             its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
@@ -172,6 +183,7 @@ class FlowDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         row_group_window: int | None = None,
+        hand_off: bool = True,
         buckets: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
         adapter: str | None = None,
@@ -193,6 +205,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.preprocess_parallelism must be 'local' or 'global', got {preprocess_parallelism!r}")
         if row_group_window is not None and (isinstance(row_group_window, bool) or row_group_window < 1):
             raise ValueError(f"data.row_group_window must be an integer >= 1 or null, got {row_group_window!r}")
+        if not isinstance(hand_off, bool):
+            raise ValueError(f"data.hand_off must be true or false, got {hand_off!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
@@ -211,6 +225,7 @@ class FlowDataModule(L.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.row_group_window = row_group_window
+        self.hand_off = hand_off
         self.buckets = [Bucket.from_config(b, f"data.buckets[{i}]") for i, b in enumerate(buckets or [])] or None
         if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
             raise ValueError(f"data.max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
@@ -244,7 +259,7 @@ class FlowDataModule(L.LightningDataModule):
     @property
     def cache_root(self) -> str:
         """The condition cache folder: ``data.cache_dir``, else ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``."""
-        return os.path.expanduser(self.cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+        return cache_root(self.cache_dir)
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -299,12 +314,15 @@ class FlowDataModule(L.LightningDataModule):
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
         if self.adapter_name is not None:
+            if self.buckets is not None:  # before any header is read
+                self._check_buckets(get_adapter_class(self.adapter_name))
             self._check_target_spans(get_adapter_class(self.adapter_name))
         if self.buckets is not None:
             if self.train_rows is not None:
                 raise ConfigError("data.buckets", "tensor-parquet rows hold latents of their own size: batch them with "
                                   "a packing batcher (docs/dataflow.md), not geometry buckets")
-            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets])
+            self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets],
+                                                    cache_dir=self.cache_root)  # fmt: skip
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
@@ -313,11 +331,24 @@ class FlowDataModule(L.LightningDataModule):
     def _check_target_spans(self, cls: type[Adapter]) -> None:
         """Targets too short for the adapter's clip (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), from
         their headers: every one reported, naming file, line and field, before weights load (the adapter_kwargs
-        checked first: the geometry is computed from them)."""
+        checked first: the geometry is computed from them). The headers are cached in the cache root's ``headers/``
+        (:mod:`~ff_core.data.header_cache`): a restart reads only the files that changed."""
         check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         if geometry:
-            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None))
+            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None,
+                                               cache_dir=self.cache_root))  # fmt: skip
+
+    def _check_buckets(self, cls: type[Adapter]) -> None:
+        """Each bucket against the adapter (:meth:`~ff_core.adapter.Adapter.check_bucket`: config files only), before
+        any target header is read or weight loads; one ConfigError naming the first bucket it refuses."""
+        for i, bucket in enumerate(self.buckets):
+            try:
+                cls.check_bucket(self.pretrained_model_name_or_path, self.adapter_kwargs, bucket.geometry)
+            except ConfigError:  # a model.adapter_kwargs value, named by its own key
+                raise
+            except ValueError as exc:
+                raise ConfigError(f"data.buckets[{i}]", str(exc)) from None
 
     def _contract(self, cls: type[Adapter]) -> PipelineIOContract:
         """The checkpoint's contract from its config files (no weights), or the class's without a checkpoint."""
@@ -344,7 +375,7 @@ class FlowDataModule(L.LightningDataModule):
                                    "tensor-parquet shards")
         window = self.row_group_window
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
-                                         supervision=self._supervision)
+                                         supervision=self._supervision, hand_off=self.hand_off)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
         self.tensor_columns = columns
         largest = self.train_rows.max_group_rows()

@@ -5,6 +5,8 @@ a video clip's :class:`~ff_core.data.geometry.MediaGeometry`, an audio :class:`~
 every training target's header read (``probe_media``: PyAV container metadata, no frame or sample decoded) at
 ``ff fit``'s set-up and in ``ff data validate --model``; a target that falls short is reported there, naming file, line
 and field, instead of failing the run when its batch is decoded. Decoding keeps its own checks (a header may lie).
+The headers are cached across runs (:mod:`~ff_core.data.header_cache`): a later start reads only the files that
+changed, one ``stat`` for each of the others.
 
 * video: the clip's whole frame grid must lie inside the file (:func:`~ff_core.data.buckets.fits`, the rule
   :func:`~ff_core.data.media.decode_clip` applies);
@@ -17,11 +19,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ff_core.contracts import MediaType
 from ff_core.data.buckets import fits
 from ff_core.data.geometry import AudioSpan, MediaGeometry
-from ff_core.data.media import MediaHeader, probe_media
+from ff_core.data.header_cache import HEADER_CACHE_FOLDER, HeaderCache
+from ff_core.data.media import MediaHeader
 from ff_core.data.records import Record
 from ff_core.data.records_base import CANDIDATE_FIELDS
 from ff_core.errors import DatasetError
@@ -30,7 +34,11 @@ _EPS = 1e-6  # header durations are rationals printed as floats
 
 
 def target_span_errors(
-    records: Sequence[Record], geometry: Sequence[MediaGeometry | AudioSpan | None], *, skip_first: bool = False
+    records: Sequence[Record],
+    geometry: Sequence[MediaGeometry | AudioSpan | None],
+    *,
+    skip_first: bool = False,
+    cache_dir: str | os.PathLike | None = None,
 ) -> list[DatasetError]:
     """One error per training target (every candidate's every output) its output's entry of ``geometry`` rejects.
 
@@ -39,7 +47,10 @@ def target_span_errors(
         geometry: per output of the contract, what its targets must cover (``None``: not checked).
         skip_first: leave the first output alone (``data.buckets`` assigns it a geometry of its own, checked by
             :func:`~ff_core.data.buckets.assign_buckets`).
+        cache_dir: ff's cache folder (the condition cache's): the headers are cached in its ``headers/``
+            (:class:`~ff_core.data.header_cache.HeaderCache`); ``None``: every header read from its file.
     """
+    headers = HeaderCache(None if cache_dir is None else Path(cache_dir).expanduser() / HEADER_CACHE_FOLDER)
     checks = []
     for record in records:
         for name, candidate in zip(CANDIDATE_FIELDS.get(record.supervision or "", ()), record.candidates):
@@ -51,7 +62,7 @@ def target_span_errors(
     def check(task: tuple) -> list[DatasetError]:
         record, item, spec, field = task
         try:
-            problem = _shortfall(item.path, item.type, spec, item.fps, item.sample_rate, record, field)
+            problem = _shortfall(headers, item.path, item.type, spec, item.fps, item.sample_rate, record, field)
         except DatasetError as exc:
             return exc.errors
         return [DatasetError(record.source, record.line, field, f"{item.path}: {problem}")] if problem else []
@@ -59,16 +70,18 @@ def target_span_errors(
     # Opening a container is I/O and C code that releases the GIL (a WAV: ~4 ms, most of it ffmpeg's stream probe):
     # threads overlap them; results stay in record order.
     with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1))) as pool:
-        return [error for found in pool.map(check, checks) for error in found]
+        errors = [error for found in pool.map(check, checks) for error in found]
+    headers.save()
+    return errors
 
 
-def _shortfall(path, mtype: MediaType, spec: MediaGeometry | AudioSpan, fps: float | None,
+def _shortfall(headers: HeaderCache, path, mtype: MediaType, spec: MediaGeometry | AudioSpan, fps: float | None,
                sample_rate: float | None, record: Record, field: str | None) -> str | None:  # fmt: skip
     """Why a target of this type falls short of ``spec`` (``None``: it does not, or its header does not say)."""
     if isinstance(spec, MediaGeometry):
         if mtype is not MediaType.VIDEO or not spec.is_clip:
             return None
-        header = probe_media(path, mtype, referenced_by=record.where, field=field)
+        header = headers.probe(path, mtype, record, field)
         if header.seconds is None or not header.fps or fits(header, spec, fps):
             return None
         clock = fps or header.fps
@@ -78,7 +91,7 @@ def _shortfall(path, mtype: MediaType, spec: MediaGeometry | AudioSpan, fps: flo
                 "stretched: drop the record, or lower the adapter's num_frames / raise its frame rate")
     if mtype is not MediaType.AUDIO:
         return None
-    header = probe_media(path, mtype, referenced_by=record.where, field=field)
+    header = headers.probe(path, mtype, record, field)
     seconds = _clock_seconds(header, sample_rate)
     if seconds is None or seconds - spec.start >= spec.seconds - spec.tolerance - _EPS:
         return None

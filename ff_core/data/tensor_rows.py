@@ -30,7 +30,7 @@ import torch
 
 from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
-from ff_core.data.dataflow.lazy import LazyValue, materialize, stack
+from ff_core.data.dataflow.lazy import LazyValue, stack
 from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:  # pyarrow is only needed once shards are opened
@@ -308,8 +308,9 @@ class TensorRowCollator(BatchCollator):
     def _conditions(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         if not self.condition_collation:  # stacked, with the shard-specific messages
             return _stack(samples, "condition")
-        # The collation rules work on tensors: values a worker only located are read here (in the worker).
-        return collate_conditions([materialize(s["condition"]) for s in samples], self.condition_collation,
+        # Values a worker only located stay lazy through the rules (stacked, padded, masked from their shapes): they
+        # are read into the batch in the main process, as without rules.
+        return collate_conditions([s["condition"] for s in samples], self.condition_collation,
                                   [f"row {s['index']}" for s in samples])  # fmt: skip
 
     def _complete(self, sample: dict[str, Any]) -> dict[str, Any]:

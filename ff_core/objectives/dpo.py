@@ -138,8 +138,9 @@ class DPOObjective(Objective):
             whose reference is the base with the LoRA disabled.
         component_weights: how each candidate's error reduces over a multi-component latent state (video + audio):
             ``None`` uses the adapter's ``default_component_weights`` (``None`` there too: every latent element
-            pooled); a mapping averages each component's mean error with these weights
-            (as :class:`~ff_core.objectives.sft.SFTObjective`). The implicit rewards are ``-beta/2`` times that error.
+            pooled); a mapping sums each component's mean error times its weight, ``sum_k w_k e_k``, unnormalised
+            (as :class:`~ff_core.objectives.sft.SFTObjective`). The implicit rewards are ``-beta/2`` times that error,
+            so ``beta`` sees the weights' scale: ``{video: 1, audio: 1}`` is twice ``{video: 0.5, audio: 0.5}``.
     """
 
     trainer_type = "offline-dpo"
@@ -161,7 +162,7 @@ class DPOObjective(Objective):
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
         self.reference_offload = reference_offload
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
 
     def configure_model(self, adapter: Adapter, lora: bool) -> nn.Module | None:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ff_core.data.dataflow.distributors import derive_seed
-from ff_core.sampling import component_mean, euler_step, keep_pinned, shift_sigma  # noqa: F401  (re-exported)
+from ff_core.sampling import COMPONENT_WEIGHTS_KEY, component_mean, euler_step, keep_pinned, shift_sigma  # noqa: F401
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, Condition, LatentState
@@ -211,7 +211,8 @@ def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
     return noise.float() - x0.float()
 
 
-def check_component_weights(weights: Mapping[str, float] | None, key: str) -> dict[str, float] | None:
+def check_component_weights(weights: Mapping[str, float] | None,
+                            key: str = COMPONENT_WEIGHTS_KEY) -> dict[str, float] | None:  # fmt: skip
     """``weights`` as a plain dict, checked: finite, non-negative, not all zero. ``key`` names the config key."""
     if weights is None:
         return None
@@ -238,9 +239,10 @@ def per_sample_squared_error(
     The components reduce as :func:`~ff_core.sampling.component_mean` says (GRPO's step log-probabilities reduce the
     same way): without ``component_weights`` they are pooled by element count, so a video + audio state weighs each
     latent element equally (a stream with more latent elements weighs more). With them, each component's own mean over
-    its active elements is averaged with these weights, ``sum_k w_k e_k / sum_k w_k``: ``{video: 1, audio: 1}`` weighs
-    the streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the audio out of the loss (it is still
-    noised and denoised). Masked-out elements (mask 0, pinned by a condition) contribute neither error nor count.
+    its active elements times its weight, summed, ``sum_k w_k e_k`` (not normalised by the weights' sum):
+    ``{video: 1, audio: 1}`` weighs the streams equally whatever their sizes, ``{video: 1, audio: 0}`` leaves the
+    audio out of the loss (it is still noised and denoised). Masked-out elements (mask 0, pinned by a condition)
+    contribute neither error nor count.
 
     Args:
         pred: the predicted velocity.

@@ -129,9 +129,10 @@ class GRPOObjective(Objective):
             ``trainer.gradient_clip_val`` does not apply to manual optimisation.
         reference_offload: full fine-tuning with ``kl_beta > 0``: keep the frozen reference in CPU memory.
         component_weights: how a step's log-probability (and the KL term) reduces over a multi-component latent state
-            (video + audio), as SFT's and DPO's error does (:func:`~ff_core.sampling.component_mean`): ``None`` uses
-            the adapter's ``default_component_weights`` (LTX-2: ``{video: 1, audio: 1}``, ``(mean_video +
-            mean_audio) / 2``; ``None`` there too: every latent element of every component pooled).
+            (video + audio), as SFT's and DPO's error does (:func:`~ff_core.sampling.component_mean`):
+            ``sum_k w_k m_k``, unnormalised, ``m_k`` a component's mean log-density. ``None`` uses the adapter's
+            ``default_component_weights`` (LTX-2: ``{video: 0.5, audio: 0.5}``; MiniMax H3: ``{video: 1, audio:
+            1}``; ``None`` there too: every latent element of every component pooled).
 
     ``model.frozen_components`` leaves a component's log-density (and KL) out of the log-prob: its branch does not
     train, as its loss term leaves SFT and DPO; it is still sampled and decoded, so the rewards see it.
@@ -193,7 +194,7 @@ class GRPOObjective(Objective):
         self.clip_range, self.adv_clip_max, self.global_std = clip_range, adv_clip_max, global_std
         self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
         self.reference_offload = reference_offload
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
         self._rewards_device: torch.device | None = None
 

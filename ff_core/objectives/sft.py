@@ -45,8 +45,9 @@ class SFTObjective(Objective):
         component_weights: how a multi-component latent state's error reduces per sample
             (:func:`~ff_core.objectives.flow_matching.per_sample_squared_error`): ``None`` uses the adapter's
             ``default_component_weights`` (``None`` there too: every latent element of every component pooled);
-            ``{video: 1.0, audio: 1.0}`` averages each component's mean error with these weights
-            (``audio: 0``: the audio stream is denoised but not trained on).
+            a mapping sums each component's mean error times its weight, ``sum_k w_k e_k``, unnormalised
+            (``{video: 1.0, audio: 1.0}``: MiniMax H3's "mean over video + mean over audio"; ``audio: 0``: the audio
+            stream is denoised but not trained on).
     """
 
     trainer_type = "sft"
@@ -62,7 +63,7 @@ class SFTObjective(Objective):
             raise ValueError(f"model.objective.num_train_timesteps must be >= 1, got {num_train_timesteps}")
         self.timesteps = timesteps or TimestepSampler()
         self.num_train_timesteps = num_train_timesteps
-        self.component_weights = check_component_weights(component_weights, "model.objective.component_weights")
+        self.component_weights = check_component_weights(component_weights)
 
     def training_loss(
         self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None

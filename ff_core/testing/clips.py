@@ -31,6 +31,35 @@ def write_grey_mp4(
     return path
 
 
+def write_offset_streams(root: Path, size: int, video_fps: int, frames: int, audio_rate: int,
+                         samples: np.ndarray) -> tuple[Path, Path]:  # fmt: skip
+    """A Matroska H.264 video (``size`` x ``size``, grey levels rising frame by frame) whose stream starts at 0.5 s,
+    and a Matroska PCM audio of ``samples`` (mono int16) whose stream starts at 0.25 s: both ``start_time`` != 0, the
+    case where a file's seconds and a clip's clock part (tests of :mod:`ff_core.audio`'s one clock in the audio+video
+    codecs). Returns ``(video, audio)`` paths under ``root``."""
+    import fractions
+
+    video, audio = root / "clip.mkv", root / "sound.mka"
+    with av.open(str(video), "w") as out:
+        stream = out.add_stream("libx264", rate=video_fps)
+        stream.width = stream.height = size
+        stream.pix_fmt, stream.time_base = "yuv420p", fractions.Fraction(1, video_fps)
+        for k in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), (8 * k) % 256, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = k + video_fps // 2, stream.time_base
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    with av.open(str(audio), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=audio_rate, layout="mono")
+        for first in range(0, len(samples), 800):
+            frame = av.AudioFrame.from_ndarray(samples[None, first : first + 800], format="s16", layout="mono")
+            frame.sample_rate, frame.time_base = audio_rate, fractions.Fraction(1, audio_rate)
+            frame.pts = audio_rate // 4 + first
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return video, audio
+
+
 def write_clip_dataset(root: Path, clips: Sequence[tuple[int, int, int, int]], name: str = "train.jsonl") -> Path:
     """A V2 SFT dataset folder: one demonstration per ``(height, width, frames, fps)`` clip, ``clips/<i>.mp4``."""
     root.mkdir(parents=True, exist_ok=True)

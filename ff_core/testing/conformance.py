@@ -394,9 +394,10 @@ class AdapterConformance:
     def check_sampling(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """A full sampling run from the same seed: the adapter's final latents are the pipeline's."""
         generator = torch.Generator().manual_seed(self.seed)
+        # guidance_rescale only when set: a sample() written before interface 1.4 may not take it (FlowModule alike).
+        rescale = {"guidance_rescale": case.guidance_rescale} if case.guidance_rescale else {}
         final = adapter.sample(case.condition, num_steps=self.reference_steps, guidance_scale=case.guidance_scale,
-                               generator=generator, embedded_guidance=case.embedded_guidance,
-                               guidance_rescale=case.guidance_rescale or 0.0)  # fmt: skip
+                               generator=generator, embedded_guidance=case.embedded_guidance, **rescale)  # fmt: skip
         theirs = self.reference_layout.adapter_state(pipe, case.run.latents[-1], case.init)
         hint, what = "", ""
         if case.guidance_rescale:
@@ -710,6 +711,9 @@ class AdapterConformance:
         assert isinstance(clean, LatentState) and clean.batch_size == len(inputs)
         noise = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
         assert list(noise.components) == list(clean.components)
+        declared = type(adapter).latent_components  # what per-component config keys are checked against
+        assert declared is None or list(declared) == list(clean.components), (
+            f"latent_components declares {list(declared or ())}, the stages produce {list(clean.components)}")
         sigma = torch.full((clean.batch_size,), 0.5)
         velocity = adapter.velocity(clean, sigma, condition)
         for name, tensor in clean.components.items():

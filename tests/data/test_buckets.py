@@ -59,6 +59,24 @@ def test_records_are_assigned_and_short_clips_rejected(clips, tmp_path):
     assert "train.jsonl:4" in lines[1] and "never stretched" in lines[1]
 
 
+def test_bucket_headers_are_cached_across_runs(clips, tmp_path, monkeypatch):
+    """With ``cache_dir`` (``FlowDataModule`` passes its cache root) the second assignment reads no header
+    (ff_core/data/header_cache.py) and gives the same buckets and the same errors."""
+    from ff_core.data import header_cache
+
+    records = load_split(DatasetConfig(name="mixed", dataset_dir=str(clips)), "train", "sft")
+    read = []
+    probe = header_cache.probe_media
+    monkeypatch.setattr(header_cache, "probe_media", lambda *a, **k: read.append(a[0]) or probe(*a, **k))
+    for expected_reads in (5, 0):
+        read.clear()
+        assert assign_buckets(records, GEOMETRIES, cache_dir=tmp_path) == [0, 1, 2, 1, 0]
+        assert len(read) == expected_reads
+    with pytest.raises(DatasetErrors, match="1.mp4: fits no bucket"):
+        assign_buckets(records, [LAND, PORTRAIT], cache_dir=tmp_path)
+    assert len(read) == 0
+
+
 def test_bucketed_batches_are_homogeneous_and_resume_exactly(clips):
     records = load_split(DatasetConfig(name="mixed", dataset_dir=str(clips)), "train", "sft") * 4
     assignment = assign_buckets(records, GEOMETRIES)

@@ -66,3 +66,47 @@ def test_sample_and_tensor_row_collators_apply_the_rules():
     batch = TensorRowCollator(condition_collation=RULES).collate(rows)
     assert batch["condition"]["text"].shape == (2, 4, 4) and len(batch["condition"]["frames"]) == 2
     assert batch["latents"]["latent"].shape == (2, 2)
+
+
+def test_lazy_values_pad_and_stack_as_their_tensors_do(tmp_path):
+    """Values a worker only located (``FileTensor``: which bytes of which file) collate to a lazy batch that reads
+    into the very batch the tensors themselves collate to, bit for bit, mask included; a mix of dtypes is read and
+    padded as tensors are; ``list`` keeps them (the loader reads lists too)."""
+    import os
+
+    from ff_core.data.dataflow import LazyValue, materialize
+    from ff_core.data.tensor_parquet import FileTensor
+    from ff_core.data.tensor_parquet.file_tensor import file_identity
+
+    g = torch.Generator().manual_seed(0)
+    text = [torch.randn(n, 4, generator=g).to(torch.bfloat16) for n in (3, 5, 2)]
+    pooled = [torch.randn(6, generator=g).to(torch.bfloat16) for _ in range(3)]
+    path = tmp_path / "raw.bin"
+    path.write_bytes(b"".join(t.view(torch.uint8).numpy().tobytes() for t in (*text, *pooled)))
+    fd = os.open(path, os.O_RDONLY)
+    identity = file_identity(fd)
+    os.close(fd)
+    lazy, at = [], 0
+    for t in (*text, *pooled):
+        lazy.append(FileTensor(str(path), identity, at, t.shape, t.dtype))
+        at += t.numel() * t.element_size()
+    rules = {"text": "pad", "frames": "list"}
+    tensors = [{"text": t, "pooled": p, "frames": t} for t, p in zip(text, pooled)]
+    expected = collate_conditions(tensors, rules)
+    for mixed in (lazy[:3], [lazy[0], text[1], lazy[2]]):  # all located, or some read already
+        conditions = [{"text": t, "pooled": p, "frames": t} for t, p in zip(mixed, [lazy[3], pooled[1], lazy[5]])]
+        batch = collate_conditions(conditions, rules)
+        assert isinstance(batch["text"], LazyValue) and isinstance(batch["pooled"], LazyValue)
+        assert isinstance(batch["text_mask"], torch.Tensor)  # from the shapes: nothing was read
+        done = materialize(batch)
+        assert done.keys() == expected.keys()
+        for key in ("text", "text_mask", "pooled"):
+            assert done[key].dtype == expected[key].dtype and torch.equal(done[key], expected[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(done["frames"], text))
+    # Several dtypes: read and padded as tensors are (the first value's dtype).
+    promoted = [{"text": lazy[0]}, {"text": text[1].float()}]
+    got = collate_conditions(promoted, {"text": "pad"})
+    want = collate_conditions([{"text": text[0]}, {"text": text[1].float()}], {"text": "pad"})
+    assert not isinstance(got["text"], LazyValue) and torch.equal(got["text"], want["text"])
+    with pytest.raises(ValueError, match=r"condition 'pooled': .*sample 0: \(6,\), sample 1: \(3, 4\)"):
+        collate_conditions([{"pooled": lazy[3]}, {"pooled": lazy[0]}])

@@ -178,3 +178,138 @@ def test_stack_promotes_mixed_dtypes_as_torch_does(tmp_path):
         assert torch.equal(got, torch.stack([half, full]))
     uniform = [torch.randn(2, 3) for _ in range(3)]
     assert torch.equal(stack(uniform), torch.stack(uniform))
+    with pytest.raises(RuntimeError, match="not resizable"):  # as host_empty's docstring says
+        stack(uniform).resize_(4, 2, 3)
+
+
+def located(tmp_path, tensors: list[torch.Tensor], name: str = "raw.bin") -> list[FileTensor]:
+    """``tensors`` written back to back in one raw file, as FileTensor values of it."""
+    path = tmp_path / name
+    path.write_bytes(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors))
+    fd = os.open(path, os.O_RDONLY)
+    identity = file_identity(fd)
+    os.close(fd)
+    out, at = [], 0
+    for t in tensors:
+        out.append(FileTensor(str(path), identity, at, t.shape, t.dtype))
+        at += t.numel() * t.element_size()
+    return out
+
+
+def test_threads_reading_values_of_many_files_each_get_their_own(tmp_path, monkeypatch):
+    """A descriptor is looked up and read under one lock: another thread evicting (closing) it mid-read, and the
+    number being reused for another file, would hand out another file's bytes or fail."""
+    import threading
+
+    monkeypatch.setattr(file_tensor_module, "_FILES", file_tensor_module._Files())
+    monkeypatch.setattr(file_tensor_module._Files, "most", 1)  # every other read evicts a file another thread holds
+    values = [torch.full((1 << 16,), float(k)) for k in range(6)]
+    lazy = [located(tmp_path, [v], f"f{k}.bin")[0] for k, v in enumerate(values)]
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        for step in range(150):
+            k = (seed * 7 + step) % len(lazy)
+            try:
+                got = lazy[k].materialize()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failures.append(f"{k}: {exc!r}")
+                return
+            if not torch.equal(got, values[k]):
+                failures.append(f"{k}: another file's bytes")
+                return
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+
+
+def test_short_reads_are_continued(tmp_path, monkeypatch):
+    """A file system may return fewer bytes than asked (FUSE, network, a signal): the read goes on from there."""
+    big = torch.arange(1 << 18, dtype=torch.float32)
+    lazy = located(tmp_path, [big])[0]
+    real = os.preadv
+
+    def short(fd, buffers, offset):  # at most 1000 bytes a call
+        return real(fd, [memoryview(buffers[0])[:1000]], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    assert torch.equal(lazy.materialize(), big)
+    rows = [r for r in rows_of_every_dtype() if r["float32_bytes"]]
+    (tmp_path / "t").mkdir()
+    write(tmp_path / "t" / "f.parquet", rows)
+    ds = TensorParquetDataset(tmp_path / "t", columns=["float32"])  # the reader's own pread
+    assert all(torch.equal(ds[i]["float32"], card_decode(r, "float32")) for i, r in enumerate(rows))
+
+
+def test_a_refused_read_ahead_advice_is_ignored(tmp_path, monkeypatch):
+    """``posix_fadvise`` is advice: a file system that refuses it (``EINVAL`` on some FUSE mounts) still serves."""
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)  # inherited by the forked workers
+    rows = [r for r in rows_of_every_dtype() if r["int64_bytes"]]
+    write(tmp_path / "f.parquet", rows)
+    crossed = worker_rows(TensorParquetDataset(tmp_path, hand_off=True, columns=["int64"]), workers=1)
+    assert isinstance(crossed[0]["int64"], FileTensor)
+    assert torch.equal(materialize(crossed[0])["int64"], card_decode(rows[0], "int64"))
+
+
+def test_a_value_is_read_only_into_a_tensor_of_its_shape_and_dtype(tmp_path):
+    lazy = located(tmp_path, [torch.arange(6, dtype=torch.int32).view(2, 3)])[0]
+    for out in (torch.empty(2, 3, dtype=torch.float32), torch.empty(3, 2, dtype=torch.int32),
+                torch.empty(3, 2, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match=r"shape \(2, 3\) and dtype torch.int32 expected"):
+            lazy.materialize_into(out)
+    out = torch.empty(2, 3, dtype=torch.int32)
+    lazy.materialize_into(out)
+    assert torch.equal(out, torch.arange(6, dtype=torch.int32).view(2, 3))
+
+
+def test_a_loader_iteration_closes_the_files_it_read_and_forked_children_inherit_none(tmp_path, monkeypatch):
+    import multiprocessing
+
+    from ff_core.data.dataflow import BatchCollator, DataflowLoader, DataParallelCoords, SamplerDistributor
+    from ff_core.data.dataflow.base import RawItemProcessor
+
+    class Rows(RawItemProcessor):
+        def __init__(self, ds):
+            self.ds = ds
+
+        def process(self, item):
+            return self.ds[int(item)]
+
+    class Stack(BatchCollator):
+        def collate(self, samples):
+            return {"int64": stack([s["int64"] for s in samples])}
+
+    files = file_tensor_module._Files()
+    monkeypatch.setattr(file_tensor_module, "_FILES", files)
+    rows = [r for r in rows_of_every_dtype() if r["int64_bytes"]]
+    write(tmp_path / "f.parquet", rows)
+    ds = TensorParquetDataset(tmp_path, hand_off=True, columns=["int64"])
+    crossed = worker_rows(ds, workers=1)
+    materialize(crossed[0])
+    assert len(files.open) == 1
+    child = multiprocessing.get_context("fork")
+    queue = child.SimpleQueue()
+    proc = child.Process(target=lambda: queue.put(len(file_tensor_module._FILES.open)))
+    proc.start()
+    proc.join()
+    assert queue.get() == 0 and len(files.open) == 1  # the child closed its copies; the parent's are untouched
+    for stop in (None, 1):  # an iteration run to its end, or abandoned after one batch
+        dist = SamplerDistributor(range(len(rows)), shuffle=False, name="t", identity={"t": {"rows": len(rows)}})
+        loader = DataflowLoader(dist, Rows(ds), collator=Stack(), batch_size=1, num_workers=1,
+                                coords=DataParallelCoords(0, 1))
+        it = iter(loader)
+        got = [next(it)["int64"][0] for _ in range(stop or len(rows))]
+        assert len(files.open) == 1  # held while the iteration runs
+        if stop is None:
+            assert next(it, None) is None
+        else:
+            it.close()
+        assert not files.open
+        assert all(torch.equal(g, card_decode(r, "int64")) for g, r in zip(got, rows))

@@ -257,7 +257,8 @@ class LazyFlagCollator(TensorRowCollator):
     def collate(self, samples):
         batch = super().collate(samples)
         parts = ("latents", "condition")
-        batch["lazy"] = [all(isinstance(v, LazyValue) for v in batch[part].values()) for part in parts]
+        batch["lazy"] = [all(isinstance(v, LazyValue) for k, v in batch[part].items() if not k.endswith("_mask"))
+                         for part in parts]
         return batch
 
 
@@ -275,11 +276,12 @@ def same(a, b) -> bool:
         for (_, x), (_, y) in zip(fa, fb))
 
 
-@pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}])
+@pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}, {"prompt_embeds": "pad", "pooled": "stack"}])
 def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(tmp_path, collation):
     """Workers stack the rows' tensors as file ranges (a padded text embedding too); the loader reads them into the
-    batch in the main process: every batch equals the one read without workers, key by key, bit for bit. With
-    condition collation rules the conditions are read in the worker (the rules need tensors)."""
+    batch in the main process: every batch equals the one read without workers, key by key, bit for bit, masks
+    included. Condition collation rules (Wan's: text embeddings padded per batch, the rest stacked) keep the
+    conditions file ranges too: nothing but the masks is read in the worker."""
     columns = TensorColumns(condition={"text_embedding": "prompt_embeds", "pooled": "pooled"}, latents=("latent",),
                             pad={"text_embedding": 6} if collation is None else {})
     rows = [{"prompt": f"p{i}", **row_tensors(i, text=1 + i % 6)} for i in range(10)]
@@ -292,8 +294,10 @@ def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(t
                             collation), batch_size=3, num_workers=workers, coords=DataParallelCoords(0, 1))
         batches[workers] = list(dl)
     assert len(batches[0]) == 4 and all(b["lazy"] == [False, False] for b in batches[0])
-    lazy = [True, False] if collation else [True, True]
-    assert all(b["lazy"] == lazy for b in batches[2])
+    assert all(b["lazy"] == [True, True] for b in batches[2])
+    if collation:  # padded to each batch's longest, with the mask of real entries
+        assert all(b["condition"]["prompt_embeds_mask"].sum(1).tolist() ==
+                   [1 + i % 6 for i in b["index"].tolist()] for b in batches[2])
     for a, b in zip(batches[0], batches[2]):
         assert same({**a, "lazy": None}, {**b, "lazy": None})
         assert not any(isinstance(v, LazyValue) for _, v in flat(b))
@@ -440,3 +444,19 @@ def test_setup_warns_when_row_groups_hold_many_rows_and_no_window_is_set(tmp_pat
         "shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) to shuffle groups, then rows "
         "within windows of groups"]
     assert warnings(tmp_path / "ref", row_group_window=2) == []
+
+
+@pytest.mark.parametrize("hand_off", [None, False])
+def test_data_hand_off_turns_file_ranges_off(tmp_path, hand_off):
+    """``data.hand_off`` (default true): workers hand uncompressed values over as file ranges; ``false``: they read
+    them and the rows cross in shared memory (shards far larger than RAM, FUSE)."""
+    write_rows(tmp_path / "s", [sd3_row(i, False) for i in range(2)])
+    kw = {} if hand_off is None else {"hand_off": hand_off}
+    data = FlowDataModule([{"name": "s", "tensor_parquet_dir": str(tmp_path / "s")}], adapter="sd3-5", **kw)
+    data.setup("fit")
+    ds = data.train_rows.datasets[0]
+    crossed = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)))
+    lazy = {k for k, v in crossed.items() if isinstance(v, LazyValue)}
+    assert lazy == (set() if hand_off is False else {"prompt_embeds", "pooled_prompt_embeds", "latent"})
+    with pytest.raises(ValueError, match="data.hand_off must be true or false, got 'auto'"):
+        FlowDataModule([{"name": "s", "tensor_parquet_dir": str(tmp_path / "s")}], hand_off="auto")

@@ -267,3 +267,41 @@ def test_component_weights_set_how_each_candidate_error_reduces():
     assert_close(pooled.policy_chosen, torch.tensor([17 / 3])) and assert_close(pooled.reference_chosen, torch.ones(1))
     video = preference_errors(adapter, objective.reference, clean, clean, {}, sigma, noise, objective.component_weights)
     assert_close(video.policy_chosen, torch.tensor([4.0])) and assert_close(video.reference_rejected, torch.ones(1))
+    # Weights sum the component means, unnormalised: {video: 1, audio: 1} 4 + 9 = 13 for the policy, 1 + 1 = 2 for the
+    # reference; the implicit rewards (and so beta) see that scale, docs/objectives.md.
+    both = preference_errors(adapter, objective.reference, clean, clean, {}, sigma, noise, {"video": 1.0, "audio": 1.0})
+    assert_close(both.policy_chosen, torch.tensor([13.0])) and assert_close(both.reference_chosen, torch.tensor([2.0]))
+
+
+def test_dpo_beta_sees_the_scale_of_the_component_weights():
+    """The MiniMax H3 spec's "loss = mean over video + mean over audio" is {video: 1, audio: 1}; its beta is not
+    interchangeable with that of {video: 0.5, audio: 0.5}. Policy v = 2 x + 1, reference v = x + 1, at sigma 1
+    (x = eps), eps video [1, 1], audio [2]: an element's error is (eps + 1 + x0)^2 for the policy, (1 + x0)^2 for the
+    reference. Chosen x0 = 0: policy video 4, audio 9; reference 1, 1. Rejected x0 video [1, 1], audio [0]: policy 9, 9;
+    reference 4, 1. With {1, 1}: e = (13, 2, 18, 5), r_w - r_l = -beta/2 (11 - 13) = beta; with {0.5, 0.5} half that:
+    at beta 0.5 the losses are log(1 + e^-0.5) and log(1 + e^-0.25), and {0.5, 0.5} at beta 1 is {1, 1} at 0.5."""
+
+    class TwoStreams(ToyAdapter):
+        def velocity(self, state, sigma, condition):
+            return state.map(lambda x: self.net(x) + sigma.reshape(-1, *([1] * (x.ndim - 1))))
+
+    adapter = TwoStreams(1.0)
+    reference = DPOObjective(beta=0.5)
+    reference.configure_model(adapter, lora=False)
+    with torch.no_grad():
+        adapter.net.a.fill_(2.0)
+    chosen = LatentState({"video": torch.zeros(1, 2), "audio": torch.zeros(1, 1)})
+    rejected = LatentState({"video": torch.ones(1, 2), "audio": torch.zeros(1, 1)})
+    noise = LatentState({"video": torch.ones(1, 2), "audio": torch.full((1, 1), 2.0)})
+    sigma = torch.tensor([1.0])
+
+    def loss(weights, beta):
+        errors = preference_errors(adapter, reference.reference, chosen, rejected, {}, sigma, noise, weights)
+        return errors, diffusion_dpo_loss(errors, beta).loss
+
+    errors, summed = loss({"video": 1.0, "audio": 1.0}, 0.5)
+    assert_close(torch.stack([errors.policy_chosen, errors.reference_chosen, errors.policy_rejected,
+                              errors.reference_rejected]).flatten(), torch.tensor([13.0, 2.0, 18.0, 5.0]))  # fmt: skip
+    assert_close(summed, torch.tensor([math.log1p(math.exp(-0.5))]))
+    assert_close(loss({"video": 0.5, "audio": 0.5}, 0.5)[1], torch.tensor([math.log1p(math.exp(-0.25))]))
+    assert_close(loss({"video": 0.5, "audio": 0.5}, 1.0)[1], summed)

@@ -192,11 +192,13 @@ class ToyVideoAudio(ToyAdapter):
 @pytest.mark.parametrize(("weights", "frozen", "expected"), [
     (None, (), {"video": 1.0, "audio": 1.0}),  # the adapter's default_component_weights
     ({"video": 1.0, "audio": 3.0}, (), {"video": 1.0, "audio": 3.0}),  # the objective's win
+    ({"video": 0.5, "audio": 0.5}, (), {"video": 0.5, "audio": 0.5}),  # half the log-prob: the ratio's log halves
     (None, ("audio",), {"video": 1.0}),  # model.frozen_components: the audio's terms leave log-prob and KL
 ])  # fmt: skip
 def test_log_prob_ratio_and_kl_weigh_each_components_mean(weights, frozen, expected):
     """docs/objectives.md, "Several latent components": the rollout's stored log-prob of a transition is each
-    component's mean log-density weighted as ``component_weights`` say (else the adapter's default), by hand; after a
+    component's mean log-density times its weight, summed (unnormalised), as ``component_weights`` say (else the
+    adapter's default), by hand; after a
     change of the policy the replayed ratio and the velocity-KL to the reference reduce the same way, by hand."""
     adapter, obj = ToyVideoAudio(), objective(component_weights=weights, kl_beta=0.5, kl_on="velocity")
     obj.freeze_components(frozen)
@@ -205,8 +207,8 @@ def test_log_prob_ratio_and_kl_weigh_each_components_mean(weights, frozen, expec
     [r, _] = obj.rollout(adapter, batch(), torch.Generator().manual_seed(1))
     t = r.trajectory.transitions[1]
 
-    def reduce(per_component):  # sum_k w_k mean_k / sum_k w_k
-        return sum(w * per_component[k].flatten(1).mean(1) for k, w in expected.items()) / sum(expected.values())
+    def reduce(per_component):  # sum_k w_k mean_k, unnormalised
+        return sum(w * per_component[k].flatten(1).mean(1) for k, w in expected.items())
 
     def log_prob(v):
         dens = {}

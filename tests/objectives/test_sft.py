@@ -226,19 +226,26 @@ def test_a_micro_batch_loss_is_a_function_of_its_generator_alone(tiny_sd3, shape
     assert not torch.equal(losses[0], losses[2])
 
 
-def test_component_weights_average_each_component_mean():
-    """video error 1 on 3 elements, audio error 4 on 1 element: pooled 1.75; weights {video: 1, audio: 1} average the
-    component means (1 + 4) / 2 = 2.5; {video: 1, audio: 3}: (1 + 12) / 4 = 3.25; audio 0: the video's 1 alone.
-    Masks still apply inside a component: the masked video element (error 9) counts in neither."""
+def test_component_weights_sum_each_component_mean_unnormalised():
+    """video error 1 on 3 elements, audio error 4 on 1 element: pooled 1.75; weights sum the weighted component means,
+    unnormalised (docs/objectives.md): {video: 1, audio: 1} 1 + 4 = 5 (MiniMax H3's "mean over video + mean over
+    audio"); {video: 0.5, audio: 0.5} 2.5 (LTX-2's default); {video: 1, audio: 3} 1 + 12 = 13; audio 0: the video's 1
+    alone. Masks still apply inside a component: the masked video element (error 9) counts in neither. A frozen
+    component drops its term; weights leaving every kept component at 0 are refused."""
     pred = LatentState({"video": torch.tensor([[1.0, 1.0, 1.0, 3.0]]), "audio": torch.full((1, 1), 2.0)},
                        {"video": torch.tensor([[1.0, 1.0, 1.0, 0.0]])})  # fmt: skip
     target = LatentState({"video": torch.zeros(1, 4), "audio": torch.zeros(1, 1)})
     assert_close(per_sample_squared_error(pred, target), torch.tensor([1.75]))
-    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 1.0}), torch.tensor([2.5]))
-    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 3.0}), torch.tensor([3.25]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 1.0}), torch.tensor([5.0]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 0.5, "audio": 0.5}), torch.tensor([2.5]))
+    assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 3.0}), torch.tensor([13.0]))
     assert_close(per_sample_squared_error(pred, target, {"video": 1.0, "audio": 0.0}), torch.tensor([1.0]))
-    with pytest.raises(ValueError, match=r"component_weights names \['video'\]; the latent components are"):
+    assert_close(per_sample_squared_error(pred, target, {"video": 0.5, "audio": 0.5}, {"audio"}), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=r"component_weights: names \['video'\]; the latent components are"):
         per_sample_squared_error(pred, target, {"video": 1.0})
+    with pytest.raises(ValueError, match=r"component_weights: the latent components kept in the loss \(frozen and "
+                                         r"left out: \['video'\]\) need finite weights >= 0, at least one > 0"):
+        per_sample_squared_error(pred, target, {"video": 1.0, "audio": 0.0}, {"video"})
 
 
 @pytest.mark.parametrize("weights", [{}, {"video": -1.0}, {"video": 0.0, "audio": 0.0}, {"video": float("nan")}])
@@ -246,22 +253,61 @@ def test_component_weights_are_checked_where_the_objective_is_built(weights):
     from ff_core.objectives import DPOObjective
 
     for objective in (SFTObjective, DPOObjective):
-        with pytest.raises(ValueError, match="model.objective.component_weights must map latent component names"):
+        with pytest.raises(ValueError, match=r"model\.objective\.init_args\.component_weights must map latent "):
             objective(component_weights=weights)
 
 
 def test_sft_loss_with_component_weights_by_hand():
     """v = 2 x + sigma on a two-component state at sigma 1 (x = eps): video x0 0, eps 1 -> v 3, target 1, error 4;
-    audio x0 0, eps 2 -> v 5, target 2, error 9. {video: 1, audio: 0} trains on the video's 4 alone."""
+    audio x0 0, eps 2 -> v 5, target 2, error 9. {video: 1, audio: 0} trains on the video's 4 alone; {video: 1,
+    audio: 1} on 4 + 9 = 13, {video: 0.5, audio: 0.5} on 6.5."""
     clean = LatentState({"video": torch.zeros(1, 2), "audio": torch.zeros(1, 1)})
     noise = LatentState({"video": torch.ones(1, 2), "audio": torch.full((1, 1), 2.0)})
     sigma = torch.tensor([1.0])
     assert_close(flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise), torch.tensor([17 / 3]))
     got = flow_matching_error(LinearVelocity(2.0), clean, {}, sigma, noise, {"video": 1.0, "audio": 0.0})
     assert_close(got, torch.tensor([4.0]))
-    # An adapter's default_component_weights apply when none are given ((4 + 9) / 2, not pooled 17 / 3); given ones win.
+    # An adapter's default_component_weights apply when none are given (4 + 9, not pooled 17 / 3); given ones win.
     per_stream = LinearVelocity(2.0)
     per_stream.default_component_weights = {"video": 1.0, "audio": 1.0}
-    assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise), torch.tensor([6.5]))
+    assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise), torch.tensor([13.0]))
+    assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise, {"video": 0.5, "audio": 0.5}),
+                 torch.tensor([6.5]))
     assert_close(flow_matching_error(per_stream, clean, {}, sigma, noise, {"video": 1.0, "audio": 0.0}),
                  torch.tensor([4.0]))
+
+
+def test_default_weights_that_leave_no_term_after_freezing_fail_before_weights_load():
+    """``check_components`` (run as ``FlowModule`` is built): unset ``component_weights`` take the adapter's default
+    minus the frozen components; a default whose kept weights are all 0 would train nothing (the loss a sum of zero
+    terms) and is refused, naming the key and the frozen components. Weights set in the config keep every component."""
+    from ff_core.errors import ConfigError
+    from ff_core.module import check_components
+
+    class VideoOnlyByDefault(Adapter):
+        name = "toy-av"
+        latent_components = ("video", "audio")
+        default_component_weights = {"video": 1.0, "audio": 0.0}
+
+        def component_parameters(self, component):
+            return {}
+
+    check_components(VideoOnlyByDefault, [], None)
+    check_components(VideoOnlyByDefault, ["video"], {"video": 1.0, "audio": 1.0})
+    message = (r"component_weights \(unset: toy-av's default_component_weights\): the latent components kept in the "
+               r"loss \(frozen and left out: \['video'\]\) need finite weights >= 0, at least one > 0")
+    with pytest.raises(ConfigError, match=message):
+        check_components(VideoOnlyByDefault, ["video"], None)
+
+
+def test_one_component_without_weights_is_the_masked_element_mean_bit_for_bit():
+    """SD3 / Wan (one ``latent`` component, no ``default_component_weights``): the error is the mean over active
+    elements, bit for bit the masked mean computed directly, and ``{latent: 1}`` (``1 * m``) changes no bit."""
+    g = torch.Generator().manual_seed(7)
+    mask = (torch.rand(3, 1, 2, 5, generator=g) > 0.3).float()
+    pred = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)}, {"latent": mask})
+    target = LatentState({"latent": torch.randn(3, 4, 2, 5, generator=g)})
+    sq, full = (pred.components["latent"] - target.components["latent"]) ** 2, mask.expand(3, 4, 2, 5)
+    direct = (sq * full).flatten(1).sum(1) / full.flatten(1).sum(1)
+    assert torch.equal(per_sample_squared_error(pred, target), direct)
+    assert torch.equal(per_sample_squared_error(pred, target, {"latent": 1.0}), direct)

@@ -19,7 +19,7 @@ are allocated by :func:`host_empty`, from memory Arrow's allocator keeps for the
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,7 +127,10 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor from Arrow's allocator (mimalloc or jemalloc), which keeps freed memory for the
     next batch. ``torch.empty`` takes a large buffer from the C allocator, which maps fresh pages for each one
     (above 32 MB always): the kernel zeroes and faults in every page again, ~0.5 ms a MB, more than the copy that
-    fills it."""
+    fills it.
+
+    The tensor views a fixed buffer: its storage is not resizable (``resize_`` to more elements, or an ``out=``
+    of another size, raises); allocate anew (or ``clone()``) for another shape."""
     import pyarrow as pa  # ff_core's dependency, imported where rows are read only
 
     shape = torch.Size(shape)
@@ -155,3 +158,19 @@ def materialize(obj: Any) -> Any:
             return obj
         return type(obj)(*done) if hasattr(obj, "_fields") else type(obj)(done)  # a namedtuple takes fields
     return obj
+
+
+_RELEASE: list[Callable[[], None]] = []
+
+
+def on_release(fn: Callable[[], None]) -> None:
+    """Register ``fn`` to let go of what a kind of lazy value keeps in this process between reads (the open files
+    :class:`~ff_core.data.tensor_parquet.FileTensor` reads through), called by :func:`release`."""
+    _RELEASE.append(fn)
+
+
+def release() -> None:
+    """Let go of what lazy values keep between reads (:func:`on_release`); the next read opens what it needs again.
+    :class:`~ff_core.data.dataflow.DataflowLoader` calls it when an iteration ends (exhausted, or abandoned)."""
+    for fn in _RELEASE:
+        fn()

@@ -31,7 +31,7 @@ from .batchers import SimpleBatcher
 from .collators import DefaultBatchCollator
 from .coords import DataParallelCoords
 from .distributors import SamplerDistributor
-from .lazy import materialize
+from .lazy import materialize, release
 from .pipeline import DataflowStream, Plan
 from .state import FORMAT, StateHistory, check_state, merge_rank_states
 
@@ -187,13 +187,16 @@ class DataflowLoader(DataLoader):
         plan = self._plan()
         self._stream.plan = plan
         delivered = 0
-        for stamp, batch in self._worker_batches():
-            batch = materialize(batch)  # values a worker only described are read here, in the main process
-            delivered += 1
-            self._record(stamp, plan, last=plan.steps is not None and delivered == plan.steps)
-            if self.stamp_key is not None:
-                batch[self.stamp_key] = self._state["step"]
-            yield batch
+        try:
+            for stamp, batch in self._worker_batches():
+                batch = materialize(batch)  # values a worker only described are read here, in the main process
+                delivered += 1
+                self._record(stamp, plan, last=plan.steps is not None and delivered == plan.steps)
+                if self.stamp_key is not None:
+                    batch[self.stamp_key] = self._state["step"]
+                yield batch
+        finally:  # exhausted or abandoned: close the files the lazy values were read from
+            release()
         if plan.steps is None:  # the source ended: the epoch is over
             self._state["epoch"] += 1
             self._state["epoch_step"] = 0

@@ -10,17 +10,22 @@ it with one ``pread`` into memory it owns (:meth:`materialize`, or straight into
 
 The worker records the file's identity (device, inode, size, modification time); the reading process checks it, so
 a file replaced between the two reads is an error naming it, never another file's bytes.
+
+The reading process keeps the files it read from open (:class:`_Files`, a few dozen at most), for the next value of
+the same file; threads share them under a lock, a forked child closes its inherited copies, and they are closed when
+a :class:`~ff_core.data.dataflow.DataflowLoader` iteration ends (:func:`~ff_core.data.dataflow.lazy.release`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
-from ff_core.data.dataflow.lazy import LazyValue, host_empty
+from ff_core.data.dataflow.lazy import LazyValue, host_empty, on_release
 from ff_core.errors import DatasetError
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -57,17 +62,30 @@ class FileTensor(LazyValue):
         return f"FileTensor({self.path!r}, offset={self.offset}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def materialize_into(self, out: torch.Tensor) -> None:
-        if out.numel() * out.element_size() != self.nbytes or not out.is_contiguous():
-            raise ValueError(f"FileTensor.materialize_into: {self.nbytes} contiguous bytes expected, got a tensor of "
-                             f"shape {tuple(out.shape)} and dtype {out.dtype}")
+        if out.dtype != self.dtype or out.shape != self.shape or not out.is_contiguous():
+            raise ValueError(f"FileTensor.materialize_into: a contiguous tensor of shape {tuple(self.shape)} and dtype "
+                             f"{self.dtype} expected, got shape {tuple(out.shape)} and dtype {out.dtype}"
+                             f"{'' if out.is_contiguous() else ' (not contiguous)'}")
         if not self.nbytes:
             return
-        fd = _FILES.get(self.path, self.identity, self.where)
         view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        got = os.preadv(fd, [view], self.offset)
+        got = _FILES.read_into(self.path, self.identity, self.where, view, self.offset)
         if got != self.nbytes:  # cannot happen while the identity holds (same size); kept as the reader's check
             raise DatasetError(self.path, None, None, f"{self.where}: bytes {self.offset}..{self.offset + self.nbytes}:"
                                                       f" only {got} could be read")
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read the file's bytes from ``offset`` into ``view`` (1-D bytes) with ``pread``, again after a short read (a
+    signal, a network or FUSE file system may return fewer bytes than asked), until it is full or the file ends;
+    returns the bytes read."""
+    done, size = 0, len(view)
+    while done < size:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:  # end of file
+            break
+        done += got
+    return done
 
 
 class _Files:
@@ -75,15 +93,38 @@ class _Files:
 
     A held file serves a value while it still has the identity the worker recorded (checked with ``fstat`` at every
     read: a file rewritten in place fails), even if another file was renamed over its path since: it holds the very
-    bytes the worker located.
+    bytes the worker located. One lock covers looking a descriptor up and reading through it: another thread could
+    otherwise close it (evicting it, or :meth:`close`) mid-read, and the number be reused for another file.
     """
 
     most = 64
 
     def __init__(self) -> None:
         self.open: OrderedDict[str, int] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def read_into(self, path: str, identity: Identity, where: str, view: memoryview, offset: int) -> int:
+        """:func:`pread_full` from the held (or newly opened) file of ``path`` with ``identity``."""
+        with self.lock:
+            return pread_full(self.get(path, identity, where), view, offset)
+
+    def close(self) -> None:
+        """Close every held file (the next read opens it again)."""
+        with self.lock:
+            self._close_all()
+
+    def after_fork(self) -> None:
+        """In a forked child: close the descriptors it inherited (its own copies) under a fresh lock (the parent's
+        may have been held by another thread at the fork)."""
+        self.lock = threading.Lock()
+        self._close_all()
+
+    def _close_all(self) -> None:
+        while self.open:
+            os.close(self.open.popitem()[1])
 
     def get(self, path: str, identity: Identity, where: str) -> int:
+        """The descriptor of ``path`` with ``identity``; call with :attr:`lock` held."""
         fd = self.open.get(path)
         if fd is not None and file_identity(fd) == identity:
             self.open.move_to_end(path)
@@ -109,6 +150,19 @@ class _Files:
 
 
 _FILES = _Files()
+
+
+def _close_files() -> None:
+    _FILES.close()
+
+
+def _after_fork() -> None:
+    _FILES.after_fork()
+
+
+on_release(_close_files)  # a DataflowLoader iteration ended
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def allocate(nbytes: int, shared: bool) -> torch.Tensor:

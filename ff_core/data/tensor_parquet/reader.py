@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ff_core.data.tensor_parquet.file_tensor import FileTensor, allocate, file_identity
+from ff_core.data.tensor_parquet.file_tensor import FileTensor, allocate, file_identity, pread_full
 from ff_core.data.tensor_parquet.format import (
     BYTES,
     DTYPE,
@@ -279,7 +279,10 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         for name in [n for n, (value, _, _) in pending.items() if value[0] is mapped.buffer]:
             (_, start, length), shape, dtype = pending.pop(name)
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(mapped.fd, start, length, os.POSIX_FADV_WILLNEED)
+                try:
+                    os.posix_fadvise(mapped.fd, start, length, os.POSIX_FADV_WILLNEED)
+                except OSError:  # advice only: a file system may refuse it (some FUSE ones); the read still works
+                    pass
             out[name] = FileTensor(str(mapped.path), mapped.identity, start, shape, dtype,
                                    f"{name}{BYTES}: {self._row_place(i)}")
         return out
@@ -480,7 +483,7 @@ class _Mapped:
 
     def pread_into(self, out: torch.Tensor, start: int) -> None:
         """Fill the uint8 tensor ``out`` with the file's bytes from ``start``."""
-        got = os.preadv(self.fd, [memoryview(out.numpy())], start)
+        got = pread_full(self.fd, memoryview(out.numpy()), start)
         if got != out.numel():  # the file shrank since its footer was read
             raise DatasetError(self.path, None, None, f"bytes {start}..{start + out.numel()}: only {got} could be read")
 

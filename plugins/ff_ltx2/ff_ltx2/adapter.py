@@ -160,9 +160,11 @@ class LTX2T2AVAdapter(Adapter):
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors")
-    # The LTX-2 trainers add one mean error per stream; pooled by element count the audio would get ~2 % of the loss
-    # at a 5 s 512x768 clip (16,128 of 802,560 latent elements). A config's component_weights still wins.
-    default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    # One mean error per stream, as the LTX-2 trainers; pooled by element count the audio would get ~2 % of the loss
+    # at a 5 s 512x768 clip (16,128 of 802,560 latent elements). 0.5 each (the loss is sum_k w_k m_k,
+    # ff_core.sampling.component_mean): half the trainers' sum, ff's LTX-2 loss scale since the per-stream means came
+    # in, which the recipes' lr / DPO beta and the benchmark figures were set at. A config's component_weights wins.
+    default_component_weights: ClassVar[dict[str, float] | None] = {"video": 0.5, "audio": 0.5}
     latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
 
     def __init__(
@@ -283,6 +285,24 @@ class LTX2T2AVAdapter(Adapter):
         duration = s["num_frames"] / float(s["frame_rate"])
         return (MediaGeometry(s["height"], s["width"], num_frames=s["num_frames"], fps=float(s["frame_rate"])),
                 AudioSpan(duration, tolerance=float(s["audio_tolerance"])))  # fmt: skip
+
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` clip other than ``adapter_kwargs``' (before weights load): a bucket replaces the
+        video's geometry only, while the audio is cut for the adapter's ``num_frames / frame_rate`` seconds, its span
+        checked from 0 s, the transformer conditioned on ``frame_rate`` and every clip encoded at the adapter's
+        canvas; a bucket with another size, length, rate or start would train on misaligned pairs or fail after
+        weights load."""
+        video, _ = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
+        ours = (video.height, video.width, video.num_frames, video.fps, 0.0)
+        if (geometry.height, geometry.width, geometry.num_frames, geometry.fps, geometry.start) != ours:
+            raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {video.height}x{video.width}, "
+                             f"{video.num_frames} frames at {video.fps:g} fps from 0 s (its audio is cut to that "
+                             f"clip's clock), got {geometry.height}x{geometry.width}, {geometry.num_frames} frames at "
+                             f"{geometry.fps} fps from {geometry.start:g} s; leave data.buckets unset")  # fmt: skip
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod

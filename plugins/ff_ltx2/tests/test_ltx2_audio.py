@@ -169,34 +169,6 @@ def test_encode_output_gives_both_streams_seeded_by_the_generator(adapter):
         adapter.encode_output([[video]], condition)
 
 
-def _write_offset_streams(root, video_fps: int, frames: int, audio_rate: int, samples: np.ndarray):
-    """A Matroska video (grey levels rising frame by frame) whose stream starts at 0.5 s, and a Matroska PCM audio
-    of ``samples`` (int16) whose stream starts at 0.25 s: written with PyAV, both ``start_time`` ≠ 0."""
-    import fractions
-
-    import av
-
-    video, audio = root / "clip.mkv", root / "sound.mka"
-    with av.open(str(video), "w") as out:
-        stream = out.add_stream("libx264", rate=video_fps)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt, stream.time_base = "yuv420p", fractions.Fraction(1, video_fps)
-        for k in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((SIZE, SIZE, 3), 8 * k, np.uint8), format="rgb24")
-            frame.pts, frame.time_base = k + video_fps // 2, stream.time_base
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
-    with av.open(str(audio), "w") as out:
-        stream = out.add_stream("pcm_s16le", rate=audio_rate, layout="mono")
-        for first in range(0, len(samples), 800):
-            frame = av.AudioFrame.from_ndarray(samples[None, first : first + 800], format="s16", layout="mono")
-            frame.sample_rate, frame.time_base = audio_rate, fractions.Fraction(1, audio_rate)
-            frame.pts = audio_rate // 4 + first
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
-    return video, audio
-
-
 def test_the_audio_cut_follows_the_clip_clock_when_the_clip_starts_after_0(adapter, tmp_path):
     """One clock for both streams (docs/ltx2.md, "The codec"): a clip starting 0.25 s into its clock, from a video
     declared at twice its file rate (16 fps for an 8 fps file: the clip's 0.25 s is the file's 0.5 s) and an audio
@@ -208,9 +180,10 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_clip_starts_after_0(adapt
     from ff_core.contracts import MediaType
     from ff_core.data.geometry import MediaGeometry, decode_target
     from ff_core.data.records_base import MediaItem
+    from ff_core.testing.clips import write_offset_streams
 
     noise = np.random.default_rng(0).integers(-20000, 20000, 32000).astype(np.int16)  # 2 s at 16 kHz on the clock
-    video_file, audio_file = _write_offset_streams(tmp_path, 8, 24, 8000, noise)
+    video_file, audio_file = write_offset_streams(tmp_path, SIZE, 8, 24, 8000, noise)
     for path, kind in ((video_file, "video"), (audio_file, "audio")):
         with av.open(str(path)) as container:
             assert getattr(container.streams, kind)[0].start_time not in (None, 0)

@@ -310,8 +310,9 @@ def test_the_audio_stream_can_be_frozen(t2av, condition):
 
 def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition):
     """``model.frozen_components: [audio]`` (docs/ltx2.md, "Freezing the audio stream"): no audio-stream module gets a
-    LoRA, and the SFT loss is the video stream's mean squared error alone, computed here by hand from the same
-    sigma and noise draws."""
+    LoRA, and the SFT loss is the video stream's term alone, ``0.5 m_video`` (the default weights, 0.5 each, minus
+    the frozen audio's term: the loss is sum_k w_k m_k, unnormalised), computed here by hand from the same sigma and
+    noise draws."""
     from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
     from ff_core.objectives import SFTObjective
     from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
@@ -338,13 +339,13 @@ def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition)
         [(sigma, noise)] = monte_carlo_draws(objective.timesteps, adapter, clean, 1, torch.Generator().manual_seed(1))
         pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one).components["video"]
         by_hand = ((pred.float() - velocity_target(clean.components["video"], noise.components["video"])) ** 2).mean()
-    torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, 0.5 * by_hand, rtol=1e-6, atol=0)
 
 
 def test_freezing_is_about_parameters_and_the_loss_follows_component_weights(t2av, condition):
     """docs/ltx2.md, "Freezing the audio stream": with ``model.frozen_components: [audio]`` the audio parameters stay
     frozen whatever the weights; ``component_weights`` set in the config decide the loss, frozen components included:
-    ``{video: 1, audio: 1}`` is the mean of both streams' errors (by hand), and ``{video: 0, audio: 1}`` (the audio
+    ``{video: 1, audio: 1}`` is the sum of both streams' mean errors (by hand), and ``{video: 0, audio: 1}`` (the audio
     error alone) still trains the video stream's LoRA through the cross-modal path (``video_to_audio_attn``, frozen
     with the audio, reads the video's hidden states), while no audio parameter gets a gradient."""
     from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
@@ -372,7 +373,7 @@ def test_freezing_is_about_parameters_and_the_loss_follows_component_weights(t2a
         pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one)
         errors = [((pred.components[k].float() - velocity_target(clean.components[k], noise.components[k])) ** 2
                    ).mean() for k in ("video", "audio")]  # fmt: skip
-    torch.testing.assert_close(loss, (errors[0] + errors[1]) / 2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, errors[0] + errors[1], rtol=1e-6, atol=0)
     audio_only = SFTObjective(component_weights={"video": 0.0, "audio": 1.0})
     audio_only.freeze_components(["audio"])
     audio_only.loss(adapter, clean, one, torch.Generator().manual_seed(1)).loss.backward()
@@ -384,9 +385,9 @@ def test_freezing_is_about_parameters_and_the_loss_follows_component_weights(t2a
 
 def test_the_default_loss_weighs_each_stream_by_its_mean(t2av, condition):
     """Without ``component_weights`` the SFT loss is the adapter's ``default_component_weights`` reduction: the video
-    stream's mean squared error and the audio stream's, averaged (one mean per stream, as the LTX-2 trainers), by
-    hand from the same sigma and noise draws; not the element-count pooling, which would weigh the audio by its
-    share of the latent elements."""
+    stream's mean squared error and the audio stream's, 0.5 each (one mean per stream, as the LTX-2 trainers, at
+    half their sum), by hand from the same sigma and noise draws; not the element-count pooling, which would weigh
+    the audio by its share of the latent elements."""
     from ff_core.objectives import SFTObjective
     from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
 
@@ -403,7 +404,7 @@ def test_the_default_loss_weighs_each_stream_by_its_mean(t2av, condition):
         pred = adapter.velocity(noise_state(clean, noise, sigma), sigma, one)
         err = {k: (pred.components[k].float() - velocity_target(clean.components[k], noise.components[k])) ** 2
                for k in ("video", "audio")}  # fmt: skip
-    by_hand = (err["video"].mean() + err["audio"].mean()) / 2
+    by_hand = 0.5 * err["video"].mean() + 0.5 * err["audio"].mean()
     pooled = (err["video"].sum() + err["audio"].sum()) / (err["video"].numel() + err["audio"].numel())
     torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=0)
     assert not torch.allclose(loss, pooled, rtol=1e-3, atol=0)

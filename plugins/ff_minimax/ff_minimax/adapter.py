@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media
-from ff_core.audio import clock_window, to_model_rate
+from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.errors import ConfigError
@@ -128,10 +128,12 @@ class MiniMaxH3Adapter(Adapter):
     transformer_subfolder: ClassVar[str] = "transformer"
     """The checkpoint partition the workflow runs (``transformer`` for T2VA / FL2VA, ``transformer_ref`` for Ref2VA)."""
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    # Spec support table / issue: "loss = mean over video + mean over audio": each stream's own mean, equally
-    # weighted (ff averages the two means, half their sum: the same gradient direction). A config's
-    # component_weights still wins.
+    # Spec support table / issue: "loss = mean over video + mean over audio", literally m_video + m_audio
+    # (ff_core.sampling.component_mean sums w_k m_k, unnormalised). A config's component_weights still wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 1.0, "audio": 1.0}
+    # The LatentState components of every H3 workflow (T2VA, FL2VA, Ref2VA): per-component config maps
+    # (guidance, component_weights, frozen_components) are checked before weights load.
+    latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
     # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
 
@@ -210,6 +212,24 @@ class MiniMaxH3Adapter(Adapter):
         }  # fmt: skip
 
     @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` clip other than ``adapter_kwargs``' canvas and length on H3's 24-fps grid (before
+        weights load): a bucket replaces the video's geometry only, while every clip is encoded at the adapter's
+        canvas and its audio cut to the adapter's aligned duration. A bucket's ``start`` is honoured (the audio is cut
+        from the clip's start on its clock)."""
+        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
+        kw = {k: (adapter_kwargs or {}).get(k, signature[k].default) for k in ("height", "width", "num_frames")}
+        if (geometry.height, geometry.width, geometry.num_frames, geometry.fps) != (
+                kw["height"], kw["width"], kw["num_frames"], float(FPS)):  # fmt: skip
+            raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {kw['height']}x{kw['width']}, "
+                             f"{kw['num_frames']} frames at {FPS} fps, got {geometry.height}x{geometry.width}, "
+                             f"{geometry.num_frames} frames at {geometry.fps} fps; leave data.buckets unset or give "
+                             "those")  # fmt: skip
+
+    @classmethod
     def from_pretrained(
         cls,
         pretrained_model_name_or_path: str | os.PathLike,
@@ -241,13 +261,11 @@ class MiniMaxH3Adapter(Adapter):
         return adapter
 
     # -- checks before weights load (interface 1.4) ----------------------------------------------
-    _CLIP_DEFAULTS: ClassVar[dict[str, int]] = {"num_frames": 124, "height": 768, "width": 1344}
-    """:meth:`from_pretrained`'s clip defaults (the released canvas and the smallest aligned clip)."""
-
     @classmethod
     def _clip(cls, adapter_kwargs: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-        kw = {**cls._CLIP_DEFAULTS, **(adapter_kwargs or {})}
-        return kw["num_frames"], kw["height"], kw["width"]
+        """``(num_frames, height, width)`` of ``adapter_kwargs``, :meth:`from_pretrained`'s defaults elsewhere."""
+        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
+        return tuple((adapter_kwargs or {}).get(k, signature[k].default) for k in ("num_frames", "height", "width"))
 
     @classmethod
     def canvas_multiple(cls, pretrained_model_name_or_path: str | os.PathLike) -> int:
@@ -610,9 +628,8 @@ class MiniMaxH3Adapter(Adapter):
     # -- target side -----------------------------------------------------------------------------
     def _video(self, item: Any, index: int) -> tuple[Tensor, float]:
         frames = getattr(item, "frames", None)
-        if frames is not None:
-            window = getattr(item, "window", None)
-            video, start = frames.permute(0, 3, 1, 2), float(window[0]) if window else 0.0
+        if frames is not None:  # its start on the clip's clock (declared fps), where the audio is cut from
+            video, start = frames.permute(0, 3, 1, 2), clip_clock_start(item)
         elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
             video, start = item, 0.0
         else:
@@ -632,8 +649,12 @@ class MiniMaxH3Adapter(Adapter):
         Args:
             audio: a ``DecodedAudio`` (its ``clock_rate`` honours the manifest's ``sample_rate``) or a float (C, N)
                 tensor already at the audio VAE's rate.
-            start: the video clip's first second on the file's clock.
+            start: the video clip's first second on the clip's clock (:func:`~ff_core.audio.clip_clock_start`).
             what: names the target in errors.
+
+        One clock for both streams, as ff-ltx2's: ``start`` is official seconds (the video's declared ``fps``), and the
+        decoded waveform's own start (file seconds) is put on the audio's clock (its declared ``sample_rate``) by
+        :func:`~ff_core.audio.audio_clock_offset`.
         """
         waveform = getattr(audio, "waveform", None)
         if waveform is None:
@@ -642,7 +663,7 @@ class MiniMaxH3Adapter(Adapter):
                                  f"{type(audio).__name__}")  # fmt: skip
             waveform, rate, offset = audio, float(self.audio_rate), 0.0
         else:
-            rate, offset = float(audio.clock_rate), float(getattr(audio, "start", 0.0))
+            rate, offset = float(audio.clock_rate), audio_clock_offset(audio)
         seconds = self.audio_samples / self.audio_rate
         window = clock_window(waveform, rate, start - offset, seconds, tolerance=math.inf, what=what)
         return to_model_rate(window, rate, self.audio_rate, AUDIO_CHANNELS, self.audio_samples)

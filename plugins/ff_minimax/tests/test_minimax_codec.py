@@ -60,3 +60,33 @@ def test_audio_is_cut_from_the_clip_start_on_its_own_clock(adapter):
     ramp = torch.arange(8 * 8000, dtype=torch.float32)[None].repeat(2, 1) / 1e5
     out = adapter.target_waveform(DecodedAudio(ramp, 8000, 8000.0), 1.0, "t")
     assert float(out[0, 0] * 1e5) == pytest.approx(8000.0) and out.shape[-1] == adapter.audio_samples
+
+
+def test_the_audio_cut_follows_the_clip_clock_when_the_streams_start_after_0(adapter, tmp_path):
+    """One clock for both streams, as ff-ltx2's (:mod:`ff_core.audio`): a clip starting 0.25 s into its clock (a
+    ``data.buckets`` start) from a video declared at a quarter of its file rate (6 fps for a 24 fps file: the clip's
+    0.25 s is the file's second frame, 1/24 s) and an audio declared at twice its file rate (8 kHz for 4 kHz, the VAE's
+    rate: no resampling), both streams starting after 0 in their files (PyAV ``start_time`` 0.5 s and 0.25 s). The
+    cut starts at sample ``0.25 * 8000 = 2000`` of the audio stream, by hand; the video window's file seconds (what
+    the adapter cut from before) would start it at sample 333."""
+    import av
+    import numpy as np
+
+    from ff_core.contracts import MediaType
+    from ff_core.data.geometry import MediaGeometry, decode_target
+    from ff_core.data.records_base import MediaItem
+    from ff_core.testing.clips import write_offset_streams
+
+    noise = np.random.default_rng(0).integers(-20000, 20000, 48000).astype(np.int16)  # 6 s at 8 kHz on the clock
+    video_file, audio_file = write_offset_streams(tmp_path, TINY_SIZE, 24, 36, 4000, noise)
+    for path, kind in ((video_file, "video"), (audio_file, "audio")):
+        with av.open(str(path)) as container:
+            assert getattr(container.streams, kind)[0].start_time not in (None, 0)
+    clip = MediaGeometry(TINY_SIZE, TINY_SIZE, num_frames=TINY_FRAMES, fps=24.0, start=0.25)
+    video = decode_target(MediaItem(MediaType.VIDEO, video_file, fps=6.0), clip)
+    audio = decode_target(MediaItem(MediaType.AUDIO, audio_file, sample_rate=8000.0), None)
+    assert video.window[0] < 0.1 and float(video.timestamps[0]) == pytest.approx(0.25)
+    _, start = adapter._video(video, 0)
+    got = adapter.target_waveform(audio, start, "media[0][1]")
+    expected = torch.from_numpy(noise[2000 : 2000 + adapter.audio_samples].astype(np.float32) / 32768.0)
+    torch.testing.assert_close(got, expected[None].repeat(2, 1), rtol=0, atol=0)

@@ -149,6 +149,11 @@ def _copy_with(clips: Path, root: Path, edit) -> Path:
     (("--model.sampling.guidance_scale", "4.0"), r"model\.sampling\.guidance_scale.*no classifier-free guidance"),
     (("--model.adapter_kwargs", json.dumps({"height": 16, "width": 16, "num_frames": 100})),
      r"model\.adapter_kwargs\.num_frames: 100 frames, rounded up to 107 \(17 n \+ 5\), last 4\.458 s"),
+    # A bucket replaces the video's geometry only; the audio is cut to adapter_kwargs' clip (Adapter.check_bucket).
+    (("--data.buckets", json.dumps([{"height": 16, "width": 16, "num_frames": 124, "fps": 24.0, "start": 0.5},
+                                    {"height": 16, "width": 16, "num_frames": 124, "fps": 12.0}])),
+     r"data\.buckets\[1\]: minimax-h3-t2va trains on one clip, model\.adapter_kwargs' 16x16, 124 frames at 24 fps, "
+     r"got 16x16, 124 frames at 12\.0 fps"),
 ])  # fmt: skip
 def test_b1_cfg_and_clip_rules_fail_before_weights_load(tiny_minimax, clips, tmp_path, no_weights, override, message):
     """Spec "MiniMax H3 datasets": B=1 for training and evaluation, guidance_scale 1.0, 5-15 s at 24 fps; each

@@ -61,6 +61,8 @@ class SD3Adapter(Adapter):
     lora_prefix: ClassVar[str] = "transformer"
     interface_version: ClassVar[str] = "1.1"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    # The one LatentState component its stages produce: per-component config maps are checked before weights load.
+    latent_components: ClassVar[tuple[str, ...] | None] = ("latent",)
     # Shards hold preprocess's keys under their own names and the scaled VAE latent; the negative prompt's
     # embeddings only serve CFG at sampling time, so shards may leave them out.
     tensor_columns: ClassVar[TensorColumns] = TensorColumns(

@@ -122,3 +122,19 @@ def test_a_broken_adapter_fails_under_pytest_through_the_test_methods(kit, pretr
     case = kit.run_reference(adapter, pipe, inputs, guidance_scale=1.0)
     with pytest.raises(AssertionError, match="scaled by num_train_timesteps twice"):
         kit.test_reference_denoiser_at_each_sigma(adapter, pipe, case)
+
+
+class SampleWithoutRescale(SD3Adapter):
+    """Written against interface 1.1 (not broken): its ``sample`` override takes no ``guidance_rescale``."""
+
+    def sample(self, condition, *, num_steps=20, guidance_scale=1.0, generator=None, shift=None,
+               embedded_guidance=None):  # fmt: skip
+        return super().sample(condition, num_steps=num_steps, guidance_scale=guidance_scale, generator=generator,
+                              shift=shift, embedded_guidance=embedded_guidance)  # fmt: skip
+
+
+def test_an_older_sample_override_passes_the_kit(kit, pretrained, pipe, tmp_path):
+    """The kit passes ``guidance_rescale`` only when a check rescales (as ``FlowModule.generate``), so an adapter whose
+    ``sample`` predates it runs every sampling check (with and without CFG) against the pipeline."""
+    adapter = SampleWithoutRescale.from_pretrained(pretrained, **kit.adapter_kwargs)
+    assert kit.run_checks(adapter, pretrained, tmp_path, pipe) == {}

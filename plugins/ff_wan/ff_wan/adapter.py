@@ -123,6 +123,9 @@ class WanT2VAdapter(Adapter):
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    # The one LatentState component its stages produce (I2V too): per-component config maps are checked before
+    # weights load.
+    latent_components: ClassVar[tuple[str, ...] | None] = ("latent",)
     # The tensor-parquet card's column names (spec tensor-parquet-dataset-card, Wan): text_embedding, vae_latent.
     tensor_columns: ClassVar[TensorColumns] = TensorColumns(
         condition={"text_embedding": "prompt_embeds", "negative_text_embedding": "negative_prompt_embeds"},

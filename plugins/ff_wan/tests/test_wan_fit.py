@@ -161,3 +161,42 @@ def test_grpo_recipe_trains_on_its_own_videos(tiny_wan, tmp_path):
 def test_every_wan_recipe_starts_with_its_command(recipe):
     """STYLE 4 (the SD3 recipes are checked in tests/test_fit.py): a recipe's first line is the command that runs it."""
     assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.parent.name}/{recipe.name}")
+
+
+def test_sft_from_shards_with_workers_repeats_the_main_process_run(tiny_wan, squares, tmp_path, monkeypatch):
+    """Wan's collation rules (text embeddings padded per batch, with a mask) over rows two loader workers hand over
+    as file ranges, padded where the main process reads them: the run equals the ``num_workers=0`` one bit for bit
+    (same losses, same trained weights)."""
+    from ff_core.data.dataflow.lazy import LazyPadded
+
+    padded_here = []  # text embeddings padded as the main process read them (not in a worker)
+    original = LazyPadded.materialize_into
+    monkeypatch.setattr(LazyPadded, "materialize_into", lambda self, out: (padded_here.append(self.shape),
+                                                                           original(self, out))[1])
+    out = tmp_path / "shards"
+    datasets = json.dumps([{"name": "squares", "dataset_dir": str(squares)}])
+    assert main(["data", "preprocess-latents", "--output", str(out), "--no-progress",
+                 "--config", str(CONFIGS / "sft_tiny.yaml"), "--model.pretrained_model_name_or_path",
+                 str(tiny_wan("t2v")), "--data.datasets", datasets]) == 0  # fmt: skip
+    # The card stores text embeddings with their padding stripped: rows of 16, 13, 10 and 7 tokens.
+    import pyarrow.parquet as pq
+
+    from ff_core.data.tensor_parquet import TensorParquetWriter
+
+    src, ragged = TensorParquetDataset(out), tmp_path / "ragged"
+    with TensorParquetWriter(ragged, pq.read_schema(src.files[0]), rows_per_file=2) as writer:
+        for i in range(len(src)):
+            row = src[i]
+            writer.write({**row, "text_embedding": row["text_embedding"][: 16 - 3 * i].clone()})
+    runs = {}
+    for workers in ("0", "2"):
+        cli = fit("sft_tiny.yaml", tiny_wan("t2v"), [{"name": "latents", "tensor_parquet_dir": str(ragged)},
+                  {"name": "prompts", "dataset_dir": str(squares), "train": None, "eval": {}}], tmp_path / workers,
+                  "--data.per_device_batch_size", "2", "--data.num_workers", workers)  # fmt: skip
+        trained = {k: v.detach().clone() for k, v in cli.model.named_parameters() if v.requires_grad}
+        runs[workers] = cli.trainer.callback_metrics["train/loss"].item(), trained
+    assert sorted(r["text_embedding"].shape[0] for r in TensorParquetDataset(ragged)) == [7, 10, 13, 16]
+    assert padded_here  # only the run with workers hands values over
+    assert runs["0"][0] == runs["2"][0]
+    assert runs["0"][1].keys() == runs["2"][1].keys() and runs["0"][1]
+    assert all(torch.equal(runs["0"][1][k], runs["2"][1][k]) for k in runs["0"][1])
