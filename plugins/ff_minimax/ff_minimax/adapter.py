@@ -630,10 +630,10 @@ class MiniMaxH3Adapter(Adapter):
         frames = getattr(item, "frames", None)
         if frames is not None:  # its start on the clip's clock (declared fps), where the audio is cut from
             video, start = frames.permute(0, 3, 1, 2), clip_clock_start(item)
-        elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
-            video, start = item, 0.0
+        elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3 and item.dtype == torch.uint8:
+            video, start = item, 0.0  # uint8 only: encode_output divides by 255 (a float clip in [0, 1] would go dark)
         else:
-            shape = tuple(item.shape) if isinstance(item, Tensor) else type(item).__name__
+            shape = (f"{item.dtype} {tuple(item.shape)}" if isinstance(item, Tensor) else type(item).__name__)
             raise ValueError(f"media[{index}][0]: expected a video (DecodedVideo or uint8 (F, 3, H, W)), got {shape}")
         if tuple(video.shape) != (self.num_frames, 3, self.height, self.width):
             raise ValueError(f"media[{index}][0]: a clip of {tuple(video.shape)} (F, 3, H, W); {self.name} trains on "

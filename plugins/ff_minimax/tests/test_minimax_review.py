@@ -4,6 +4,7 @@ fp32 whatever the default dtype."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ff_minimax import MiniMaxH3T2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
@@ -102,3 +103,15 @@ def test_evaluation_draws_the_fl2va_prefix_from_the_sampling_seed(tiny_minimax):
                                                  num_steps=2, generator=g))[0][0]  # fmt: skip
     torch.testing.assert_close(videos[1], videos[0], rtol=0, atol=0)
     torch.testing.assert_close(videos[0], expected, rtol=0, atol=0)
+
+
+def test_a_float_target_clip_is_refused(tiny_minimax):
+    """``encode_output`` divides by 255: a float clip (already in [0, 1]) would encode a black video silently."""
+
+    adapter = MiniMaxH3T2VAAdapter.from_pretrained(tiny_minimax("t2va"), height=TINY_SIZE, width=TINY_SIZE,
+                                                   num_frames=TINY_FRAMES)  # fmt: skip
+    video = torch.rand(TINY_FRAMES, 3, TINY_SIZE, TINY_SIZE)
+    audio = torch.zeros(2, adapter.audio_samples)
+    with pytest.raises(ValueError, match=r"media\[0\]\[0\]: expected a video \(DecodedVideo or uint8 \(F, 3, H, W\)\), "
+                                         r"got torch\.float32 \(124, 3, 16, 16\)"):  # fmt: skip
+        adapter.encode_output([[video, audio]], {})
