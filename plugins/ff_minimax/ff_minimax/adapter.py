@@ -51,7 +51,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
-from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, check_clip
+from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, aligned_num_frames, check_clip
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class MiniMaxH3Adapter(Adapter):
         from the clip's start on its clock)."""
         signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
         kw = {k: (adapter_kwargs or {}).get(k, signature[k].default) for k in ("height", "width", "num_frames")}
+        kw["num_frames"] = aligned_num_frames(kw["num_frames"])  # the clip trains at the rounded count (17 n + 5)
         if (geometry.height, geometry.width, geometry.num_frames, geometry.fps) != (
                 kw["height"], kw["width"], kw["num_frames"], float(FPS)):  # fmt: skip
             raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {kw['height']}x{kw['width']}, "
