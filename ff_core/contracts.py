@@ -100,6 +100,9 @@ class ReferenceSpec:
         max_per_type: ``(type, most)`` pairs capping the entries of one type (H3: 9 images, 3 videos, 3 audio clips,
             the limits diffusers' ``MiniMaxH3Ref2VASetupStep`` enforces), so a list the pipeline would refuse is
             refused before any weights load; a type not named is capped by ``max_count`` alone.
+        max_image_aspect: image references must lie within ``1:N`` and ``N:1`` (H3: 4, the setup step's "within 1:4
+            and 4:1"), checked from each image's header by :mod:`ff_core.data.validation` before any weights load;
+            ``None``: any aspect.
     """
 
     types: frozenset[MediaType] = frozenset(MediaType)
@@ -107,9 +110,12 @@ class ReferenceSpec:
     max_count: int = 12
     requires_one_of: frozenset[MediaType] = frozenset()
     max_per_type: tuple[tuple[MediaType, int], ...] = ()
+    max_image_aspect: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "types", frozenset(MediaType(t) for t in self.types))
+        if self.max_image_aspect is not None and not self.max_image_aspect >= 1:
+            raise ValueError(f"max_image_aspect must be >= 1 (N of 1:N..N:1), got {self.max_image_aspect!r}")
         object.__setattr__(self, "requires_one_of", frozenset(MediaType(t) for t in self.requires_one_of))
         object.__setattr__(self, "max_per_type", tuple((MediaType(t), int(n)) for t, n in self.max_per_type))
         if not 0 <= self.min_count <= self.max_count:

@@ -26,6 +26,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.objectives import Objective, SFTObjective
+from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
@@ -227,6 +228,7 @@ class FlowModule(L.LightningModule):
             self._check_strategy(strategy)
         self._check_guidance()
         self._check_guidance_rescale()
+        self._check_micro_batch()
         if stage != TrainerFn.FITTING:
             return
         if self._trainer is not None:
@@ -411,6 +413,19 @@ class FlowModule(L.LightningModule):
         raise ConfigError("model.sampling.guidance_rescale", f"{self.sampling.guidance_rescale}, but adapter "
                           f"{self.adapter_cls.name!r} overrides sample() without a guidance_rescale argument; keep it "
                           "0.0")  # fmt: skip
+
+    def _check_micro_batch(self) -> None:
+        """An objective that batches its own forwards (GRPO's ``micro_batch_size``: samples per rollout and replay
+        forward, ``None`` the rank's whole share) must stay within the contract's ``max_batch_size`` (MiniMax H3: 1),
+        as the data batch sizes do; refused before any weight loads, naming the key."""
+        if not hasattr(self.objective, "micro_batch_size"):
+            return
+        most, size = self.io_contract.max_batch_size, self.objective.micro_batch_size
+        if most is not None and (size is None or size > most):
+            shown = "unset (the rank's whole share in one forward)" if size is None else str(size)
+            raise ConfigError("model.objective.init_args.micro_batch_size",
+                              f"{shown}, but adapter {self.adapter_cls.name!r} supports at most {most} sample(s) per "
+                              f"batch; set it to {most}")  # fmt: skip
 
     def _check_embedded_guidance(self, adapter: Adapter) -> None:
         """A distilled-guidance scale asked of a checkpoint without a guidance embedding would be ignored: refuse it
@@ -627,9 +642,10 @@ class FlowModule(L.LightningModule):
         "output_types", "rates"}`` (media per sample, in the contract's output order; each row's reward metadata,
         for whatever scores the samples; the output kinds; their fps / sample rate where the adapter states them in
         an ``output_rates`` attribute, else ``None``). Batch ``i`` is seeded with ``sampling.seed + i``, so runs
-        compare."""
-        condition = self.adapter.prepare_condition(batch["condition"])
+        compare: its condition's own draws too (a noised condition prefix, MiniMax H3 FL2VA / Ref2VA), taken from the
+        same generator before the noise, as the pipelines draw them, never from the global RNG."""
         generator = torch.Generator().manual_seed(self.sampling.seed + batch_idx)
+        condition = prepare_batch_condition(self.adapter, batch["condition"], generator)
         state = self.adapter.sample(
             condition,
             num_steps=self.sampling.num_steps,

@@ -124,8 +124,27 @@ def _reference_problems(record: Record, contract: PipelineIOContract) -> list[Pr
     allowed = ", ".join(sorted(t.value for t in spec.types))
     problems += [(f"{m.origin}.type", f"{m.type} is not a reference type here ({allowed})")
                  for m in items if m.type not in spec.types]
+    if spec.max_image_aspect is not None:
+        problems += [p for m in items if m.type is MediaType.IMAGE for p in _aspect_problems(m, spec.max_image_aspect)]
     count = spec.count_problem([m.type for m in items])
     return problems + ([(field, count)] if count else [])
+
+
+def _aspect_problems(item: MediaItem, most: float) -> list[Problem]:
+    """An image reference outside ``1:most``..``most:1`` (``ReferenceSpec.max_image_aspect``), read from the file's
+    header (Pillow decodes no pixels to report the size); an unreadable file is left to decoding, which names it."""
+    from PIL import Image
+
+    try:
+        with Image.open(item.path) as image:
+            width, height = image.size
+    except OSError:
+        return []
+    if width <= most * height and height <= most * width:
+        return []
+    return [(item.field_of("path") or f"{item.origin}.path",
+             f"{item.path}: a {width}x{height} image; reference images must lie within 1:{most:g} and {most:g}:1 "
+             "(crop or pad it)")]  # fmt: skip
 
 
 def _group_problems(record: Record, contract: PipelineIOContract) -> list[Problem]:

@@ -49,7 +49,9 @@ from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, rej
 from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
-from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, check_clip
+from ff_core.errors import ConfigError
+from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
+from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, aligned_num_frames, check_clip
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,6 @@ T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 # The modular pipeline's model facts (MiniMaxH3ModularPipeline properties): a checkpoint contract, not configuration.
 TEXT_ENCODER_LAYER = 50  # hidden_states[50] of Qwen3-VL conditions the transformer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's (ImageNet) pixel convention
-VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # per-row modality tags: index the transformer's AdaLN table
-KEYFRAME_NOISE_AUG = 0.999  # the t a visual condition row is held at
 AUDIO_CHANNELS = 2  # stereo, carried as two channel-major blocks of audio rows
 
 
@@ -71,8 +71,17 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     if value not in _DTYPES:
-        raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+        raise ConfigError("model.adapter_kwargs.dtype", f"unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[value]
+
+
+def pixel_stats(device: torch.device) -> tuple[Tensor, Tensor]:
+    """:data:`PIXEL_MEAN` / :data:`PIXEL_STD` as fp32 (1, 3, 1, 1, 1) tensors: an explicit dtype, since under
+    Lightning's bf16-true the default dtype is bf16 and would round them (0.485 -> 0.484375)."""
+    def stat(values: tuple[float, ...]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+
+    return stat(PIXEL_MEAN), stat(PIXEL_STD)
 
 
 @dataclass
@@ -113,6 +122,9 @@ class MiniMaxH3Adapter(Adapter):
     # Every attention projection (the block stack's and the text refiner's): H3 has self-attention only.
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     lora_prefix: ClassVar[str] = "transformer"
+    # FSDP2's param_dtype cast must leave the fp32 timestep and the fp64 rotary grid alone: the transformer embeds
+    # both in full precision itself, and bf16 would move rotary time coordinates by up to a unit (H3 has no guidance).
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "position_ids")
     transformer_subfolder: ClassVar[str] = "transformer"
     """The checkpoint partition the workflow runs (``transformer`` for T2VA / FL2VA, ``transformer_ref`` for Ref2VA)."""
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -210,6 +222,7 @@ class MiniMaxH3Adapter(Adapter):
         from the clip's start on its clock)."""
         signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
         kw = {k: (adapter_kwargs or {}).get(k, signature[k].default) for k in ("height", "width", "num_frames")}
+        kw["num_frames"] = aligned_num_frames(kw["num_frames"])  # the clip trains at the rounded count (17 n + 5)
         if (geometry.height, geometry.width, geometry.num_frames, geometry.fps) != (
                 kw["height"], kw["width"], kw["num_frames"], float(FPS)):  # fmt: skip
             raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {kw['height']}x{kw['width']}, "
@@ -247,6 +260,54 @@ class MiniMaxH3Adapter(Adapter):
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
                           "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
         return adapter
+
+    # -- checks before weights load (interface 1.4) ----------------------------------------------
+    @classmethod
+    def _clip(cls, adapter_kwargs: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+        """``(num_frames, height, width)`` of ``adapter_kwargs``, :meth:`from_pretrained`'s defaults elsewhere."""
+        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
+        return tuple((adapter_kwargs or {}).get(k, signature[k].default) for k in ("num_frames", "height", "width"))
+
+    @classmethod
+    def canvas_multiple(cls, pretrained_model_name_or_path: str | os.PathLike) -> int:
+        """What the canvas sides must be multiples of, from config files alone: the video VAE's spatial compression
+        (``prod(spatial_downsample_factors)``, ``vae/config.json``) times the transformer's spatial patch
+        (``transformer/config.json`` of the workflow's partition), as :meth:`__init__` computes it from the models."""
+        from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+
+        from ff_core.pretrained import read_config
+
+        def default(model: type, key: str) -> Any:
+            return inspect.signature(model.__init__).parameters[key].default
+
+        vae = read_config(pretrained_model_name_or_path, subfolder="vae")
+        transformer = read_config(pretrained_model_name_or_path, subfolder=cls.transformer_subfolder)
+        factors = vae.get("spatial_downsample_factors", default(AutoencoderKLMiniMaxH3, "spatial_downsample_factors"))
+        patch = transformer.get("patch_size", default(MiniMaxH3Transformer3DModel, "patch_size"))
+        return math.prod(int(f) for f in factors) * int(patch[2])
+
+    @classmethod
+    def check_adapter_kwargs(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
+    ) -> None:
+        """Before any weight loads (``ff fit`` set-up, ``ff data validate --model``): ``dtype`` known and the clip
+        within the spec's rules (:func:`~ff_minimax.rules.check_clip`: 5-15 s after rounding to ``17 n + 5``); with
+        the checkpoint, the canvas against :meth:`canvas_multiple`. Each a ``ConfigError`` naming the key."""
+        _dtype(adapter_kwargs.get("dtype", "float32"))
+        multiple = None if pretrained_model_name_or_path is None else cls.canvas_multiple(pretrained_model_name_or_path)
+        check_clip(*cls._clip(adapter_kwargs), multiple)
+
+    @classmethod
+    def resolve_output_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> tuple[MediaGeometry, None]:
+        """The video clip :meth:`output_geometry` decodes (the aligned ``num_frames`` on the 24-fps grid, fitted to
+        the canvas), from ``adapter_kwargs`` alone, so a too-short target video is named from its header before any
+        weight loads; the audio has no span: :meth:`target_waveform` right-pads a short soundtrack with silence (spec
+        "H3 audio")."""
+        num_frames, height, width = cls._clip(adapter_kwargs)
+        aligned = check_clip(num_frames, height, width)
+        return (MediaGeometry(height, width, num_frames=aligned, fps=float(FPS)), None)
 
     @property
     def denoiser(self) -> nn.Module:
@@ -433,7 +494,7 @@ class MiniMaxH3Adapter(Adapter):
     def condition_timesteps(self, video_t: float) -> tuple[float, float]:
         """``t`` of the condition rows when the target video is at ``video_t``: a visual anchor at
         ``max(t, 0.999)``, a reference soundtrack clean (``MiniMaxH3SetTimestepsStep``)."""
-        return max(video_t, KEYFRAME_NOISE_AUG), 1.0
+        return max(video_t, NOISE_AUG), 1.0
 
     def sample_condition(self, condition: Condition, index: int) -> Condition:
         """Sample ``index`` of a batched condition: its row of every tensor, a ``pad``-collated key
@@ -556,8 +617,7 @@ class MiniMaxH3Adapter(Adapter):
             z = video[None].to(self.vae.device, torch.float32)
             mean, std = self._video_stats(z)
             pixels = self.vae.decode(z * std + mean, return_dict=False)[0].float()
-            pmean = torch.tensor(PIXEL_MEAN, device=pixels.device).view(1, -1, 1, 1, 1)
-            pstd = torch.tensor(PIXEL_STD, device=pixels.device).view(1, -1, 1, 1, 1)
+            pmean, pstd = pixel_stats(pixels.device)
             pixels = (pixels * pstd + pmean).clamp(0, 1)
             frames = (pixels[0] * 255).round().to(torch.uint8).permute(1, 0, 2, 3).cpu()
             a = audio[None].to(self.audio_vae.device, torch.float32)
@@ -571,10 +631,10 @@ class MiniMaxH3Adapter(Adapter):
         frames = getattr(item, "frames", None)
         if frames is not None:  # its start on the clip's clock (declared fps), where the audio is cut from
             video, start = frames.permute(0, 3, 1, 2), clip_clock_start(item)
-        elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3:
-            video, start = item, 0.0
+        elif isinstance(item, Tensor) and item.ndim == 4 and item.shape[1] == 3 and item.dtype == torch.uint8:
+            video, start = item, 0.0  # uint8 only: encode_output divides by 255 (a float clip in [0, 1] would go dark)
         else:
-            shape = tuple(item.shape) if isinstance(item, Tensor) else type(item).__name__
+            shape = (f"{item.dtype} {tuple(item.shape)}" if isinstance(item, Tensor) else type(item).__name__)
             raise ValueError(f"media[{index}][0]: expected a video (DecodedVideo or uint8 (F, 3, H, W)), got {shape}")
         if tuple(video.shape) != (self.num_frames, 3, self.height, self.width):
             raise ValueError(f"media[{index}][0]: a clip of {tuple(video.shape)} (F, 3, H, W); {self.name} trains on "
@@ -622,8 +682,7 @@ class MiniMaxH3Adapter(Adapter):
             videos.append(video)
             starts.append(start)
         x = torch.stack(videos).to(self.vae.device).permute(0, 2, 1, 3, 4).float() / 255.0  # (B, 3, F, H, W)
-        pmean = torch.tensor(PIXEL_MEAN, device=x.device).view(1, -1, 1, 1, 1)
-        pstd = torch.tensor(PIXEL_STD, device=x.device).view(1, -1, 1, 1, 1)
+        pmean, pstd = pixel_stats(x.device)
         z = self.vae.encode((x - pmean) / pstd).latent_dist.sample(generator=generator).float()
         mean, std = self._video_stats(z)
         waves = torch.stack([self.target_waveform(outputs[1], starts[i], f"media[{i}][1]")

@@ -31,9 +31,9 @@ from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
 from ff_core.contracts import PipelineIOContract
-from ff_minimax.adapter import PIXEL_MEAN, PIXEL_STD, TEXT_TAG, VIDEO_TAG, MiniMaxH3Adapter
+from ff_minimax.adapter import PIXEL_MEAN, PIXEL_STD, MiniMaxH3Adapter
 from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
-from ff_minimax.prefix import ANCHOR_CODES, realise_prefix
+from ff_minimax.prefix import ANCHOR_CODES, TEXT_TAG, VIDEO_TAG, realise_prefix
 
 #: ``keyframe_encode_seed``: the conditioning posterior is sampled under its own fixed seed (the released recipe).
 KEYFRAME_ENCODE_SEED = 42

@@ -20,19 +20,19 @@ from typing import Any
 from torch import Tensor
 
 from ff_core.adapter import ConditionInput
-from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, NegativePrompt, PipelineIOContract, SlotSpec
+from ff_core.contracts import MediaType, PipelineIOContract, SlotSpec
+from ff_minimax.rules import AV_OUTPUTS, H3_CONTRACT_LIMITS
 
 FIRST_FRAME, LAST_FRAME = "first_frame", "last_frame"
 #: Slot -> the pipeline's keyframe anchor, in packed order (``image`` then ``last_image``).
 ANCHORS: dict[str, str] = {FIRST_FRAME: "first", LAST_FRAME: "last"}
 
 FL2VA_CONTRACT = PipelineIOContract(
-    outputs=(VIDEO_OUT, AUDIO_OUT),
+    outputs=AV_OUTPUTS,
     slots=(SlotSpec(FIRST_FRAME, MediaType.IMAGE, required=False),
            SlotSpec(LAST_FRAME, MediaType.IMAGE, required=False)),
     min_bound_slots=1,
-    negative_prompt=NegativePrompt.REJECTED,
-    max_batch_size=1,
+    **H3_CONTRACT_LIMITS,  # B = 1, no CFG (ff_minimax.rules)
 )
 """``minimax-h3-fl2va``: first-only, last-only or first-plus-last keyframes + prompt ->
 (video(fps), audio(sample_rate)); B=1, no CFG."""

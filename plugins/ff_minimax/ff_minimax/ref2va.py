@@ -46,6 +46,7 @@ from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
 from ff_core.contracts import MediaType, PipelineIOContract
+from ff_core.errors import ConfigError
 from ff_minimax.adapter import AUDIO_CHANNELS, MiniMaxH3Adapter, PackedLayout
 from ff_minimax.fl2va import to_pil
 from ff_minimax.prefix import Geometry, realise_prefix, ref2va_layout
@@ -107,7 +108,11 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
         reference_image_short_edge: int = 2048,
         canvas_short_edge: int = 768,
         canvas_max_pixels: int = 768 * 1344,
-        **kwargs: Any,
+        height: int = 768,
+        width: int = 1344,
+        num_frames: int = 124,
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
     ) -> MiniMaxH3Ref2VAAdapter:
         """Load as :meth:`MiniMaxH3Adapter.from_pretrained` (``height``, ``width``, ``num_frames``, ``dtype``,
         ``revision``), plus the reference geometry of the setup block (its pipeline config).
@@ -118,17 +123,37 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
                 condition rows; a tiny model uses a few dozen pixels).
             canvas_short_edge: the short edge a video reference is put on (its own aspect ratio; 768 released).
             canvas_max_pixels: the area cap of a video reference's canvas (768 x 1344 released).
-            **kwargs: :meth:`MiniMaxH3Adapter.from_pretrained`'s arguments.
+            height: see :meth:`MiniMaxH3Adapter.from_pretrained`.
+            width: likewise.
+            num_frames: likewise.
+            dtype: likewise.
+            revision: likewise.
         """
-        for key, value in (("reference_image_short_edge", reference_image_short_edge),
-                           ("canvas_short_edge", canvas_short_edge), ("canvas_max_pixels", canvas_max_pixels)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.adapter_kwargs.{key} must be a positive integer, got {value!r}")
-        adapter = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        # Named, not **kwargs: ff_core.pretrained.check_adapter_kwargs refuses a misspelt key before weights load.
+        cls._check_reference_geometry({"reference_image_short_edge": reference_image_short_edge,
+                                       "canvas_short_edge": canvas_short_edge, "canvas_max_pixels": canvas_max_pixels})
+        adapter = super().from_pretrained(pretrained_model_name_or_path, height=height, width=width,
+                                          num_frames=num_frames, dtype=dtype, revision=revision)  # fmt: skip
         adapter.reference_image_short_edge = reference_image_short_edge
         adapter.canvas_short_edge, adapter.canvas_max_pixels = canvas_short_edge, canvas_max_pixels
         adapter.io_contract = contract_here()
         return adapter
+
+    @staticmethod
+    def _check_reference_geometry(adapter_kwargs: dict[str, Any]) -> None:
+        for key in ("reference_image_short_edge", "canvas_short_edge", "canvas_max_pixels"):
+            value = adapter_kwargs.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.adapter_kwargs.{key}", f"must be a positive integer, got {value!r}")
+
+    @classmethod
+    def check_adapter_kwargs(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
+    ) -> None:
+        """The clip and dtype (:meth:`MiniMaxH3Adapter.check_adapter_kwargs`, the canvas against the
+        ``transformer_ref/`` patch) and the reference geometry, before any weight loads."""
+        cls._check_reference_geometry(adapter_kwargs)
+        super().check_adapter_kwargs(pretrained_model_name_or_path, adapter_kwargs)
 
     def preprocess_identity(self) -> dict[str, Any]:
         """Besides the checkpoint: the clip (video references are truncated to it, soundtracks to its duration) and

@@ -28,11 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, NegativePrompt, PipelineIOContract, ReferenceSpec
+from ff_core.contracts import MediaType, PipelineIOContract, ReferenceSpec
+from ff_minimax.rules import AV_OUTPUTS, H3_CONTRACT_LIMITS
 
 #: diffusers' ``MiniMaxH3Ref2VASetupStep`` defaults ("what MiniMax-H3 documents for the released checkpoint"): at
 #: most 9 images, 3 videos and 3 audio clips, 12 references in all, and audio never alone.
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
+#: The setup step's "A reference image must be within 1:4 and 4:1" (``MINIMAX_H3_MAX_ASPECT_RATIO``).
+MAX_IMAGE_ASPECT = 4.0
 
 REF2VA_REFERENCES = ReferenceSpec(
     types=frozenset(MediaType),
@@ -40,14 +43,14 @@ REF2VA_REFERENCES = ReferenceSpec(
     max_count=MAX_REFERENCES,
     requires_one_of=frozenset({MediaType.IMAGE, MediaType.VIDEO}),
     max_per_type=((MediaType.IMAGE, MAX_IMAGES), (MediaType.VIDEO, MAX_VIDEOS), (MediaType.AUDIO, MAX_AUDIOS)),
+    max_image_aspect=MAX_IMAGE_ASPECT,
 )
 """The ordered references of Ref2VA (spec: "1-12 entries and requires at least one image or video")."""
 
 REF2VA_CONTRACT = PipelineIOContract(
-    outputs=(VIDEO_OUT, AUDIO_OUT),
+    outputs=AV_OUTPUTS,
     references=REF2VA_REFERENCES,
-    negative_prompt=NegativePrompt.REJECTED,
-    max_batch_size=1,
+    **H3_CONTRACT_LIMITS,  # B = 1, no CFG (ff_minimax.rules)
 )
 """``minimax-h3-ref2va``: ordered references + prompt -> (video(fps), audio(sample_rate)); B=1, no CFG."""
 

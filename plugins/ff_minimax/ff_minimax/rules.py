@@ -22,6 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, NegativePrompt
+from ff_core.errors import ConfigError
+
+KEY = "model.adapter_kwargs"
 
 FPS = 24
 """MiniMax H3 generates (and trains) at a fixed 24 fps; every target video is sampled onto this grid."""
@@ -52,8 +55,8 @@ def aligned_num_frames(num_frames: int, frames_per_chunk: int = FRAMES_PER_CHUNK
 
 
 def check_clip(num_frames: int, height: int, width: int, canvas_multiple: int | None = None) -> int:
-    """The aligned frame count of an H3 clip, after checking the clip against the spec's rules; a ``ValueError``
-    naming the ``model.adapter_kwargs`` key otherwise.
+    """The aligned frame count of an H3 clip, after checking the clip against the spec's rules; a
+    :class:`~ff_core.errors.ConfigError` (a ``ValueError``) naming the ``model.adapter_kwargs`` key otherwise.
 
     ``num_frames`` is rounded up to ``17 n + 5`` (:func:`aligned_num_frames`); the rounded clip must last 5-15 s at
     24 fps (so 124 is the smallest aligned count, 345 the largest). ``height`` / ``width`` must be positive multiples of
@@ -68,16 +71,16 @@ def check_clip(num_frames: int, height: int, width: int, canvas_multiple: int | 
     try:
         aligned = aligned_num_frames(num_frames)
     except ValueError as exc:
-        raise ValueError(f"model.adapter_kwargs.num_frames: {exc}") from None
+        raise ConfigError(f"{KEY}.num_frames", str(exc)) from None
     seconds = aligned / FPS
     if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise ValueError(f"model.adapter_kwargs.num_frames: {num_frames} frames, rounded up to {aligned} "
-                         f"(17 n + 5), last {seconds:.3f} s at {FPS} fps; MiniMax H3 takes {MIN_SECONDS:g}-"
-                         f"{MAX_SECONDS:g} s, i.e. 124 to 345 frames after rounding")  # fmt: skip
+        raise ConfigError(f"{KEY}.num_frames", f"{num_frames} frames, rounded up to {aligned} "
+                          f"(17 n + 5), last {seconds:.3f} s at {FPS} fps; MiniMax H3 takes {MIN_SECONDS:g}-"
+                          f"{MAX_SECONDS:g} s, i.e. 124 to 345 frames after rounding")  # fmt: skip
     for key, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"model.adapter_kwargs.{key} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{KEY}.{key}", f"must be a positive integer, got {value!r}")
         if canvas_multiple is not None and value % canvas_multiple:
-            raise ValueError(f"model.adapter_kwargs.{key} must be a multiple of {canvas_multiple} (the video VAE's "
-                             f"spatial compression x the transformer's patch), got {value}")  # fmt: skip
+            raise ConfigError(f"{KEY}.{key}", f"must be a multiple of {canvas_multiple} (the video VAE's "
+                              f"spatial compression x the transformer's patch), got {value}")  # fmt: skip
     return aligned

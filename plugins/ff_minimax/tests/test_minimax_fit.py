@@ -173,6 +173,17 @@ def test_grpo_guidance_scale_is_rejected_before_weights_load(tiny_minimax, tmp_p
             tmp_path / "run", "--model.objective.init_args.guidance_scale", "3.0")  # fmt: skip
 
 
+@pytest.mark.parametrize("size", ["2", "null"])
+def test_grpo_micro_batch_size_above_one_is_rejected_before_weights_load(tiny_minimax, tmp_path, no_weights, size):
+    """B = 1 for the GRPO rollout and replay forwards too (``micro_batch_size``; unset means the rank's whole share)."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.txt").write_text("a red square\n")
+    with pytest.raises(Exception, match=r"model\.objective\.init_args\.micro_batch_size: .*supports at most 1 sample"):
+        fit("t2va_grpo_tiny.yaml", tiny_minimax("t2va"), [{"name": "prompts", "dataset_dir": str(prompts)}],
+            tmp_path / "run", "--model.objective.init_args.micro_batch_size", size)  # fmt: skip
+
+
 @pytest.mark.parametrize(("how", "message"), [
     ("negative_prompt", r"train\.jsonl:1: input\.negative_prompt: this adapter has no classifier-free guidance"),
     ("audio_first", r"train\.jsonl:1: supervision\.target\.media: expected outputs \(video, audio\) in this order, "
@@ -207,11 +218,46 @@ def test_records_breaking_the_rules_fail_validation_and_fit_before_weights_load(
     assert "weights loaded" not in str(info.value)
 
 
-def test_a_target_shorter_than_the_clip_is_rejected_naming_the_record(tiny_minimax, tmp_path):
+def test_a_target_shorter_than_the_clip_is_rejected_naming_the_record(tiny_minimax, tmp_path, capsys, no_weights):
     """Spec: the target video must cover the configured 24-fps duration (never stretched): 100 frames cannot give the
-    124-frame clip."""
+    124-frame clip. Reported from the file's header before any weight loads (``resolve_output_geometry``: loading a
+    component fails this test), by ``ff fit`` and ``ff data validate --model`` alike."""
     short = write_av_clips(tmp_path / "short", 2, frames=100)
-    with pytest.raises(Exception, match=r"train\.jsonl:1: supervision\.target\.media\[0\]\.path: .*000\.mp4: video too "
-                                        r"short: 124 frames at 24 fps"):  # fmt: skip
+    message = (r"train\.jsonl:1: supervision\.target\.media\[0\]\.path: .*000\.mp4: video too short: 124 frames at "
+               r"24 fps from 0 s, but the file holds 4\.167 s")  # fmt: skip
+    with pytest.raises(Exception, match=message) as info:
         fit("t2va_sft_tiny.yaml", tiny_minimax("t2va"), [{"name": "short", "dataset_dir": str(short)}],
             tmp_path / "run")  # fmt: skip
+    assert "weights loaded" not in str(info.value)
+    capsys.readouterr()
+    assert main(["data", "validate", "--model", "minimax-h3-t2va", "--adapter-kwargs",
+                 json.dumps({"height": 16, "width": 16}), str(short)]) != 0  # fmt: skip
+    err = capsys.readouterr()
+    assert re.search(message, err.out + err.err), err.out + err.err
+
+
+def test_adapter_kwargs_are_refused_before_weights_load(tiny_minimax, tmp_path, capsys):
+    """``num_frames`` outside 5-15 s (``ff data validate --model``), a canvas off the VAE x patch grid (read from the
+    config files) and a misspelt key (Ref2VA too) are ``ConfigError``s naming the key."""
+    from ff_minimax import MiniMaxH3T2VAAdapter
+    from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter
+    from ff_minimax.ref2va import MiniMaxH3Ref2VAAdapter
+
+    from ff_core.errors import ConfigError
+    from ff_core.pretrained import check_adapter_kwargs
+
+    short = write_av_clips(tmp_path / "clips", 2)
+    assert main(["data", "validate", "--model", "minimax-h3-t2va", "--adapter-kwargs", '{"num_frames": 100}',
+                 str(short)]) == 2  # fmt: skip
+    out = capsys.readouterr()
+    assert "model.adapter_kwargs.num_frames: 100 frames, rounded up to 107" in out.out + out.err
+    with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.width: must be a multiple of 8 .* got 20"):
+        check_adapter_kwargs(MiniMaxH3T2VAAdapter, tiny_minimax("t2va"), {"height": 16, "width": 20})
+    check_adapter_kwargs(MiniMaxH3T2VAAdapter, tiny_minimax("t2va"), {"height": 16, "width": 24})
+    for cls in (MiniMaxH3FL2VAAdapter, MiniMaxH3Ref2VAAdapter):
+        with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.num_frame: .* takes no such argument"):
+            check_adapter_kwargs(cls, None, {"num_frame": 141})
+    with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.canvas_short_edge: must be a positive integer"):
+        check_adapter_kwargs(MiniMaxH3Ref2VAAdapter, None, {"canvas_short_edge": 0})
+    with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.dtype: unknown dtype 'fp8'"):
+        check_adapter_kwargs(MiniMaxH3T2VAAdapter, None, {"dtype": "fp8"})

@@ -195,6 +195,23 @@ def test_ref2va_limits_at_the_edge_accepted(media: Path):
     assert _problems(records, REF2VA_CONTRACT) == []
 
 
+def test_ref2va_image_aspect_outside_1_4_to_4_1_rejected_from_the_header(media: Path):
+    """The setup step's "A reference image must be within 1:4 and 4:1" (``width > 4 height or height > 4 width``),
+    from each image's header before any weights load, naming the file, line and field; exactly 4:1 and 1:4 pass."""
+    for name, size in (("wide.png", (81, 20)), ("tall.png", (8, 40)), ("edge_w.png", (80, 20)),
+                       ("edge_h.png", (10, 40))):
+        Image.new("RGB", size, (255, 0, 0)).save(media / name)
+    rows = [{"prompt": "p", "references": [{"type": "image", "path": n}]}
+            for n in ("edge_w.png", "wide.png", "edge_h.png")]
+    assert _problems(_records(media, rows, "r_aspect"), REF2VA_CONTRACT) == [
+        f"{media / 'test.jsonl'}:2: references[0].path: {media / 'wide.png'}: a 81x20 image; reference images must "
+        "lie within 1:4 and 4:1 (crop or pad it)"]
+    v2 = _records(media, [_v2([IMG, {"type": "image", "path": "tall.png"}])], "r_aspect_v2", v2=True)
+    assert _problems(v2, REF2VA_CONTRACT) == [
+        f"{media / 'train.jsonl'}:1: input.media[1].path: {media / 'tall.png'}: a 8x40 image; reference images must "
+        "lie within 1:4 and 4:1 (crop or pad it)"]
+
+
 def test_ref2va_paths_resolve_against_dataset_dir_and_order_is_kept(media: Path):
     """references[*].path and audio_path are dataset_dir-relative (not image_dir / audio_dir); duplicates and order
     survive into what preprocess receives and into the manifest."""

@@ -25,5 +25,16 @@ def test_124_is_the_smallest_valid_clip_and_345_the_largest():
 
 def test_the_canvas_must_be_a_multiple_of_the_vae_and_patch():
     check_clip(124, 768, 1344, 32)
-    with pytest.raises(ValueError, match=r"model\.adapter_kwargs\.width must be a multiple of 32 .* got 1350"):
+    with pytest.raises(ValueError, match=r"model\.adapter_kwargs\.width: must be a multiple of 32 .* got 1350"):
         check_clip(124, 768, 1350, 32)
+
+
+def test_a_bucket_is_compared_with_the_rounded_clip():
+    """``num_frames: 120`` trains at 124 frames (17 n + 5): a 124-frame bucket is that clip, a 120-frame one is not."""
+    from ff_core.data.geometry import MediaGeometry
+    from ff_minimax.adapter import MiniMaxH3T2VAAdapter
+
+    kwargs = {"height": 16, "width": 16, "num_frames": 120}
+    MiniMaxH3T2VAAdapter.check_bucket(None, kwargs, MediaGeometry(16, 16, num_frames=124, fps=24.0))
+    with pytest.raises(ValueError, match="124 frames at 24 fps, got 16x16, 120 frames"):
+        MiniMaxH3T2VAAdapter.check_bucket(None, kwargs, MediaGeometry(16, 16, num_frames=120, fps=24.0))
