@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, is_dataclass
@@ -31,7 +30,7 @@ from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
-from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_kept_weights, guides
+from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_guidance, check_kept_weights, guides
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -97,12 +96,8 @@ class SamplingConfig:
     guidance_rescale: float | dict[str, float] = 0.0
 
     def __post_init__(self) -> None:
-        for key, value in (("guidance_scale", self.guidance_scale), ("guidance_rescale", self.guidance_rescale)):
-            values = list(value.values()) if isinstance(value, dict) else [value]
-            low, high = (0.0, 1.0) if key == "guidance_rescale" else (0.0, math.inf)
-            if not values or any(isinstance(v, bool) or not low <= float(v) <= high for v in values):
-                raise ValueError(f"model.sampling.{key} must be a number in [{low:g}, {high:g}] or a mapping of latent "
-                                 f"component names to such numbers, got {value!r}")  # fmt: skip
+        check_guidance("model.sampling.guidance_scale", self.guidance_scale)
+        check_guidance("model.sampling.guidance_rescale", self.guidance_rescale, high=1.0)
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"model.sampling.shift must be > 0 (or null for the scheduler's), got {self.shift}")
 
@@ -185,6 +180,8 @@ class FlowModule(L.LightningModule):
         # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
         check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
         guidance = {f"model.sampling.{k}": getattr(self.sampling, k) for k in ("guidance_scale", "guidance_rescale")}
+        guidance |= {f"model.objective.init_args.{k}": getattr(objective, k) for k in ("guidance_scale",
+                     "guidance_rescale") if hasattr(objective, k)}  # GRPO's rollouts: one or per component too
         check_components(self.adapter_cls, self.frozen_components, getattr(objective, "component_weights", None),
                          guidance)  # fmt: skip
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's

@@ -409,6 +409,17 @@ def guidance_for(value: Guidance, name: str, key: str) -> float:
     return float(value[name])
 
 
+def check_guidance(key: str, value: Guidance, high: float = math.inf) -> Guidance:
+    """``value`` (a guidance scale or rescale: one number, or one per latent component name) if every number is in
+    ``[0, high]``, else one ``ValueError`` naming ``key``. The component names are checked against the adapter's
+    ``latent_components`` before weights load (:func:`ff_core.module.check_components`)."""
+    values = list(value.values()) if isinstance(value, Mapping) else [value]
+    if not values or any(isinstance(v, bool) or not 0.0 <= float(v) <= high for v in values):
+        raise ValueError(f"{key} must be a number in [0, {high:g}] or a mapping of latent component names to such "
+                         f"numbers, got {value!r}")  # fmt: skip
+    return value
+
+
 def guides(guidance_scale: Guidance) -> bool:
     """Whether CFG runs (a negative branch is evaluated): some component's scale differs from 1."""
     values = guidance_scale.values() if isinstance(guidance_scale, Mapping) else [guidance_scale]
@@ -432,6 +443,7 @@ def guided_velocity(
     negative: Condition | None,
     scale: Guidance,
     rescale: Guidance = 0.0,
+    config_key: str = "model.sampling",
 ) -> LatentState:
     """The velocity at ``(state, sigma)``, with classifier-free guidance when ``negative`` is given: per latent
     component ``k``, ``v_neg + s_k (v - v_neg)`` (``scale``: one for all, or per component). ``sigma`` is one noise
@@ -443,7 +455,8 @@ def guided_velocity(
     diffusers' ``LTX2Pipeline`` does: ``x0 = x - sigma_k v`` of both branches (``sigma_k`` the component's level),
     ``x0_g = x0 + (s_k - 1)(x0 - x0_neg)``, :func:`rescale_guided` to the conditional ``x0``'s standard deviation, and
     back ``v = (x - x0_g) / sigma_k`` (in fp32; ``sigma_k > 0`` on every sampling step). Without it the combination
-    is the plain one above (the same linear combination, in velocity space).
+    is the plain one above (the same linear combination, in velocity space). ``config_key`` (``model.sampling``, or
+    GRPO's ``model.objective.init_args``) prefixes the keys a mapping that lacks a component is reported under.
     """
     device = next(iter(state.components.values())).device
 
@@ -467,8 +480,8 @@ def guided_velocity(
     v_neg = predict(negative)
     out = {}
     for name, c in v.components.items():
-        u, k = v_neg.components[name], guidance_for(scale, name, "model.sampling.guidance_scale")
-        r = guidance_for(rescale, name, "model.sampling.guidance_rescale")
+        u, k = v_neg.components[name], guidance_for(scale, name, f"{config_key}.guidance_scale")
+        r = guidance_for(rescale, name, f"{config_key}.guidance_rescale")
         if not r:
             out[name] = u + k * (c - u)
             continue
@@ -545,16 +558,20 @@ def sample_sde(
     sampler: StochasticSampling,
     *,
     num_steps: int,
-    guidance_scale: float = 1.0,
+    guidance_scale: Guidance = 1.0,
     generator: torch.Generator | None = None,
     shift: float | None = None,
     embedded_guidance: float | None = None,
     component_weights: Mapping[str, float] | None = None,
     frozen_components: Collection[str] = (),
+    guidance_rescale: Guidance = 0.0,
+    config_key: str = "model.objective.init_args",
 ) -> Trajectory:
     """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
     each component on its own schedule, as :func:`sample_ode`. Each transition's log-prob reduces over the components
-    as ``component_weights`` and ``frozen_components`` say (:func:`component_mean`): replays must pass the same.
+    as ``component_weights`` and ``frozen_components`` say (:func:`component_mean`), and its velocity is CFG's
+    (:func:`guided_velocity`, ``guidance_scale`` and ``guidance_rescale`` one or per component): replays must pass the
+    same.
 
     Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
     SDE step's noise in step order. Call it under ``torch.no_grad()``.
@@ -566,7 +583,8 @@ def sample_sde(
     primary = levels[next(iter(state.components))]
     trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
     for i in range(num_steps):
-        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale)
+        v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale,
+                            guidance_rescale, config_key)  # fmt: skip
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
             out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max,

@@ -2,7 +2,8 @@
 before weights load"): every shipped adapter declares its ``latent_components``, so a per-component guidance map with
 a misspelled or an extra name is one ConfigError naming the key; freezing every component is refused; and
 ``guidance_rescale`` reaches ``Adapter.sample`` only when it rescales (an adapter overriding ``sample`` without it
-keeps working)."""
+keeps working). GRPO's ``guidance_scale`` / ``guidance_rescale`` take the same forms, checked alike; a single-float
+GRPO config rolls out and replays bit for bit as plain CFG did."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from ff_sd3.adapter import SD3Adapter
 from torch.utils.data import default_collate
 
-from ff_core.adapter import ConditionInput
+from ff_core.adapter import ConditionInput, LatentState
 from ff_core.errors import ConfigError
 from ff_core.module import FlowModule, SamplingConfig
+from ff_core.objectives.grpo import GRPOObjective, UpdateStats
 from ff_core.plugins import get_adapter_class
+from ff_core.sampling import StochasticSampling, sde_step
 
 NOWHERE = "/nonexistent/checkpoint"  # nothing is read: the checks need the class alone
 COMPONENTS = {"sd3-5": ["latent"], "wan2_t2v": ["latent"], "wan2_i2v": ["latent"], "ltx2_t2av": ["video", "audio"],
@@ -79,3 +82,57 @@ def test_guidance_rescale_reaches_sample_only_when_it_rescales(tiny_sd3):
     with pytest.raises(ConfigError, match=r"model\.sampling\.guidance_rescale: 0\.7, but adapter 'sd3-5' overrides "
                                           r"sample\(\) without a guidance_rescale argument"):
         module.setup("validate")
+
+
+def grpo(**guidance) -> GRPOObjective:
+    return GRPOObjective(rewards=[{"name": "brightness"}], group_size=2, prompts_per_step=1, num_steps=3,
+                         sampler=StochasticSampling(window=(0, 2)), **guidance)  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["guidance_scale", "guidance_rescale"])
+def test_grpo_guidance_maps_name_the_components_before_weights_load(key):
+    """GRPO's per-component guidance is checked as ``model.sampling``'s: a misspelled stream is one ConfigError naming
+    ``model.objective.init_args.<key>`` (nothing is read); an out-of-range value fails as the objective is built."""
+    value = 2.0 if key == "guidance_scale" else 0.5
+    with pytest.raises(ConfigError, match=rf"model\.objective\.init_args\.{key}: names \['audios', 'video'\]; "
+                                          r"ltx2_t2av's latent components are \['video', 'audio'\]"):
+        FlowModule("ltx2_t2av", NOWHERE, objective=grpo(**{key: {"video": value, "audios": value}}))
+    FlowModule("ltx2_t2av", NOWHERE, objective=grpo(**{key: {"video": value, "audio": value}}))  # exact: accepted
+    with pytest.raises(ValueError, match=r"model\.objective\.init_args\.guidance_rescale must be a number in "
+                                         r"\[0, 1\] or a mapping"):
+        grpo(guidance_rescale={"video": 1.5, "audio": 0.5})
+
+
+def test_single_float_grpo_guidance_rolls_out_and_replays_as_plain_cfg(tiny_sd3):
+    """Tiny SD3, ``guidance_scale: 2.0``: every stored transition is bitwise the one drawn by hand from plain CFG
+    ``v_neg + 2 (v - v_neg)`` (today's combination, no rescale) with the rollout generator; ``{latent: 2.0}`` and a
+    zero ``guidance_rescale`` (one or per component) give the same bits; the first replay's ratio is exactly 1."""
+    adapter = SD3Adapter.from_pretrained(str(tiny_sd3), resolution=32)
+    adapter.eval()
+    prompts = ["a red square", "a red square"]
+    batch = {"prompt": prompts, "condition": default_collate(adapter.preprocess([ConditionInput(p) for p in prompts]))}
+    forms = [{"guidance_scale": 2.0}, {"guidance_scale": {"latent": 2.0}, "guidance_rescale": 0.0},
+             {"guidance_scale": 2.0, "guidance_rescale": {"latent": 0.0}}]  # fmt: skip
+    objectives = [grpo(**form) for form in forms]
+    rollouts = [objective.rollout(adapter, batch, torch.Generator().manual_seed(0))[0] for objective in objectives]
+    first = rollouts[0]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        state = adapter.initial_noise(first.condition, g)
+        for i, t in enumerate(first.trajectory.transitions):
+            assert torch.equal(t.state.components["latent"], state.components["latent"])
+            sigma = torch.full((2,), t.sigma)
+            v, v_neg = (adapter.velocity(t.state, sigma, c).components["latent"] for c in (first.condition,
+                                                                                          first.negative))  # fmt: skip
+            out = sde_step(t.state, LatentState({"latent": v_neg + 2.0 * (v - v_neg)}), t.levels, "flow_sde", 0.7, g,
+                           first.trajectory.sigma_max)  # fmt: skip
+            for other in rollouts:
+                o = other.trajectory.transitions[i]
+                assert torch.equal(o.next.components["latent"], out.next.components["latent"])
+                assert torch.equal(o.log_prob, out.log_prob)
+            state = t.next
+    for objective, rollout in zip(objectives, rollouts):
+        rollout.advantages = torch.tensor([1.0, -1.0])
+        stats = UpdateStats()
+        objective.transition_loss(adapter, rollout, rollout.trajectory.transitions[0], stats)
+        assert torch.equal(stats.first_ratio, torch.ones(2))

@@ -46,6 +46,7 @@ from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,
+    check_guidance,
     component_mean,
     guided_conditions,
     guided_velocity,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from ff_core.adapter import Adapter, Condition
 
 log = logging.getLogger(__name__)
+GUIDANCE_KEY = "model.objective.init_args"  # where the guidance keys sit in a recipe
 
 
 @dataclass
@@ -111,7 +113,10 @@ class GRPOObjective(Objective):
         group_size: K, samples per prompt (a group; advantages compare them).
         prompts_per_step: P, prompts per step over all data-parallel ranks; every rank takes ``P*K/W`` samples.
         num_steps: sampler steps of a rollout.
-        guidance_scale: classifier-free guidance of rollouts and replays (1 disables it).
+        guidance_scale: classifier-free guidance of rollouts, replays and the KL term (1 disables it): one scale, or
+            one per latent component (``{video: 2, audio: 4}``), as ``model.sampling.guidance_scale``.
+        guidance_rescale: guidance rescale of rollouts, replays and the KL term (in [0, 1]; 0: off), one or per
+            component, as ``model.sampling.guidance_rescale`` (:func:`~ff_core.sampling.guided_velocity`).
         embedded_guidance: distilled-guidance scale of rollouts and replays for a guidance-embedded denoiser
             (FLUX.1-dev), distinct from CFG; ``None``: the adapter's default.
         shift: noise-schedule shift of the rollout sigmas (``None``: the checkpoint scheduler's).
@@ -150,7 +155,7 @@ class GRPOObjective(Objective):
         group_size: int = 8,
         prompts_per_step: int = 4,
         num_steps: int = 10,
-        guidance_scale: float = 1.0,
+        guidance_scale: float | dict[str, float] = 1.0,
         embedded_guidance: float | None = None,
         shift: float | None = None,
         sampler: StochasticSampling | None = None,
@@ -165,6 +170,7 @@ class GRPOObjective(Objective):
         max_grad_norm: float | None = 1.0,
         reference_offload: bool = False,
         component_weights: dict[str, float] | None = None,
+        guidance_rescale: float | dict[str, float] = 0.0,
     ) -> None:
         for key, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
                            ("num_steps", num_steps), ("num_inner_epochs", num_inner_epochs),
@@ -185,7 +191,11 @@ class GRPOObjective(Objective):
             raise ValueError("model.objective.rewards: GRPO needs at least one reward")
         self.rewards = Rewards(rewards, config_key="model.objective.rewards")
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
-        self.num_steps, self.guidance_scale, self.shift = num_steps, guidance_scale, shift
+        self.num_steps, self.shift = num_steps, shift
+        # One guidance for rollout, replay and KL alike (the first ratio is exactly 1); component names are checked
+        # against the adapter's latent_components before weights load (FlowModule, check_components).
+        self.guidance_scale = check_guidance(f"{GUIDANCE_KEY}.guidance_scale", guidance_scale)
+        self.guidance_rescale = check_guidance(f"{GUIDANCE_KEY}.guidance_rescale", guidance_rescale, high=1.0)
         self.embedded_guidance = embedded_guidance
         self.sampler = sampler or StochasticSampling()
         self.sampler.candidate_steps(num_steps)  # a window outside the schedule fails now
@@ -281,6 +291,7 @@ class GRPOObjective(Objective):
                 trajectory = sample_sde(adapter, condition, self.sampler, num_steps=self.num_steps,
                                         guidance_scale=self.guidance_scale, generator=generator, shift=self.shift,
                                         embedded_guidance=self.embedded_guidance,
+                                        guidance_rescale=self.guidance_rescale, config_key=GUIDANCE_KEY,
                                         **self.reduction(adapter))  # fmt: skip
                 # Replays use the very conditions the rollout sampled with (embedded guidance included).
                 condition, negative = guided_conditions(adapter, condition, self.guidance_scale,
@@ -351,7 +362,7 @@ class GRPOObjective(Objective):
         trajectory = rollout.trajectory
         sigmas = t.levels or (t.sigma, t.sigma_next)
         v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
-                            self.guidance_scale)  # fmt: skip
+                            self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY)  # the rollout's guidance
         step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max,
                              **self.reduction(adapter))  # the rollout's reduction: the first ratio is exactly 1
         policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
@@ -375,7 +386,7 @@ class GRPOObjective(Objective):
         reduced over the components as the log-prob (:meth:`reduction`)."""
         with torch.no_grad(), self.reference.active(adapter):
             v_ref = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
-                                    self.guidance_scale)  # fmt: skip
+                                    self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY)  # fmt: skip
             ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
                                 self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip
         masks = t.state.masks

@@ -2,7 +2,8 @@
 (docs/ltx2.md, "Objectives"): ``(mean_video + mean_audio) / 2`` by default, not pooled by element count, where the
 audio would be a small share of log pi and of the ratio. Checked by hand through a real GRPO step of the tiny
 checkpoint (rollout, then the replayed ratio and clipped loss after the LoRA moved), and through ``ff fit`` with the
-audio stream frozen."""
+audio stream frozen. Per-stream CFG with guidance rescale (``{video: 2, audio: 4}``, rescale 0.5) in the rollout,
+the replay and the KL term, checked against LTX2Pipeline's guidance maths (diffusers' ``rescale_noise_cfg``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.utils.data import default_collate
 from ff_core.adapter import ConditionInput
 from ff_core.module import LoRAConfig, apply_lora
 from ff_core.objectives.grpo import GRPOObjective, UpdateStats
+from ff_core.objectives.reference import lora_disabled
 from ff_core.sampling import StochasticSampling, step_gaussian
 
 PROMPTS = ["a red square with a low tone", "a red square with a low tone"]
@@ -126,3 +128,89 @@ def test_grpo_with_frozen_audio_trains_the_video_alone(tiny_ltx2, tmp_path):
     for name in audio:
         assert not trained[name].requires_grad and torch.equal(trained[name], base[name]), name
     assert not torch.equal(trained["proj_out.weight"], base["proj_out.weight"])  # the video stream trained
+
+
+SCALES, RESCALE = {"video": 2.0, "audio": 4.0}, 0.5
+
+
+def guided_by_hand(adapter, state, levels, condition, negative, scales=SCALES, rescale=RESCALE) -> dict:
+    """One step's guided velocity as LTX2Pipeline forms it: each stream's conditional and unconditional velocities at
+    the stream's own level turned into x0 (``x - sigma v``), combined in the pipeline's delta form ``x0 + (s_k - 1)
+    (x0 - x0_neg)``, rescaled to the conditional x0 by diffusers' ``rescale_noise_cfg``, and back to a velocity."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
+
+    sigmas = {k: torch.full((2,), s) for k, (s, _) in levels.items()}
+    cond, uncond = (adapter.component_velocity(state, sigmas, c) for c in (condition, negative))
+    out = {}
+    for k, (s, _) in levels.items():
+        x = state.components[k].float()
+        x0, x0_neg = x - s * cond.components[k].float(), x - s * uncond.components[k].float()
+        out[k] = (x - rescale_noise_cfg(x0 + (scales[k] - 1) * (x0 - x0_neg), x0, rescale)) / s
+    return out
+
+
+def test_grpo_guides_each_stream_with_its_scale_and_rescale(adapter):
+    """``guidance_scale: {video: 2, audio: 4}`` and ``guidance_rescale: 0.5``: every rollout step's ``x_next`` is the
+    flow-SDE step of the hand-guided velocity with the rollout generator's noise, its log-prob the hand density; the
+    first replay's ratio is exactly 1 and the KL to the (LoRA-free) reference exactly 0; after the LoRA moves, the
+    replayed ratio and the velocity KL equal the hand computation with the same guidance on both policies."""
+    objective = grpo(guidance_scale=dict(SCALES), guidance_rescale=RESCALE, kl_beta=0.1, kl_on="velocity")
+    objective.configure_model(adapter, lora=True)
+    inputs = [ConditionInput(p) for p in PROMPTS]
+    batch = {"prompt": PROMPTS, "condition": default_collate(adapter.preprocess(inputs))}
+    lora = {n: p for n, p in adapter.named_parameters() if "lora_B" in n}
+    saved = {n: p.detach().clone() for n, p in lora.items()}
+    adapter.eval()
+    try:
+        [rollout] = objective.rollout(adapter, batch, torch.Generator().manual_seed(0))
+        cond, neg, sigma_max = rollout.condition, rollout.negative, rollout.trajectory.sigma_max
+        g = torch.Generator().manual_seed(0)  # the rollout's draws: initial noise, then each SDE step's noise
+        with torch.no_grad():
+            state = adapter.initial_noise(cond, g)
+            for t in rollout.trajectory.transitions:
+                for k, x in state.components.items():
+                    assert torch.equal(t.state.components[k], x)
+                v = guided_by_hand(adapter, t.state, t.levels, cond, neg)
+                plain = guided_by_hand(adapter, t.state, t.levels, cond, neg, {"video": 2.0, "audio": 2.0}, 0.0)
+                dens = {}
+                for k, (s, sn) in t.levels.items():
+                    mean, std = step_gaussian("flow_sde", t.state.components[k], v[k], s, sn, 0.7, sigma_max[k])
+                    noise = torch.randn(mean.shape, generator=g)
+                    assert_close(t.next.components[k], (mean + std * noise).to(t.next.components[k].dtype),
+                                 rtol=1e-5, atol=1e-5)  # fmt: skip
+                    assert (plain[k] - v[k]).abs().max() > 1e-3  # the per-stream scale and the rescale matter
+                    dens[k] = torch.distributions.Normal(mean, std).log_prob(t.next.components[k].float())
+                expected = 0.5 * dens["video"].flatten(1).mean(1) + 0.5 * dens["audio"].flatten(1).mean(1)
+                assert_close(t.log_prob, expected, rtol=1e-5, atol=1e-5)
+                state = t.next
+        first = rollout.trajectory.transitions[0]
+        rollout.advantages = torch.tensor([1.0, -0.5])
+        stats = UpdateStats()
+        objective.transition_loss(adapter, rollout, first, stats)
+        assert torch.equal(stats.first_ratio, torch.ones(2)) and torch.equal(stats.kl[0], torch.zeros(2))
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in lora.values():  # the policy moves (lora_B starts at zero)
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        stats = UpdateStats()
+        objective.transition_loss(adapter, rollout, first, stats)
+        with torch.no_grad():
+            v = guided_by_hand(adapter, first.state, first.levels, cond, neg)
+            with lora_disabled(adapter):
+                v_ref = guided_by_hand(adapter, first.state, first.levels, cond, neg)
+            dens = {}
+            for k, (s, sn) in first.levels.items():
+                mean, std = step_gaussian("flow_sde", first.state.components[k], v[k], s, sn, 0.7, sigma_max[k])
+                dens[k] = torch.distributions.Normal(mean, std).log_prob(first.next.components[k].float())
+        new = 0.5 * dens["video"].flatten(1).mean(1) + 0.5 * dens["audio"].flatten(1).mean(1)
+        ratio = torch.exp(new - first.log_prob)
+        assert (ratio - 1).abs().max() > 1e-5
+        assert_close(stats.ratio[0], ratio, rtol=1e-5, atol=1e-6)
+        kl = sum(0.5 * ((v[k] - v_ref[k]) ** 2).flatten(1).mean(1) for k in v)
+        assert kl.min() > 0
+        assert_close(stats.kl[0], kl, rtol=1e-4, atol=1e-9)
+    finally:
+        with torch.no_grad():
+            for n, p in lora.items():
+                p.copy_(saved[n])
+                p.grad = None
