@@ -3,8 +3,9 @@
 ``ff fit`` reads every training target's header at each start (:mod:`ff_core.data.target_spans`: a PyAV container
 probe, ~1.3 ms a file, some 4 minutes for 100k pairs). :class:`HeaderCache` keeps what
 :func:`~ff_core.data.media.probe_media` returned, keyed by ``(media type, resolved path)`` and valid while the file's
-``(size, mtime_ns)`` are the ones it had when probed (the tensor-parquet index cache's rule); a file that changed is
-probed again. One JSON file per record source (a split's manifest) in ``<cache dir>/headers/``, the cache dir being the
+``(size, mtime_ns, inode, ctime_ns)`` are the ones it had when probed; a file that changed is probed again (the
+inode and ctime catch a same-size replacement whose mtime was kept, e.g. ``cp -p`` or ``rsync -a``: ``utime`` cannot
+set ctime). One JSON file per record source (a split's manifest) in ``<cache dir>/headers/``, the cache dir being the
 condition cache's (``data.cache_dir``, else ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``), written atomically
 (:func:`~ff_core.atomic.write_bytes_atomic`) and only when an entry was added. A file from another cache version or
 PyAV version, damaged, or unwritable is ignored: no cache is only slower. Headers that cannot be read are never
@@ -30,7 +31,7 @@ from ff_core.data.records_base import Record
 
 log = logging.getLogger(__name__)
 
-HEADER_CACHE_VERSION = 1
+HEADER_CACHE_VERSION = 2  # bump when the entries or media.probe_media's fields change
 """Bumped when what a header holds, or how it is read, changes: older cache files are then ignored."""
 HEADER_CACHE_FOLDER = "headers"
 """The sub-folder of the cache dir holding the header caches."""
@@ -49,7 +50,7 @@ class HeaderCache:
         """Headers answered from the cache."""
         self.probes = 0
         """Headers read from their files (or tried: an unreadable one counts, and is not cached)."""
-        self._tables: dict[Path, dict[str, list]] = {}  # per source: key -> [size, mtime_ns, header fields]
+        self._tables: dict[Path, dict[str, list]] = {}  # per source: key -> [file identity, header fields]
         self._dirty: set[Path] = set()
         self._lock = threading.Lock()
 
@@ -73,7 +74,7 @@ class HeaderCache:
         header = self._probe(path, mtype, record, field)
         fields = {k: v for k, v in asdict(header).items() if k != "type"}
         with self._lock:
-            table[key] = [stat.st_size, stat.st_mtime_ns, fields]
+            table[key] = [_identity(stat), fields]
             self._dirty.add(Path(record.source))
         return header
 
@@ -121,11 +122,17 @@ class HeaderCache:
 
 
 def _cached_header(entry: object, mtype: MediaType, stat: os.stat_result) -> MediaHeader | None:
-    """The entry's header when it was taken from a file of this size and mtime; ``None``: probe (stale, damaged)."""
+    """The entry's header when it was taken from this very file (:func:`_identity`); ``None``: probe (stale,
+    damaged)."""
     try:
-        size, mtime_ns, fields = entry
-        if size == stat.st_size and mtime_ns == stat.st_mtime_ns:
+        identity, fields = entry
+        if identity == _identity(stat):
             return MediaHeader(mtype, **fields)
     except (TypeError, ValueError):
         pass
     return None
+
+
+def _identity(stat: os.stat_result) -> list[int]:
+    """What must be unchanged for a cached header to stand: size, mtime, inode and ctime (JSON-friendly)."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]

@@ -138,7 +138,7 @@ def _aspect_problems(item: MediaItem, most: float) -> list[Problem]:
     try:
         with Image.open(item.path) as image:
             width, height = image.size
-    except OSError:
+    except (OSError, Image.DecompressionBombError):  # decoding names the file and the problem
         return []
     if width <= most * height and height <= most * width:
         return []

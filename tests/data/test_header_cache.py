@@ -96,6 +96,23 @@ def test_same_size_rewrite_is_caught_by_mtime(tmp_path, monkeypatch):
     assert (used.probes, used.hits) == (1, 1)
 
 
+def test_a_same_size_replacement_keeping_its_mtime_is_read_again(tmp_path, monkeypatch):
+    """``cp -p`` / ``rsync -a`` put another file of the same size in place with the old mtime: its inode or ctime
+    differs (``utime`` cannot set ctime), so it is probed again, never served the old header."""
+    root = write_audio_dataset(tmp_path / "data", [1.5, 1.5])
+    records = records_of(root)
+    check(records, tmp_path / "cache", monkeypatch)
+    wav = root / "audios" / "00000.wav"
+    stat = wav.stat()
+    other = wav.with_suffix(".new")
+    other.write_bytes(audio_to_wav(torch.full((1, round(1.5 * RATE)), 0.5), RATE))
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, wav)
+    assert (wav.stat().st_size, wav.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    _, used = check(records, tmp_path / "cache", monkeypatch)
+    assert (used.probes, used.hits) == (1, 1)
+
+
 def test_the_cache_file_is_published_atomically_and_a_damaged_one_is_ignored(tmp_path, monkeypatch):
     """The table is written through ``write_bytes_atomic`` (a temporary file renamed over it: a concurrent reader
     sees the old table or the new one); a write that fails midway leaves the previous table intact and no temporary
