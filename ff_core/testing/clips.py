@@ -70,3 +70,16 @@ def write_clip_dataset(root: Path, clips: Sequence[tuple[int, int, int, int]], n
             "type": "demonstration", "target": {"media": [{"type": "video", "path": f"clips/{i}.mp4"}]}}})
     (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
+
+
+def av_clip(rgb: tuple[int, int, int], hz: float, frames: int, fps: float, rate: int, size: int = 32,
+            channels: int = 1) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """One synthetic audio+video clip: uint8 (F, H, W, 3) frames of an ``rgb`` square on grey, and a float
+    (N, channels) sine tone of ``hz`` lasting exactly ``frames / fps`` seconds at ``rate`` Hz (the toy clips of the
+    audio+video plugins' tests and benchmarks: a caption names the colour and the pitch)."""
+    clip = np.full((frames, size, size, 3), 96, np.uint8)
+    side = size // 2
+    clip[:, size // 4 : size // 4 + side, size // 4 : size // 4 + side] = rgb
+    t = np.arange(int(round(frames / fps * rate))) / rate
+    tone = 0.3 * np.sin(2 * np.pi * hz * t)
+    return clip, np.repeat(tone[:, None], channels, axis=1)

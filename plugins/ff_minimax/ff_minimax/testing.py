@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ff_core.testing import clips
 from ff_core.testing.tiny import VIDEO_WORDS, build_qwen2_tokenizer, seeded
 from ff_minimax.text import assemble_processor
 
@@ -158,14 +159,8 @@ def _diffusers_version() -> str:
 
 def av_clip(colour: str, pitch: str, frames: int, fps: float, rate: int, size: int = TINY_SIZE,
             channels: int = 1) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """One synthetic clip: uint8 (F, H, W, 3) frames of a ``colour`` square on grey, and a float (N, channels) sine
-    tone of ``pitch`` (:data:`PITCHES`) lasting exactly ``frames / fps`` seconds at ``rate`` Hz."""
-    clip = np.full((frames, size, size, 3), 96, np.uint8)
-    side = size // 2
-    clip[:, size // 4 : size // 4 + side, size // 4 : size // 4 + side] = COLOURS[colour]
-    t = np.arange(int(round(frames / fps * rate))) / rate
-    tone = 0.3 * np.sin(2 * np.pi * PITCHES[pitch] * t)
-    return clip, np.repeat(tone[:, None], channels, axis=1)
+    """:func:`ff_core.testing.clips.av_clip` of a :data:`COLOURS` square and a :data:`PITCHES` tone."""
+    return clips.av_clip(COLOURS[colour], PITCHES[pitch], frames, fps, rate, size=size, channels=channels)
 
 
 def write_av_clips(
