@@ -518,9 +518,10 @@ class Adapter(nn.Module):
 
         Default: :meth:`velocity` at the first component's level (a denoiser conditioned on one noise level: the
         other components are stepped on their schedules but predicted at it). A family whose denoiser takes one noise
-        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it;
-        training noises every component at one level and calls :meth:`velocity`, which such a family implements as
-        this method with that level for every component.
+        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it.
+        Training calls it with each component's level where :meth:`timestep_shifts` gives per-component shifts;
+        otherwise it noises every component at one level and calls :meth:`velocity`, which such a family implements
+        as this method with that level for every component.
 
         Args:
             state: the noisy latents.

@@ -34,7 +34,9 @@ class TimestepSampler:
         logit_std: standard deviation of the logit-normal.
         shift: SD3 resolution shift, ``sigma <- shift * sigma / (1 + (shift - 1) * sigma)``; 1 disables it.
             ``None`` (default) takes the adapter's (:meth:`~ff_core.adapter.Adapter.timestep_shift`: for SD3 the
-            checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses.
+            checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses; where
+            the adapter gives one shift per component (:meth:`resolve_shifts`), each component's. Set, it applies to
+            every component.
         schedule: ``continuous`` (default): sigma is the weighting's draw, shifted by :attr:`shift`. ``adapter``: the
             weighting's draw ``u`` picks level ``floor(u * N)`` of the adapter's ``N`` training noise levels for the
             batch's latent geometry (:meth:`~ff_core.adapter.Adapter.training_sigmas`) sorted ascending, so sigma
