@@ -518,9 +518,10 @@ class Adapter(nn.Module):
 
         Default: :meth:`velocity` at the first component's level (a denoiser conditioned on one noise level: the
         other components are stepped on their schedules but predicted at it). A family whose denoiser takes one noise
-        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it;
-        training noises every component at one level and calls :meth:`velocity`, which such a family implements as
-        this method with that level for every component.
+        level per stream (MiniMax H3: video and audio rows at their own timesteps in one forward) overrides it.
+        Training calls it with each component's level where :meth:`timestep_shifts` gives per-component shifts;
+        otherwise it noises every component at one level and calls :meth:`velocity`, which such a family implements
+        as this method with that level for every component.
 
         Args:
             state: the noisy latents.
@@ -570,6 +571,20 @@ class Adapter(nn.Module):
         reads the token count from ``state``'s shape.
         """
         return 1.0
+
+    def timestep_shifts(self, state: LatentState | None = None) -> dict[str, float] | None:
+        """Per latent component, the shift its sampling schedule uses, for a family whose components denoise on
+        their own schedules from one sampler time (:meth:`sampling_schedules`); ``None`` (default): every component
+        on :meth:`timestep_shift`'s one schedule.
+
+        When it returns shifts (and the recipe leaves ``timesteps.shift`` unset), training draws ONE weighting draw
+        ``u`` per sample and noises component ``k`` at ``shift_sigma(u, shift_k)``, calling
+        :meth:`component_velocity` with those levels: each stream trains on the (sigma_k) tuples sampling meets.
+
+        Args:
+            state: latents shaped like the batch's (``None``: the adapter's sampling resolution).
+        """
+        return None
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """Noise levels from 1 towards 0 (``num_steps + 1`` values, last one 0) for Euler sampling.

@@ -33,9 +33,11 @@ from torch import Tensor, nn
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     CONDITION_STREAM,
+    Sigma,
     TimestepSampler,
     check_component_weights,
     child_generator,
+    leading_sigma,
     monte_carlo_draws,
     prepare_batch_condition,
 )
@@ -102,7 +104,7 @@ def preference_errors(
     chosen: LatentState,
     rejected: LatentState,
     condition: Condition,
-    sigma: Tensor,
+    sigma: Sigma,
     noise: LatentState,
     component_weights: dict[str, float] | None = None,
     frozen_components: Collection[str] = (),
@@ -207,7 +209,7 @@ class DPOObjective(Objective):
             errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise,
                                             self.component_weights, self.frozen_components))
             terms.append(diffusion_dpo_loss(errors[-1], self.beta))
-            sigmas.append(sigma)
+            sigmas.append(leading_sigma(sigma))
         per_sample = torch.stack([t.loss for t in terms]).mean(0)
         sigma = torch.stack(sigmas).detach()
         return LossOutput(loss=per_sample.mean(), per_sample=per_sample, metrics=_metrics(terms, errors, sigma),

@@ -34,7 +34,9 @@ class TimestepSampler:
         logit_std: standard deviation of the logit-normal.
         shift: SD3 resolution shift, ``sigma <- shift * sigma / (1 + (shift - 1) * sigma)``; 1 disables it.
             ``None`` (default) takes the adapter's (:meth:`~ff_core.adapter.Adapter.timestep_shift`: for SD3 the
-            checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses.
+            checkpoint scheduler's ``shift``), so training draws noise levels on the schedule sampling uses; where
+            the adapter gives one shift per component (:meth:`resolve_shifts`), each component's. Set, it applies to
+            every component.
         schedule: ``continuous`` (default): sigma is the weighting's draw, shifted by :attr:`shift`. ``adapter``: the
             weighting's draw ``u`` picks level ``floor(u * N)`` of the adapter's ``N`` training noise levels for the
             batch's latent geometry (:meth:`~ff_core.adapter.Adapter.training_sigmas`) sorted ascending, so sigma
@@ -73,6 +75,30 @@ class TimestepSampler:
                 adapter's sampling resolution.
         """
         return self.shift if self.shift is not None else float(adapter.timestep_shift(clean))
+
+    def resolve_shifts(self, adapter: Adapter, clean: LatentState | None = None) -> dict[str, float] | None:
+        """The adapter's per-component shifts (:meth:`~ff_core.adapter.Adapter.timestep_shifts`) when the recipe
+        leaves :attr:`shift` unset; ``None``: one shift for every component (a recipe :attr:`shift` applies to all).
+
+        Args:
+            adapter: the model family's adapter.
+            clean: the batch's clean latents.
+        """
+        if self.shift is not None:
+            return None
+        per_component = getattr(adapter, "timestep_shifts", None)  # an adapter without the seam: one shift
+        shifts = per_component(clean) if per_component is not None else None
+        if shifts is None:
+            return None
+        shifts = {str(k): float(v) for k, v in shifts.items()}
+        if any(not math.isfinite(v) or v <= 0 for v in shifts.values()):
+            raise ValueError(f"{adapter.name}: timestep_shifts must be finite and > 0, got {shifts}")
+        if self.schedule == "adapter":
+            if len(set(shifts.values())) > 1:  # the adapter's table holds one shift: it cannot serve two schedules
+                raise ValueError(f"timesteps.schedule='adapter' with {adapter.name}'s per-component shifts {shifts}: "
+                                 "its table of training noise levels holds one shift; use schedule='continuous'")
+            return None  # trivial: every component on the table's one schedule
+        return shifts
 
     def resolve_table(self, adapter: Adapter, clean: LatentState | None = None) -> Tensor | None:
         """With ``schedule: adapter``, the adapter's training noise levels for latents shaped like ``clean``; else
@@ -152,12 +178,25 @@ def child_generator(generator: torch.Generator | None, stream: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(generator.initial_seed(), stream))
 
 
+Sigma = Tensor | dict[str, Tensor]
+"""A training noise level per sample, shape (B,): one for every latent component, or per component name its own
+(an adapter with :meth:`~ff_core.adapter.Adapter.timestep_shifts`)."""
+
+
+def leading_sigma(sigma: Sigma) -> Tensor:
+    """The noise level logged and handed to callbacks: ``sigma`` itself, or the first component's."""
+    return next(iter(sigma.values())) if isinstance(sigma, dict) else sigma
+
+
 def monte_carlo_draws(
     timesteps: TimestepSampler, adapter: Adapter, like: LatentState, n: int, generator: torch.Generator | None
-) -> Iterator[tuple[Tensor, LatentState]]:
+) -> Iterator[tuple[Sigma, LatentState]]:
     """``n`` independent ``(sigma, noise)`` draws for a batch shaped like ``like``: per draw, the noise levels (with the
     recipe's or the adapter's shift) then the noise, from ``generator`` in that order — the order every objective
     draws in, so a micro-batch's noise is a function of its generator's seed alone.
+
+    With per-component shifts (:meth:`TimestepSampler.resolve_shifts`) ``sigma`` is a dict: one weighting draw ``u``
+    per sample, component ``k`` at ``shift_sigma(u, shift_k)`` (sampling's coupled schedules from one time).
 
     Args:
         timesteps: how noise levels are drawn.
@@ -169,8 +208,13 @@ def monte_carlo_draws(
     device = next(iter(like.components.values())).device
     shift = timesteps.resolve_shift(adapter, like)  # the recipe's, else the sampling schedule's
     table = timesteps.resolve_table(adapter, like)  # schedule: adapter
+    shifts = timesteps.resolve_shifts(adapter, like)
     for _ in range(n):
-        sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift, table=table)
+        if shifts is None:
+            sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift, table=table)
+        else:  # one u per sample, each component on its own schedule
+            u = timesteps.sample(like.batch_size, generator=generator, device=device, shift=1.0)
+            sigma = {k: shift_sigma(u, shifts[k]) for k in like.components}
         yield sigma, like.map(lambda x: randn_like(x, generator))
 
 
@@ -198,11 +242,13 @@ def add_noise(x0: Tensor, noise: Tensor, sigma: Tensor, mask: Tensor | None = No
     return keep_pinned(noisy, clean, mask).to(x0.dtype)
 
 
-def noise_state(clean: LatentState, noise: LatentState, sigma: Tensor) -> LatentState:
-    """:func:`add_noise` on every component; elements the clean state's masks pin stay clean."""
+def noise_state(clean: LatentState, noise: LatentState, sigma: Sigma) -> LatentState:
+    """:func:`add_noise` on every component (at its own level where ``sigma`` is a dict by component name); elements
+    the clean state's masks pin stay clean."""
     if list(clean.components) != list(noise.components):
         raise ValueError(f"latent components differ: {list(clean.components)} vs {list(noise.components)}")
-    noisy = {k: add_noise(x, noise.components[k], sigma, clean.masks.get(k)) for k, x in clean.components.items()}
+    levels = sigma if isinstance(sigma, dict) else dict.fromkeys(clean.components, sigma)
+    noisy = {k: add_noise(x, noise.components[k], levels[k], clean.masks.get(k)) for k, x in clean.components.items()}
     return replace(clean, components=noisy, masks=dict(clean.masks))
 
 

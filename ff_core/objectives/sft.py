@@ -21,9 +21,11 @@ import torch
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     CONDITION_STREAM,
+    Sigma,
     TimestepSampler,
     check_component_weights,
     child_generator,
+    leading_sigma,
     monte_carlo_draws,
     noise_state,
     per_sample_squared_error,
@@ -87,7 +89,7 @@ class SFTObjective(Objective):
         for sigma, noise in monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator):
             terms.append(flow_matching_error(adapter, clean, condition, sigma, noise, self.component_weights,
                                              self.frozen_components))
-            sigmas.append(sigma)
+            sigmas.append(leading_sigma(sigma))
         per_sample = torch.stack(terms).mean(0)
         sigma = torch.stack(sigmas).detach()
         return LossOutput(loss=per_sample.mean(), per_sample=per_sample, metrics={"sigma_mean": sigma.mean()},
@@ -98,7 +100,7 @@ def flow_matching_error(
     adapter: Adapter,
     clean: LatentState,
     condition: Condition,
-    sigma: torch.Tensor,
+    sigma: Sigma,
     noise: LatentState,
     component_weights: dict[str, float] | None = None,
     frozen_components: Collection[str] = (),
@@ -108,10 +110,15 @@ def flow_matching_error(
     ``None``: the adapter's ``default_component_weights``).
 
     Elements the clean state's masks pin (mask 0, e.g. an I2AV first frame) enter the denoiser clean and are
-    left out of the error, and so are the ``frozen_components`` (noised and denoised all the same).
+    left out of the error, and so are the ``frozen_components`` (noised and denoised all the same). A per-component
+    ``sigma`` (dict, :meth:`~ff_core.adapter.Adapter.timestep_shifts`) noises each component at its own level and
+    asks :meth:`~ff_core.adapter.Adapter.component_velocity`; the target is ``noise - x0`` either way.
     """
     noisy = noise_state(clean, noise, sigma)
     target = clean.zip_map(noise, velocity_target)
-    pred = adapter.velocity(noisy, sigma, condition)
+    if isinstance(sigma, dict):
+        pred = adapter.component_velocity(noisy, sigma, condition)
+    else:
+        pred = adapter.velocity(noisy, sigma, condition)
     weights = resolve_component_weights(adapter, component_weights)
     return per_sample_squared_error(pred, target, weights, frozen_components)

@@ -311,3 +311,29 @@ def test_one_component_without_weights_is_the_masked_element_mean_bit_for_bit():
     direct = (sq * full).flatten(1).sum(1) / full.flatten(1).sum(1)
     assert torch.equal(per_sample_squared_error(pred, target), direct)
     assert torch.equal(per_sample_squared_error(pred, target, {"latent": 1.0}), direct)
+
+
+def test_an_adapter_without_per_component_shifts_trains_as_before_bit_for_bit(tiny_sd3):
+    """``Adapter.timestep_shifts`` None (SD3; Wan and LTX-2 keep the default too): the SFT loss is the one-shift
+    draw's bit for bit: sigma = shift_sigma(u, the adapter's shift) for every component, then ``velocity`` at it."""
+    from ff_sd3 import SD3Adapter
+    from torch.utils.data import default_collate
+
+    from ff_core.adapter import ConditionInput
+    from ff_core.objectives.flow_matching import randn_like
+
+    adapter = SD3Adapter.from_pretrained(str(tiny_sd3), resolution=32).eval()
+    assert adapter.timestep_shifts() is None and TimestepSampler().resolve_shifts(adapter) is None
+    condition = adapter.prepare_condition(default_collate(adapter.preprocess([ConditionInput("a red square")])))
+    clean = adapter.initial_noise(condition, torch.Generator().manual_seed(3)).map(lambda x: 0.5 * x)
+    with torch.no_grad():
+        got = SFTObjective().loss(adapter, clean, condition, torch.Generator().manual_seed(11))
+        g = torch.Generator().manual_seed(11)
+        u = torch.sigmoid(torch.randn(1, generator=g))
+        sigma = shift_sigma(u, adapter.timestep_shift(clean))
+        noise = clean.map(lambda x: randn_like(x, g))
+        noisy = clean.zip_map(noise, lambda x0, e: ((1 - sigma) * x0.float() + sigma * e.float()).to(x0.dtype))
+        pred = adapter.velocity(noisy, sigma, condition)
+    expected = per_sample_squared_error(pred, clean.zip_map(noise, velocity_target))
+    assert_close(got.sigma, sigma[None], rtol=0, atol=0)
+    assert_close(got.per_sample, expected, rtol=0, atol=0)

@@ -516,7 +516,7 @@ class MiniMaxH3Adapter(Adapter):
 
     # -- the denoiser ----------------------------------------------------------------------------
     def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
-        """Both streams at ``sigma`` (training noises every component at one level)."""
+        """Both streams at ``sigma`` (a recipe ``timesteps.shift`` trains both streams at one level)."""
         return self.component_velocity(state, {name: sigma for name in state.components}, condition)
 
     def component_velocity(self, state: LatentState, sigmas: dict[str, Tensor], condition: Condition) -> LatentState:
@@ -565,9 +565,14 @@ class MiniMaxH3Adapter(Adapter):
 
     # -- schedules -------------------------------------------------------------------------------
     def timestep_shift(self, state: LatentState | None = None) -> float:
-        """The video scheduler's shift (12 released): training draws its noise levels on the video's schedule (both
-        streams at one level, as :meth:`velocity` takes them)."""
+        """The video scheduler's shift (12 released): a recipe ``timesteps.shift`` replaces both streams' shifts."""
         return float(self.scheduler.config.shift)
+
+    def timestep_shifts(self, state: LatentState | None = None) -> dict[str, float]:
+        """Video on the video scheduler's shift (12), audio on the audio scheduler's (3): training draws one ``u`` per
+        sample and noises each stream at its shifted level, the coupled (sigma_video, sigma_audio) that sampling's two
+        schedules (:meth:`sampling_schedules`) meet."""
+        return {"video": float(self.scheduler.config.shift), "audio": float(self.audio_scheduler.config.shift)}
 
     def _schedule(self, scheduler: Any, num_steps: int, shift: float | None) -> Tensor:
         from diffusers import MiniMaxH3Scheduler
