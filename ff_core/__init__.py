@@ -16,4 +16,5 @@ initial noise's geometry (``sampling_sigmas(..., state=)``), the training table 
 replays call it when components step on their own schedules).
 1.4: checks before weights load: ``Adapter.latent_components`` (per-component config keys), ``check_adapter_kwargs``,
 ``resolve_output_geometry`` (target spans from headers), ``check_bucket`` (``data.buckets``); ``sample``'s
-``guidance_rescale`` (``FlowModule`` passes it only when a run rescales: an older ``sample`` override still works)."""
+``guidance_rescale`` (``FlowModule`` passes it only when a run rescales: an older ``sample`` override still works);
+``Adapter.timestep_shifts`` (training draws one level per component on its own shift, as sampling steps them)."""
