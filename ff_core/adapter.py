@@ -42,6 +42,26 @@ Condition = dict[str, Any]
 """A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
 
 
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+"""The names a config may give a floating dtype by (``model.adapter_kwargs.dtype``, ``model.sharding.param_dtype``)."""
+
+
+def resolve_dtype(value: str | torch.dtype, key: str = "model.adapter_kwargs.dtype") -> torch.dtype:
+    """``value`` as a torch dtype: a dtype as it is, a name from :data:`TORCH_DTYPES`; any other name is a
+    :class:`~ff_core.errors.ConfigError` naming ``key`` and the names it takes (an adapter's ``from_pretrained``
+    ``dtype`` argument)."""
+    from ff_core.errors import ConfigError
+
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in TORCH_DTYPES:
+        raise ConfigError(key, f"unknown dtype {value!r}; expected one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[value]
+
+
 def scheduler_sigma_table(scheduler: Any) -> Tensor:
     """The noise levels a diffusers scheduler holds when built (``sigmas``, float32): the table diffusers' training
     scripts index (``noise_scheduler_copy.sigmas[indices]``). Read from a fresh copy built from its config, since

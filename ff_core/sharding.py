@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ff_core.adapter import TORCH_DTYPES, resolve_dtype
+
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
 
 WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 """Attribute names wrapper modules (FSDP1, activation checkpointing, ``torch.compile``) insert into parameter names."""
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 
 
 def clean_name(name: str) -> str:
@@ -67,8 +67,8 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
-            if value is not None and value not in _DTYPES:
-                raise ValueError(f"model.sharding.{key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
+            if value is not None:
+                resolve_dtype(value, f"model.sharding.{key}")
         if self.cpu_offload:
             from ff_core.errors import ConfigError
 
@@ -86,7 +86,7 @@ class ShardingConfig:
         """
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-        policy = MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.param_dtype), reduce_dtype=_DTYPES.get(
+        policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES.get(self.param_dtype), reduce_dtype=TORCH_DTYPES.get(
             self.reduce_dtype), cast_forward_inputs=not root)  # fmt: skip
         return {"mp_policy": policy, "reshard_after_forward": self.reshard_after_forward,
                 "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}  # fmt: skip
@@ -135,7 +135,7 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
             fully_shard(block, mesh=mesh, **kwargs)
         fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
         if config.param_dtype is not None:
-            cast_forward_inputs(network, _DTYPES[config.param_dtype], adapter.full_precision_inputs)
+            cast_forward_inputs(network, TORCH_DTYPES[config.param_dtype], adapter.full_precision_inputs)
 
 
 def check_sharded(module: nn.Module) -> None:

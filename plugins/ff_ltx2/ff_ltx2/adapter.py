@@ -41,6 +41,7 @@ from ff_core.adapter import (
     move_condition,
     prompt_rows,
     reject_input_media,
+    resolve_dtype,
     scheduler_sigma_table,
 )
 from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
@@ -49,9 +50,6 @@ from ff_core.data.geometry import AudioSpan, MediaGeometry
 from ff_core.errors import ConfigError
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 from ff_ltx2.audio import log_mel
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 
 # Spec dataset-guide, "Offline model support", ltx2_t2av: every candidate an exact ordered (video, audio) pair with
 # required fps and sample_rate.
@@ -72,14 +70,6 @@ VIDEO_LORA_TARGETS: tuple[str, ...] = tuple(f"{m}.{p}" for m in ("attn1", "attn2
 # keeps the audio-to-video attention and its norm (video queries reading the audio) and everything else.
 _AUDIO_PARAMETER = re.compile(
     r"^(transformer_blocks\.\d+\.)?(audio_(?!to_video_)|video_to_audio_|av_cross_attn_audio_)")
-
-
-def _dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[value]
 
 
 def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
@@ -261,7 +251,7 @@ class LTX2T2AVAdapter(Adapter):
         cls._check_values(**{k: settings[k] for k in ("height", "width", "num_frames", "frame_rate",
                                                       "max_sequence_length", "mel_n_fft", "audio_tolerance")})
         try:
-            _dtype(settings["dtype"])
+            resolve_dtype(settings["dtype"])
             cls._extra_kwargs(settings["image_crf"])
         except ValueError as exc:  # "model.adapter_kwargs.<key>: reason"
             key, _, reason = str(exc).partition(": ")
@@ -377,7 +367,7 @@ class LTX2T2AVAdapter(Adapter):
             dtype: weights dtype of the transformer, the connectors and the text encoder (VAEs, vocoder: fp32).
             revision: hub revision.
         """
-        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
         # The geometry against the checkpoint's configs before any weight loads (ff fit checked it already).
         cls.check_adapter_kwargs(path, {"height": height, "width": width, "num_frames": num_frames,
                                         "frame_rate": frame_rate, "max_sequence_length": max_sequence_length,

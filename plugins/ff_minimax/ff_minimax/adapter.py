@@ -45,18 +45,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media
+from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media, resolve_dtype
 from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
-from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, aligned_num_frames, check_clip
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 
 T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 """``minimax-h3-t2va``: prompt only, an exact ordered (video, audio) pair out, B = 1, no CFG."""
@@ -65,14 +61,6 @@ T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 TEXT_ENCODER_LAYER = 50  # hidden_states[50] of Qwen3-VL conditions the transformer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's (ImageNet) pixel convention
 AUDIO_CHANNELS = 2  # stereo, carried as two channel-major blocks of audio rows
-
-
-def _dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ConfigError("model.adapter_kwargs.dtype", f"unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[value]
 
 
 def pixel_stats(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -254,7 +242,7 @@ class MiniMaxH3Adapter(Adapter):
             revision: hub revision.
         """
         check_clip(num_frames, height, width)  # before any weight loads; the canvas multiple once the VAE is known
-        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
         adapter = cls(**cls._components(path, dt, revision), height=height, width=width, num_frames=num_frames)
         local = Path(path).expanduser()
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
@@ -293,7 +281,7 @@ class MiniMaxH3Adapter(Adapter):
         """Before any weight loads (``ff fit`` set-up, ``ff data validate --model``): ``dtype`` known and the clip
         within the spec's rules (:func:`~ff_minimax.rules.check_clip`: 5-15 s after rounding to ``17 n + 5``); with
         the checkpoint, the canvas against :meth:`canvas_multiple`. Each a ``ConfigError`` naming the key."""
-        _dtype(adapter_kwargs.get("dtype", "float32"))
+        resolve_dtype(adapter_kwargs.get("dtype", "float32"))
         multiple = None if pretrained_model_name_or_path is None else cls.canvas_multiple(pretrained_model_name_or_path)
         check_clip(*cls._clip(adapter_kwargs), multiple)
 

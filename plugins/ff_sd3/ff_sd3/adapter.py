@@ -29,23 +29,13 @@ from ff_core.adapter import (
     move_condition,
     prompt_rows,
     reject_input_media,
+    resolve_dtype,
     scheduler_sigma_table,
 )
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
 from ff_core.image_latents import decode_images, encode_images, stack_image_targets
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-
-
-def _dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ValueError(f"model.adapter_args.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[value]
 
 
 class SD3Adapter(Adapter):
@@ -127,7 +117,7 @@ class SD3Adapter(Adapter):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
-        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
         # diffusers models take torch_dtype, transformers 5 models take dtype.
         diffusers_models = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
         text_models = {"text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,

@@ -34,14 +34,12 @@ from ff_core.adapter import (
     move_condition,
     prompt_rows,
     reject_input_media,
+    resolve_dtype,
 )
 from ff_core.contracts import VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import MediaGeometry
 from ff_core.data.tensor_rows import TensorColumns
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 
 FIRST = SlotSpec("first_frame", MediaType.IMAGE)
 LAST = SlotSpec("last_frame", MediaType.IMAGE)
@@ -54,14 +52,6 @@ I2V_CONTRACTS: dict[str, PipelineIOContract] = {
     "flf2v": PipelineIOContract(outputs=(VIDEO_OUT,), slots=(FIRST, LAST), max_batch_size=1),
     "a14b": PipelineIOContract(outputs=(VIDEO_OUT,), slots=(FIRST, LAST_OPTIONAL), max_batch_size=1),
 }
-
-
-def _dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ValueError(f"model.adapter_args.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[value]
 
 
 def _config(pretrained: str | os.PathLike, filename: str, subfolder: str | None = None) -> dict[str, Any] | None:
@@ -252,7 +242,7 @@ class WanT2VAdapter(Adapter):
             dtype: weights dtype of the transformer(s) and the text encoder (the VAE stays fp32).
             revision: hub revision.
         """
-        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
         adapter = cls._build(path, dt, revision, height=height, width=width, num_frames=num_frames, fps=fps,
                              max_sequence_length=max_sequence_length)  # fmt: skip
         local = Path(path).expanduser()

@@ -37,6 +37,7 @@ from ff_core.adapter import (
     move_condition,
     prompt_rows,
     reject_input_media,
+    resolve_dtype,
     scheduler_sigma_table,
 )
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
@@ -47,18 +48,6 @@ from ff_core.image_latents import decode_images, encode_images, stack_image_targ
 
 DEFAULT_EMBEDDED_GUIDANCE = 3.5
 """``FluxPipeline.__call__``'s default ``guidance_scale`` (diffusers' FLUX training scripts' ``--guidance_scale``)."""
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-
-
-def _dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ValueError(f"model.adapter_kwargs.dtype: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[value]
-
 
 class FluxAdapter(Adapter):
     """FLUX.1 text-to-image adapter (any checkpoint in the diffusers ``FluxPipeline`` layout).
@@ -145,7 +134,7 @@ class FluxAdapter(Adapter):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-        path, dt = str(pretrained_model_name_or_path), _dtype(dtype)
+        path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
         # diffusers models take torch_dtype, transformers 5 models take dtype.
         models = {
             "transformer": FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dt,
