@@ -3,11 +3,12 @@ examples/plugins: pyproject.toml ``testpaths``): the package goes on ``sys.path`
 subprocesses), and, per test module, ``FF_PLUGINS=ff_flux.plugin`` registers its ``flux1`` adapter the way the
 installed entry point would (ff_core/plugins.py), leaving every other test's registry as it was."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from ff_core.testing.plugin_site import registered_from_source
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -17,14 +18,8 @@ if str(HERE) not in sys.path:
 @pytest.fixture(autouse=True, scope="module")
 def flux_plugin_registered():
     """The registry (built once per process) sees ff_flux.plugin for this module's tests, then forgets it."""
-    from ff_core.plugins import PLUGINS_ENV, get_registry
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(PLUGINS_ENV, "ff_flux.plugin")
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-        get_registry.cache_clear()
+    with registered_from_source("ff_flux.plugin", HERE):
         yield
-    get_registry.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ point. Run from a source tree where it is not installed, the package goes on ``s
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from ff_core.testing.plugin_site import registered_from_source
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -20,29 +20,12 @@ for folder in (PLUGIN_ROOT, TESTS):
         sys.path.insert(0, str(folder))
 
 
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution("ff-minimax")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 @pytest.fixture(autouse=True, scope="module")
 def minimax_plugin_registered():
     """Without the installed distribution, the registry sees ff_minimax.plugin for this module's tests, then forgets
     it."""
-    if _installed():
+    with registered_from_source("ff_minimax.plugin", PLUGIN_ROOT, distribution="ff-minimax"):
         yield
-        return
-    from ff_core.plugins import PLUGINS_ENV, get_registry
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(PLUGINS_ENV, "ff_minimax.plugin")
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN_ROOT), os.environ.get("PYTHONPATH")])))
-        get_registry.cache_clear()
-        yield
-    get_registry.cache_clear()
 
 
 @pytest.fixture(scope="session")
