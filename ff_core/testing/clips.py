@@ -83,3 +83,28 @@ def av_clip(rgb: tuple[int, int, int], hz: float, frames: int, fps: float, rate:
     t = np.arange(int(round(frames / fps * rate))) / rate
     tone = 0.3 * np.sin(2 * np.pi * hz * t)
     return clip, np.repeat(tone[:, None], channels, axis=1)
+
+
+def write_wav(path: Path, tone: np.ndarray, rate: int) -> Path:
+    """``tone`` (float (N, channels) in [-1, 1]) as a 16-bit PCM WAV at ``rate`` (ff's one WAV writer, media
+    logging's), the folder created."""
+    import torch
+
+    from ff_core.callbacks.media_log import audio_to_wav
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone.T)).float(), rate))
+    return path
+
+
+def write_av_pair(root: Path, stem: str, clip: np.ndarray, tone: np.ndarray, fps: float, rate: int) -> list[dict]:
+    """One (video, audio) target of an audio+video dataset: ``clip`` (uint8 (F, H, W, 3)) as ``videos/<stem>.mp4`` at
+    ``fps``, ``tone`` as ``audios/<stem>.wav`` at ``rate``; returns the ordered V2 media objects (paths relative to
+    ``root``, with ``fps`` and ``sample_rate``)."""
+    from ff_core.testing.moving_shapes import write_mp4
+
+    video = {"type": "video", "path": f"videos/{stem}.mp4", "fps": fps}
+    audio = {"type": "audio", "path": f"audios/{stem}.wav", "sample_rate": rate}
+    write_mp4(root / video["path"], clip, fps)
+    write_wav(root / audio["path"], tone, rate)
+    return [video, audio]

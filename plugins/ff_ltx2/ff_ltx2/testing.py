@@ -200,9 +200,6 @@ def write_av_clips(
     """
     from PIL import Image
 
-    from ff_core.callbacks.media_log import audio_to_wav
-    from ff_core.testing.moving_shapes import write_mp4
-
     if n < 2:
         raise ValueError(f"write_av_clips needs n >= 2, got {n}")
     root = Path(root)
@@ -211,12 +208,7 @@ def write_av_clips(
 
     def pair(stem: str, colour: str, pitch: str) -> list[dict[str, Any]]:
         clip, tone = av_clip(colour, pitch, frames, fps, rate, channels=channels)
-        video = {"type": "video", "path": f"videos/{stem}.mp4", "fps": fps}
-        audio = {"type": "audio", "path": f"audios/{stem}.wav", "sample_rate": rate}
-        write_mp4(root / video["path"], clip, fps)
-        (root / audio["path"]).parent.mkdir(parents=True, exist_ok=True)  # ff's one WAV writer (media logging's)
-        (root / audio["path"]).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone.T)).float(), rate))
-        return [video, audio]
+        return clips.write_av_pair(root, stem, clip, tone, fps, rate)
 
     for i in range(n):
         colour, pitch = list(COLOURS)[i % len(COLOURS)], pitches[i % len(pitches)]

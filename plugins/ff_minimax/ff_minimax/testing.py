@@ -189,9 +189,6 @@ def write_av_clips(
         rate: the WAV files' sample rate (and each record's ``sample_rate``).
         channels: the WAV files' channel count.
     """
-    from ff_core.callbacks.media_log import audio_to_wav
-    from ff_core.testing.moving_shapes import write_mp4
-
     if n < 2:
         raise ValueError(f"write_av_clips needs n >= 2, got {n}")
     root = Path(root)
@@ -200,12 +197,7 @@ def write_av_clips(
 
     def pair(stem: str, colour: str, pitch: str) -> list[dict[str, Any]]:
         clip, tone = av_clip(colour, pitch, frames, fps, rate, channels=channels)
-        video = {"type": "video", "path": f"videos/{stem}.mp4", "fps": fps}
-        audio = {"type": "audio", "path": f"audios/{stem}.wav", "sample_rate": rate}
-        write_mp4(root / video["path"], clip, fps)
-        (root / audio["path"]).parent.mkdir(parents=True, exist_ok=True)
-        (root / audio["path"]).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone.T)).float(), rate))
-        return [video, audio]
+        return clips.write_av_pair(root, stem, clip, tone, fps, rate)
 
     for i in range(n):
         colour, pitch = list(COLOURS)[i % len(COLOURS)], pitches[i % len(pitches)]
@@ -314,8 +306,6 @@ REFERENCE_FORMS: tuple[tuple[str, ...], ...] = (("image",), ("image", "audio"), 
 def _references(root: Path, i: int, colour: str, pitch: str, form: tuple[str, ...]) -> list[dict[str, Any]]:
     """Reference files of row ``i`` under ``root/references`` (a ``colour`` square PNG, a 1 s mono ``pitch`` tone WAV
     at 8 kHz) as ordered media objects, paths relative to the dataset folder."""
-    from ff_core.callbacks.media_log import audio_to_wav
-
     out = []
     for k, kind in enumerate(form):
         if kind == "image":
@@ -323,8 +313,7 @@ def _references(root: Path, i: int, colour: str, pitch: str, form: tuple[str, ..
         else:
             _, tone = av_clip(colour, pitch, TINY_FRAMES, TINY_FPS, 8000)
             rel = f"references/{i:03d}_{k}.wav"
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_bytes(audio_to_wav(torch.from_numpy(np.ascontiguousarray(tone[:8000].T)).float(), 8000))
+            clips.write_wav(root / rel, tone[:8000], 8000)
             out.append({"type": "audio", "path": rel, "sample_rate": 8000})
     return out
 
