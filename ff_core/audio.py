@@ -47,6 +47,19 @@ def audio_clock_offset(audio: Any) -> float:
     return start * float(audio.sample_rate) / float(audio.clock_rate)
 
 
+def audio_on_clock(audio: Any, model_rate: float, what: str) -> tuple[Tensor, float, float]:
+    """A target audio as ``(waveform (C, N), clock rate, offset)``: a ``DecodedAudio`` on its declared clock
+    (``clock_rate``, the manifest's ``sample_rate``) with its first sample's time on that clock
+    (:func:`audio_clock_offset`); a float (C, N) tensor is taken as already at ``model_rate``, from 0. Anything else is
+    a ``ValueError`` naming ``what``."""
+    waveform = getattr(audio, "waveform", None)
+    if waveform is not None:
+        return waveform, float(audio.clock_rate), audio_clock_offset(audio)
+    if not (isinstance(audio, Tensor) and audio.ndim == 2 and audio.is_floating_point()):
+        raise ValueError(f"{what}: expected audio (DecodedAudio or float (C, N) tensor), got {type(audio).__name__}")
+    return audio, float(model_rate), 0.0
+
+
 def clock_window(waveform: Tensor, clock_rate: float, start: float, duration: float, *, tolerance: float,
                  what: str, keep: float | None = None) -> Tensor:  # fmt: skip
     """The samples of ``waveform`` (C, N) covering ``[start, start + keep)`` seconds of its clock (as far as the

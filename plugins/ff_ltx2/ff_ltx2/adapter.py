@@ -44,7 +44,7 @@ from ff_core.adapter import (
     resolve_dtype,
     scheduler_sigma_table,
 )
-from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
+from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
 from ff_core.data.geometry import AudioSpan, MediaGeometry
 from ff_core.errors import ConfigError
@@ -579,14 +579,7 @@ class LTX2T2AVAdapter(Adapter):
         waveform's own start (file seconds) is put on that clock too: ``start * sample_rate / clock_rate``.
         """
         cfg = self.audio_vae.config
-        waveform = getattr(audio, "waveform", None)
-        if waveform is None:
-            if not (isinstance(audio, Tensor) and audio.ndim == 2 and audio.is_floating_point()):
-                raise ValueError(f"{what}: expected audio (DecodedAudio or float (C, N) tensor), got "
-                                 f"{type(audio).__name__}")  # fmt: skip
-            waveform, rate, offset = audio, float(cfg.sample_rate), 0.0
-        else:
-            rate, offset = float(audio.clock_rate), audio_clock_offset(audio)
+        waveform, rate, offset = audio_on_clock(audio, cfg.sample_rate, what)
         frames = 4 * self.audio_latent_frames
         samples = frames * cfg.mel_hop_length
         # 4 L hops can run past the clip's clock (L = round(duration * latents per second) rounded up): cut that much

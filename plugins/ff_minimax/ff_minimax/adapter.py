@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media, resolve_dtype
-from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window, to_model_rate
+from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
@@ -650,14 +650,7 @@ class MiniMaxH3Adapter(Adapter):
         decoded waveform's own start (file seconds) is put on the audio's clock (its declared ``sample_rate``) by
         :func:`~ff_core.audio.audio_clock_offset`.
         """
-        waveform = getattr(audio, "waveform", None)
-        if waveform is None:
-            if not (isinstance(audio, Tensor) and audio.ndim == 2 and audio.is_floating_point()):
-                raise ValueError(f"{what}: expected audio (DecodedAudio or float (C, N) tensor), got "
-                                 f"{type(audio).__name__}")  # fmt: skip
-            waveform, rate, offset = audio, float(self.audio_rate), 0.0
-        else:
-            rate, offset = float(audio.clock_rate), audio_clock_offset(audio)
+        waveform, rate, offset = audio_on_clock(audio, self.audio_rate, what)
         seconds = self.audio_samples / self.audio_rate
         window = clock_window(waveform, rate, start - offset, seconds, tolerance=math.inf, what=what)
         return to_model_rate(window, rate, self.audio_rate, AUDIO_CHANNELS, self.audio_samples)
