@@ -22,6 +22,11 @@ rounds (each from a freshly opened dataset; the machine may be shared):
   take the row (the reference loader also ignores ``_dtype``; this one honours it, which costs nothing);
 * ``ff``: ``TensorParquetDataset[i]`` (one row group, requested columns, ``_bytes`` values read from their pages);
 * ``ff pyarrow``: the same with ``direct=False`` (every column decoded by pyarrow: the path before the page reader);
+* ``ff file ranges``: ``TensorParquetDataset.describe(i)``: the row located and checked, its uncompressed tensors
+  as file ranges that the consumption reads straight into its buffer (one copy from the page cache: what the
+  training loader does, ``data.hand_off``, with or without workers); ``, no catalogue``: the same without row
+  catalogues (``catalogue=False``: each file's small columns decoded and its page headers parsed again in every
+  new process, as on a dataset's first epoch), else the catalogues the first round stored serve every later one;
 * ``ff two-level``: ff over :func:`two_level_order` (window 4, 4 cached groups) instead of a full permutation;
 * ``memcpy``: copying each row's bytes between two RAM buffers (``ctypes.memmove``), the ceiling of any reader that
   returns memory it owns; ``pread``: reading each row's byte range of a file into a reused buffer (kernel copy from
@@ -73,7 +78,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ff_core.data.dataflow import DataflowLoader, materialize  # noqa: E402
+from ff_core.data.dataflow import DataflowLoader, LazyValue, materialize  # noqa: E402
 from ff_core.data.datamodule import FlowDataModule  # noqa: E402
 from ff_core.data.tensor_parquet import (  # noqa: E402
     I2V_TRACK_SCHEMA,
@@ -177,10 +182,14 @@ class Consumer:
     def __call__(self, row: dict) -> None:
         at = 0
         for value in row.values():
-            if isinstance(value, torch.Tensor):
-                n = value.numel() * value.element_size()
-                self.buffer[at: at + n].copy_(value.reshape(-1).view(torch.uint8))
-                at += n
+            if isinstance(value, (torch.Tensor, LazyValue)):
+                n = value.shape.numel() * value.dtype.itemsize
+                slot = self.buffer[at: at + n]
+                if isinstance(value, LazyValue):  # a file range: read straight into its slot (no other copy)
+                    value.materialize_into(slot.view(value.dtype).view(value.shape))
+                else:
+                    slot.copy_(value.reshape(-1).view(torch.uint8))
+                at += -(-n // 64) * 64  # slots aligned for any dtype
 
 
 def timed(read: Callable[[int], dict | None], order: Iterator[int], budget: float, row_bytes: float,
@@ -215,10 +224,13 @@ def best_of(rounds: int, measure_once: Callable[[], dict]) -> dict:
 def run_reader(root: Path, name: str, order: torch.Tensor, budget: float, row_bytes: float,
                consume: Consumer) -> dict:
     """One round of one reader over a freshly opened dataset (no decoded group carried over between rounds)."""
-    ds = TensorParquetDataset(root, cached_groups=4, direct="pyarrow" not in name)
+    ds = TensorParquetDataset(root, cached_groups=4, direct="pyarrow" not in name,
+                              catalogue="no catalogue" not in name)
     if name.startswith("ff two-level"):
         order = two_level_order(ds.group_bounds, 0, 0, window=4)
-    read = {"card recipe": card_recipe, "whole row group": whole_group}.get(name, lambda d: d.__getitem__)(ds)
+    read = {"card recipe": card_recipe, "whole row group": whole_group,
+            "ff file ranges": lambda d: d.describe, "ff file ranges, no catalogue": lambda d: d.describe}.get(
+        name, lambda d: d.__getitem__)(ds)
     return timed(read, iter(order), budget, row_bytes, consume)
 
 
@@ -417,7 +429,8 @@ def main() -> None:
 
 
 READERS = {"reference": ("card recipe", "whole row group", "ff", "ff pyarrow", "ff two-level", "ff two-level pyarrow"),
-           "ff": ("card recipe", "whole row group", "ff", "ff pyarrow", "ff two-level")}
+           "ff": ("card recipe", "whole row group", "ff", "ff file ranges", "ff file ranges, no catalogue",
+                  "ff pyarrow", "ff two-level")}
 
 
 def row_line(layout: str, name: str, r: dict) -> str:

@@ -217,9 +217,12 @@ class TensorRows:
         return k, index - self.offsets[k]
 
     def read(self, index: int) -> dict[str, Any]:
-        """Row ``index`` decoded: scalars as Python values, tensors as ``torch.Tensor``."""
+        """Row ``index`` decoded: scalars as Python values, tensors as ``torch.Tensor``; from a dataset opened with
+        ``hand_off``, uncompressed tensors as file ranges (:meth:`~ff_core.data.tensor_parquet.TensorParquetDataset.
+        describe`) that ``DataflowLoader`` reads straight into the batch, in its workers or in the main process."""
         k, row = self.locate(index)
-        return self.datasets[k][row]
+        dataset = self.datasets[k]
+        return dataset.describe(row) if dataset.hand_off else dataset[row]
 
     def shapes(self, index: int) -> dict[str, tuple[int, ...]]:
         """Row ``index``'s tensor shapes, from its ``_shape`` columns only."""

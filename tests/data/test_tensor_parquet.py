@@ -27,6 +27,7 @@ from ff_core.data.tensor_parquet import (
     tensor_schema,
     two_level_order,
 )
+from ff_core.data.tensor_parquet.catalogue import CATALOGUE_DIR
 from ff_core.data.tensor_parquet.inspect import inspect_tensor_parquet
 from ff_core.errors import DatasetError
 
@@ -412,25 +413,35 @@ def test_bad_arguments(tmp_path):
         TensorParquetDataset(tmp_path, open_files=0)
 
 
-def test_per_file_caches_follow_a_rewritten_file(tmp_path):
+@pytest.mark.parametrize("catalogue", [False, True])
+def test_per_file_caches_follow_a_rewritten_file(tmp_path, catalogue):
     """A file rewritten atomically (ff's writer replaces a chunk by renaming a new file over it): a dataset opened
     after it reads the new rows (new index, new caches); one opened before keeps reading the old file it mapped,
     small columns and tensors alike, never a mix, whether its caches were filled before the rename or after (the
-    new file has the old one's exact layout, so a read by path with the old footer would not fail: it would mix)."""
+    new file has the old one's exact layout, so a read by path with the old footer would not fail: it would mix).
+    With row catalogues the new file is given the old one's size and modification time too (a rewrite within the
+    file system's clock tick): only the footer tells them apart, and the old file's stored catalogue is not used."""
     def write(k: int) -> None:
         with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=4) as writer:
             for i in range(4):
                 writer.write({"id": f"v{k}-{i}", "x": torch.full((2,), float(10 * k + i))})  # same layout
 
     write(0)
-    old, cached = TensorParquetDataset(tmp_path), TensorParquetDataset(tmp_path)
+    old, cached = (TensorParquetDataset(tmp_path, catalogue=catalogue) for _ in range(2))
     assert old[0]["id"] == "v0-0"  # the file opened; its small columns not decoded whole yet
     assert [cached[i]["id"] for i in range(4)] == [f"v0-{i}" for i in range(4)]
-    assert cached._small_files and len(cached._handles[0].locations) == 4  # every cache filled
+    if catalogue:  # built on the second read and stored
+        assert cached._handles[0].catalogue is not None and list((tmp_path / CATALOGUE_DIR).iterdir())
+    else:
+        assert cached._small_files and len(cached._handles[0].locations) == 4  # every cache filled
+    before = old.files[0].stat()
     old.files[0].unlink()
     write(1)
-    new = TensorParquetDataset(tmp_path)
-    assert not new.index_cached
+    assert old.files[0].stat().st_size == before.st_size
+    if catalogue:
+        os.utime(old.files[0], ns=(before.st_atime_ns, before.st_mtime_ns))
+    new = TensorParquetDataset(tmp_path, catalogue=catalogue)
+    assert new.index_cached == catalogue  # same sizes and times: the row index cannot tell (nor needs to: same groups)
     for i in range(4):
         assert new[i]["id"] == f"v1-{i}" and torch.equal(new[i]["x"], torch.full((2,), float(10 + i)))
         for ds in (old, cached):  # old decodes the whole file's small columns now: from the file it opened

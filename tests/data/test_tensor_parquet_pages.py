@@ -277,10 +277,11 @@ def _write_files(root, rows: list[dict], per_file: int, per_group: int, **option
 def test_per_file_caches_serve_the_same_rows_as_pyarrow_and_stay_bounded(tmp_path, monkeypatch, per_group, options):
     """Several epochs in shuffled orders over three files: the per-file small-column cache (here bounded to 6 rows,
     so files are evicted and decoded again) and the per-handle page locations give pyarrow's rows every time; an
-    epoch after the first parses no page header of an uncompressed chunk."""
+    epoch after the first parses no page header of an uncompressed chunk. (Row catalogues off: they replace both
+    caches for uncompressed files, ``test_tensor_parquet_catalogue.py``.)"""
     rows = rows_of_every_dtype(nulls=True)  # 9 rows: 3 files of 3 rows
     _write_files(tmp_path, rows, 3, per_group, **WRITE_OPTIONS[options])
-    direct, arrow = both(tmp_path)
+    direct, arrow = TensorParquetDataset(tmp_path, catalogue=False), TensorParquetDataset(tmp_path, direct=False)
     direct.small_rows = 6
     parsed = Counter()
     original = reader.chunk_values

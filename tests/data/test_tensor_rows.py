@@ -19,6 +19,7 @@ from ff_core.data.dataflow import (
     PoolPackingBatcher,
     RawItemProcessor,
     SamplerDistributor,
+    materialize,
 )
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.sources import DatasetConfig, check_dataset_configs
@@ -59,9 +60,9 @@ def shards(tmp_path):
     return roots
 
 
-def rows_of(roots, columns=COLUMNS) -> TensorRows:
+def rows_of(roots, columns=COLUMNS, hand_off=True) -> TensorRows:
     configs = [DatasetConfig(name=r.name, tensor_parquet_dir=str(r)) for r in roots]
-    return TensorRows([s.dataset for s in open_shards(configs, columns, "test")])
+    return TensorRows([s.dataset for s in open_shards(configs, columns, "test", hand_off=hand_off)])
 
 
 # -- the column declaration ------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def test_processor_and_collator_give_the_stored_tensors(shards):
     rows = rows_of(shards)
     assert len(rows) == 12 and rows.locate(8) == (1, 1)
     processor = TensorRowProcessor(rows, COLUMNS)
-    batch = TensorRowCollator().collate([processor.process(i) for i in (8, 0, 5)])
+    batch = materialize(TensorRowCollator().collate([processor.process(i) for i in (8, 0, 5)]))
     assert batch["index"].tolist() == [8, 0, 5] and batch["prompt"] == ["p8", "p0", "p5"]
     for k, i in enumerate((8, 0, 5)):
         expected = row_tensors(i)
@@ -142,7 +143,7 @@ def test_preference_rows_give_both_arms(tmp_path):
     assert COLUMNS.required_for("preference") == ("text_embedding", "pooled", "chosen_latent", "rejected_latent")
     table = TensorRows([s.dataset for s in open_shards(configs, COLUMNS, "test", supervision="preference")])
     processor = TensorRowProcessor(table, COLUMNS, supervision="preference")
-    batch = TensorRowCollator().collate([processor.process(i) for i in (2, 0)])
+    batch = materialize(TensorRowCollator().collate([processor.process(i) for i in (2, 0)]))
     assert set(batch) == {"index", "prompt", "condition", "chosen_latents", "rejected_latents", "metadata"}
     assert torch.equal(batch["chosen_latents"]["latent"][0], row_tensors(2)["latent"])
     assert torch.equal(batch["rejected_latents"]["latent"][1], -row_tensors(0)["latent"])
@@ -203,7 +204,7 @@ def test_deferred_rows_are_read_by_the_collator(shards):
     processor = TensorRowProcessor(rows, COLUMNS, defer=True)
     samples = [processor.process(i) for i in (3, 9)]
     assert samples[0] == {"index": 3, "shapes": {"text_embedding": (3, 5), "pooled": (6,), "latent": (2, 4, 4)}}
-    batch = TensorRowCollator(processor).collate(samples)
+    batch = materialize(TensorRowCollator(processor).collate(samples))
     assert torch.equal(batch["latents"]["latent"][1], row_tensors(9)["latent"])
     with pytest.raises(ValueError, match="deferred"):
         TensorRowCollator().collate(samples)
@@ -277,31 +278,34 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("collation", [None, {"prompt_embeds": "pad"}, {"prompt_embeds": "pad", "pooled": "stack"}])
-def test_workers_hand_rows_to_the_main_process_and_batches_equal_reading_there(tmp_path, collation):
-    """Workers stack the rows' tensors as file ranges (a padded text embedding too); the loader reads them into the
-    batch in the main process: every batch equals the one read without workers, key by key, bit for bit, masks
-    included. Condition collation rules (Wan's: text embeddings padded per batch, the rest stacked) keep the
-    conditions file ranges too: nothing but the masks is read in the worker."""
+def test_file_ranges_give_the_batches_reading_tensors_gives(tmp_path, collation):
+    """With ``hand_off`` the rows' tensors are stacked as file ranges (a padded text embedding too), in the workers or
+    in the main process (no worker), and the loader reads them straight into the batch: every batch equals the one
+    collated from tensors read eagerly (``hand_off=False``, no worker), key by key, bit for bit, masks included.
+    Condition collation rules (Wan's: text embeddings padded per batch, the rest stacked) keep the conditions file
+    ranges too: nothing but the masks is read before the batch is materialised."""
     columns = TensorColumns(condition={"text_embedding": "prompt_embeds", "pooled": "pooled"}, latents=("latent",),
                             pad={"text_embedding": 6} if collation is None else {})
     rows = [{"prompt": f"p{i}", **row_tensors(i, text=1 + i % 6)} for i in range(10)]
     write_rows(tmp_path / "a", rows)
-    table = rows_of([tmp_path / "a"], columns)
     batches = {}
-    for workers in (0, 2):
+    for workers, hand_off in ((0, False), (0, True), (2, True)):
+        table = rows_of([tmp_path / "a"], columns, hand_off=hand_off)
         dist = SamplerDistributor(table, seed=3, name="train", identity={"a": {"rows": len(table)}})
         dl = DataflowLoader(dist, TensorRowProcessor(table, columns), collator=LazyFlagCollator(condition_collation=
                             collation), batch_size=3, num_workers=workers, coords=DataParallelCoords(0, 1))
-        batches[workers] = list(dl)
-    assert len(batches[0]) == 4 and all(b["lazy"] == [False, False] for b in batches[0])
-    assert all(b["lazy"] == [True, True] for b in batches[2])
-    if collation:  # padded to each batch's longest, with the mask of real entries
-        assert all(b["condition"]["prompt_embeds_mask"].sum(1).tolist() ==
-                   [1 + i % 6 for i in b["index"].tolist()] for b in batches[2])
-    for a, b in zip(batches[0], batches[2]):
-        assert same({**a, "lazy": None}, {**b, "lazy": None})
-        assert not any(isinstance(v, LazyValue) for _, v in flat(b))
-    first = batches[0][0]
+        batches[workers, hand_off] = list(dl)
+    eager = batches[0, False]
+    assert len(eager) == 4 and all(b["lazy"] == [False, False] for b in eager)
+    for key in ((0, True), (2, True)):
+        assert all(b["lazy"] == [True, True] for b in batches[key])
+        if collation:  # padded to each batch's longest, with the mask of real entries
+            assert all(b["condition"]["prompt_embeds_mask"].sum(1).tolist() ==
+                       [1 + i % 6 for i in b["index"].tolist()] for b in batches[key])
+        for a, b in zip(eager, batches[key], strict=True):
+            assert same({**a, "lazy": None}, {**b, "lazy": None})
+            assert not any(isinstance(v, LazyValue) for _, v in flat(b))
+    first = eager[0]
     i = first["index"][0].item()
     if collation is None:
         assert torch.equal(first["condition"]["prompt_embeds"][0, :1 + i % 6], rows[i]["text_embedding"])
@@ -388,7 +392,7 @@ def test_stripped_text_embeddings_are_zero_padded_to_the_declared_length(tmp_pat
     write_rows(tmp_path / "text", rows, rows_per_file=2)
     table = rows_of([tmp_path / "text"], columns)
     processor = TensorRowProcessor(table, columns)
-    batch = TensorRowCollator().collate([processor.process(i) for i in range(3)])
+    batch = materialize(TensorRowCollator().collate([processor.process(i) for i in range(3)]))
     embeds = batch["condition"]["prompt_embeds"]
     assert embeds.shape == (3, 6, 5)
     for k, n in enumerate((2, 6, 4)):

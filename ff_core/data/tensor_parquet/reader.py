@@ -44,6 +44,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ff_core.data.tensor_parquet.catalogue import (
+    Catalogue,
+    catalogue_paths,
+    fingerprint,
+    load_catalogue,
+    save_catalogue,
+)
 from ff_core.data.tensor_parquet.file_tensor import FileTensor, allocate, file_identity, pread_full
 from ff_core.data.tensor_parquet.format import (
     BYTES,
@@ -82,7 +89,12 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             :class:`~ff_core.data.tensor_parquet.file_tensor.FileTensor` (which file, which bytes; checked and read
             ahead) that the main process reads with one ``pread`` (:func:`~ff_core.data.dataflow.lazy.materialize`;
             ``DataflowLoader`` does it for every batch), instead of sending the bytes through shared memory.
-            Compressed values are still decoded in the worker. Outside workers: no effect.
+            Compressed values are still decoded in the worker. Outside workers: no effect (:meth:`describe` returns
+            the same description in any process).
+        catalogue: use and keep row catalogues (:mod:`.catalogue`): a file's small columns and ``_bytes`` places,
+            built on its second read and stored for the next process (beside the data, else in ``cache_dir`` or the
+            cache folder), so a row read in a new process decodes and parses nothing but its tensors' bytes.
+            ``False``: per-process caches only (as with a file whose values are compressed).
 
     Attributes:
         tensor_names: the tensors a row holds, in column order.
@@ -100,7 +112,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | os.PathLike, columns: Sequence[str] | None = None,
                  schema: pa.Schema | None = None, cache_dir: str | os.PathLike | None = None,
                  cached_groups: int = 4, open_files: int = 128, copy: bool = False, direct: bool = True,
-                 shared_memory: bool | None = None, hand_off: bool = False) -> None:
+                 shared_memory: bool | None = None, hand_off: bool = False, catalogue: bool = True) -> None:
         if cached_groups < 0 or open_files < 1:
             bad = "cached_groups must be >= 0" if cached_groups < 0 else "open_files must be >= 1"
             raise ValueError(f"TensorParquetDataset: {bad}, got {cached_groups if cached_groups < 0 else open_files}")
@@ -122,6 +134,11 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         # pyarrow decodes the small columns; the _bytes ones are located in their pages unless direct is off.
         self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
+        # A file's catalogue holds every column of it, whichever this dataset reads (another may read others).
+        every_tensor, every_scalar, _ = split_schema(self.index.schema)
+        self._catalogued_tensors = every_tensor
+        self._catalogued_small = [*every_scalar, *(t + s for t in every_tensor for s in (SHAPE, DTYPE))]
+        self.cache_dir, self.catalogue = cache_dir, catalogue
         self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
         self.shared_memory, self.hand_off = shared_memory, hand_off
         self._reset()
@@ -169,6 +186,20 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         return self.files[f], g, r
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        worker = torch.utils.data.get_worker_info() is not None
+        return self._row(i, lazy=self.hand_off and worker, read_ahead=worker)
+
+    def describe(self, i: int) -> dict[str, Any]:
+        """Row ``i`` with every uncompressed tensor as a :class:`~ff_core.data.tensor_parquet.file_tensor.FileTensor`
+        (located and checked, not read), in any process: the caller reads it once, where it wants it
+        (:func:`~ff_core.data.dataflow.lazy.materialize`, or ``materialize_into`` a slice of its batch tensor), so
+        a row costs one copy from the page cache instead of a read into the row's memory and a second copy into the
+        batch. ``DataflowLoader`` materialises every batch it yields; :class:`~ff_core.data.tensor_rows.TensorRows`
+        reads rows this way when the dataset was opened with ``hand_off``. Compressed values are decoded as
+        :meth:`__getitem__` decodes them."""
+        return self._row(i, lazy=True, read_ahead=torch.utils.data.get_worker_info() is not None)
+
+    def _row(self, i: int, lazy: bool, read_ahead: bool) -> dict[str, Any]:
         i = self._check(i)
         f, g, r, gid = self.index.locate(i)
         group = self._row_group(gid, f, g)
@@ -177,8 +208,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         for t in self.tensor_names:
             checked = self._checked(group, t, r, i)
             row[t] = None if checked is None else self._tensor(group, checked, pending, t)
-        if pending and self.hand_off and torch.utils.data.get_worker_info() is not None:
-            row.update(self._hand_off(group.mapped, pending, i))
+        if pending and lazy:
+            row.update(self._hand_off(group.mapped, pending, i, read_ahead))
         if pending:
             row.update(self._arena(group.mapped, pending, self._shared()))
         return row
@@ -272,13 +303,14 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         return out
 
     def _hand_off(self, mapped: _Mapped, pending: dict[str, tuple[Value, list[int], torch.dtype]],
-                  i: int) -> dict[str, FileTensor]:
+                  i: int, read_ahead: bool) -> dict[str, FileTensor]:
         """The pending values that lie uncompressed in the file, as :class:`FileTensor` descriptions the main process
-        reads (removed from ``pending``); the kernel is asked to read them ahead meanwhile (a no-op when cached)."""
+        reads (removed from ``pending``); with ``read_ahead`` (in a worker) the kernel is asked to read them ahead
+        meanwhile (a no-op when cached)."""
         out = {}
         for name in [n for n, (value, _, _) in pending.items() if value[0] is mapped.buffer]:
             (_, start, length), shape, dtype = pending.pop(name)
-            if hasattr(os, "posix_fadvise"):
+            if read_ahead and hasattr(os, "posix_fadvise"):
                 try:
                     os.posix_fadvise(mapped.fd, start, length, os.POSIX_FADV_WILLNEED)
                 except OSError:  # advice only: a file system may refuse it (some FUSE ones); the read still works
@@ -308,6 +340,10 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             return self._groups[gid]
         mapped = self._file(f)
         rows = self.index.group_rows[f][g]
+        if self.direct and self.catalogue:
+            listed = self._from_catalogue(mapped, f, gid, rows)
+            if listed is not None:
+                return listed
         values = self._direct_values(mapped, g, rows) if self.direct else {}
         rest = [t + BYTES for t in self.tensor_names if t not in values]
         self.chunk_reads.update({"direct": len(values), "pyarrow": len(rest)})
@@ -325,6 +361,61 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             while len(self._groups) > self.cached_groups:
                 self._groups.popitem(last=False)
         return group
+
+    def _from_catalogue(self, mapped: _Mapped, f: int, gid: int, rows: int) -> _Group | None:
+        """Row group ``gid`` from its file's :class:`~.catalogue.Catalogue` (no header parsed, no column decoded):
+        loaded at the file's first read in this process, else built on its second (as :meth:`_file_small` decodes
+        the small columns then) and stored for the next process; ``None``: the file has none (read as before)."""
+        if mapped.catalogue is None and not mapped.catalogue_looked:
+            mapped.catalogue_looked = True
+            mapped.catalogue = load_catalogue(self._catalogue_paths(f), mapped.fingerprint,
+                                              sum(self.index.group_rows[f]), self._catalogued_small,
+                                              self._catalogued_tensors)
+        if mapped.catalogue is None:
+            if mapped.catalogue_failed or mapped.small_reads < 1 or sum(self.index.group_rows[f]) > self.small_rows:
+                return None
+            mapped.catalogue = self._build_catalogue(mapped, f)
+            if mapped.catalogue is None:
+                return None
+        start = int(self.index.group_start[gid] - self.index.file_start[f])
+        catalogue, end = mapped.catalogue, start + rows
+        self.chunk_reads["catalogue"] += len(self.tensor_names)
+        small = {c: catalogue.small[c][start:end] for c in self._small_columns}
+        values = {t: [None if p is None else (mapped.buffer, *p) for p in catalogue.places[t][start:end]]
+                  for t in self.tensor_names}
+        return _Group(mapped, small, values)
+
+    def _build_catalogue(self, mapped: _Mapped, f: int) -> Catalogue | None:
+        """File ``f``'s catalogue from its small columns (one pyarrow read) and its ``_bytes`` page headers, every
+        column of it; stored where :func:`~.catalogue.catalogue_paths` says (best effort). ``None`` (and never tried
+        again while the file is open) when a value is compressed or a chunk is one the page reader leaves to
+        pyarrow: the file is then read as before, which names any damage."""
+        mapped.catalogue_failed = True  # until it succeeds
+        first = mapped.meta.row_group(0) if mapped.meta.num_row_groups else None
+        if first is None or any(first.column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
+                                for t in self._catalogued_tensors if t + BYTES in mapped.columns):
+            return None  # compressed values are decoded at each read: nothing to locate (known from the footer)
+        places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in self._catalogued_tensors}
+        for g, rows in enumerate(self.index.group_rows[f]):
+            for t in self._catalogued_tensors:
+                try:
+                    found = mapped.values(g, t + BYTES, rows)
+                except Unsupported:
+                    return None
+                if any(v is not None and v[0] is not mapped.buffer for v in found):
+                    return None  # compressed: decoded at each read, nothing to locate
+                places[t] += [None if v is None else (v[1], v[2]) for v in found]
+        try:
+            table = mapped.read_all(self._catalogued_small)
+        except (OSError, pa.ArrowException):
+            return None
+        catalogue = Catalogue({c: table.column(c).to_pylist() for c in self._catalogued_small}, places)
+        save_catalogue(self._catalogue_paths(f), catalogue.to_ipc(table, mapped.fingerprint))
+        mapped.catalogue_failed = False
+        return catalogue
+
+    def _catalogue_paths(self, f: int) -> list[Path]:
+        return catalogue_paths(self.root, self.index.files[f], self.cache_dir)
 
     def _direct_values(self, mapped: _Mapped, g: int, rows: int) -> dict[str, list[Value]]:
         """Where each row's ``_bytes`` values of row group ``g`` lie, for the chunks the page reader reads.
@@ -439,6 +530,7 @@ class _Mapped:
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
         self.meta = self.file.metadata  # one wrapper, not one per access
+        self.fingerprint = fingerprint(self.fd)  # what its catalogue is keyed by (the footer is known good now)
         schema = self.meta.schema
         # Flat columns only (a nested one, a list, has a dotted path and is never a _bytes column): column index
         # and maximum definition level by name.
@@ -449,6 +541,9 @@ class _Mapped:
         self.locations: dict[int, dict[str, list[Value]]] = {}  # row group -> uncompressed _bytes values' places
         self.small_reads = 0  # row groups whose small columns were read while this handle was open
         self.small_failed = False  # the small columns of the whole file could not be decoded at once
+        self.catalogue: Catalogue | None = None  # the file's row catalogue (:mod:`.catalogue`), once found or built
+        self.catalogue_looked = False  # its stored catalogue was looked for
+        self.catalogue_failed = False  # building one failed (a compressed value, a chunk left to pyarrow)
 
     def read_all(self, columns: list[str]) -> pa.Table:
         """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,

@@ -1,0 +1,142 @@
+"""A file's row catalogue: what its rows hold besides their tensor bytes, kept on disk for the next process.
+
+Reading a row of a one-row-per-group file costs, besides the copy of its tensors, two per-file setups that every
+new process pays again: decoding the file's small columns (scalars, ``_shape``, ``_dtype``: pyarrow spends ~30 µs
+a column chunk, ~0.3-0.6 ms a row with the card's 25) and parsing the page header in front of each ``_bytes`` value
+(~0.3 ms a row). Together they cost as much as the copy itself (benchmarks/RESULTS.md, "Tensor-parquet shards",
+run K), and DataLoader workers are new processes every epoch. A catalogue holds both for every row of one file:
+
+* every small column of the file, as pyarrow decoded it;
+* for every tensor, where its ``_bytes`` value lies in the file (offset, length; null for a null value).
+
+It is built by a reader from what it reads anyway (:meth:`~ff_core.data.tensor_parquet.TensorParquetDataset`'s
+pyarrow read of the small columns and :mod:`.pages`' header parse, with their checks), only for files whose every
+``_bytes`` value is an uncompressed range of the file (ff's writer's default; the other layouts keep the per-process
+caches), and stored as an Arrow IPC file keyed by the parquet file's fingerprint (:func:`fingerprint`: size,
+modification time and a digest of its footer, which records every column chunk's place and size and, as writers
+write statistics by default, each small value of a one-row group): beside the data (``ROOT/.ff_tensor_parquet_rows/``)
+when the folder is writable, else in the cache folder, written atomically. A catalogue whose fingerprint differs from
+the file's, whose rows or columns differ from the file's, or that cannot be read is ignored and built again (a file
+rewritten within the file system's clock tick at the same size still has another footer). Its values are checked at
+every read as a page-parsed value is (byte length against ``_shape`` x ``_dtype``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ff_core.atomic import write_bytes_atomic
+from ff_core.data.tensor_parquet.format import BYTES
+from ff_core.data.tensor_parquet.index import default_cache_dir
+
+CATALOGUE_DIR = ".ff_tensor_parquet_rows"
+CATALOGUE_VERSION = "1"
+OFFSET, LENGTH = ".offset", ".length"  # suffixes of a tensor's location columns (after ``<name>_bytes``)
+_KEY = b"ff.catalogue"  # schema metadata: "version rows fingerprint"
+
+
+def fingerprint(fd: int) -> str:
+    """``"size mtime_ns sha256-of-footer"`` of an open parquet file (its last 8 bytes give the footer's length).
+
+    Raises:
+        OSError: the file cannot be read, or is too short to be parquet.
+    """
+    st = os.fstat(fd)
+    tail = os.pread(fd, 8, max(0, st.st_size - 8))
+    length = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
+    if not 0 <= length <= st.st_size - 12:
+        raise OSError(f"not a parquet file ({st.st_size} bytes, footer of {length})")
+    footer = os.pread(fd, length, st.st_size - 8 - length)
+    return f"{st.st_size} {st.st_mtime_ns} {hashlib.sha256(footer).hexdigest()}"
+
+
+@dataclass
+class Catalogue:
+    """The small columns and ``_bytes`` locations of every row of one file.
+
+    Attributes:
+        small: small column name -> one Python value per row of the file.
+        places: tensor name -> one ``(offset, length)`` per row (``None`` for a null ``_bytes``).
+    """
+
+    small: dict[str, list[Any]]
+    places: dict[str, list[tuple[int, int] | None]]
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.small.values()), next(iter(self.places.values()), [])))
+
+    def to_ipc(self, table: pa.Table, key: str) -> bytes:
+        """The catalogue as Arrow IPC bytes: ``table`` (the file's small columns as decoded) and the locations."""
+        for name, places in self.places.items():
+            table = table.append_column(name + BYTES + OFFSET, pa.array([p and p[0] for p in places], pa.int64()))
+            table = table.append_column(name + BYTES + LENGTH, pa.array([p and p[1] for p in places], pa.int64()))
+        table = table.replace_schema_metadata({_KEY: f"{CATALOGUE_VERSION} {self.rows} {key}".encode()})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    @classmethod
+    def from_ipc(cls, path: Path, key: str, rows: int, small: Sequence[str],
+                 tensors: Sequence[str]) -> Catalogue | None:
+        """The catalogue stored at ``path`` for the file of :func:`fingerprint` ``key`` with ``rows`` rows, holding
+        ``small`` columns and ``tensors``' locations; ``None`` when absent, stale, incomplete or unreadable (a
+        catalogue is never trusted over building it again)."""
+        size = int(key.split()[0])
+        try:
+            with pa.memory_map(str(path)) as source:
+                table = pa.ipc.open_file(source).read_all()
+            meta = table.schema.metadata or {}
+            if meta.get(_KEY) != f"{CATALOGUE_VERSION} {rows} {key}".encode() or table.num_rows != rows:
+                return None
+            out = cls({c: table.column(c).to_pylist() for c in small}, {})
+            for t in tensors:
+                offsets = table.column(t + BYTES + OFFSET).to_pylist()
+                lengths = table.column(t + BYTES + LENGTH).to_pylist()
+                if any((o is None) != (n is None) or (o is not None and (o < 0 or n < 0 or o + n > size))
+                       for o, n in zip(offsets, lengths)):
+                    return None
+                out.places[t] = [None if o is None else (o, n) for o, n in zip(offsets, lengths)]
+            return out
+        except (OSError, KeyError, pa.ArrowException):
+            return None
+
+
+def catalogue_paths(root: Path, rel: str, cache_dir: str | os.PathLike | None) -> list[Path]:
+    """Where the catalogue of file ``rel`` (relative to ``root``) may be stored, in the order tried: beside the data,
+    then the default cache folder (only ``cache_dir`` when given, as for the row index)."""
+    digest = hashlib.sha256(rel.encode()).hexdigest()[:16]
+    name = f"{Path(rel).stem}-{digest}.arrow"
+    folder = f"{root.name or 'root'}-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}-rows"
+    if cache_dir is not None:
+        return [Path(cache_dir).expanduser() / folder / name]
+    return [root / CATALOGUE_DIR / name, default_cache_dir() / folder / name]
+
+
+def load_catalogue(paths: Sequence[Path], key: str, rows: int, small: Sequence[str],
+                   tensors: Sequence[str]) -> Catalogue | None:
+    """The first valid catalogue among ``paths`` (:meth:`Catalogue.from_ipc`)."""
+    for path in paths:
+        found = Catalogue.from_ipc(path, key, rows, small, tensors)
+        if found is not None:
+            return found
+    return None
+
+
+def save_catalogue(paths: Sequence[Path], data: bytes) -> Path | None:
+    """Write ``data`` atomically to the first writable place of ``paths``; ``None`` when none is (no catalogue is
+    only slower)."""
+    for path in paths:
+        try:
+            return write_bytes_atomic(path, data)
+        except OSError:
+            continue
+    return None
