@@ -4,7 +4,9 @@
 - :mod:`.format`: dtypes, one tensor's encoding and checked decoding, the card's schemas.
 - :mod:`.index`: the row index from the files' footers, cached and invalidated by file size and mtime.
 - :mod:`.reader`: :class:`TensorParquetDataset`, map-style random access.
-- :mod:`.file_tensor`: :class:`FileTensor`, an uncompressed value a DataLoader worker hands to the main process.
+- :mod:`.file_tensor`: :class:`FileTensor`, an uncompressed value as a file range (a worker hands it over; a batch
+  reads it in place).
+- :mod:`.catalogue`: a file's row catalogue (small columns, values' places), stored for the next process.
 - :mod:`.pages`: where a ``_bytes`` column chunk's values lie in its Parquet pages (the reader's direct path).
 - :mod:`.writer`: :class:`TensorParquetWriter`, one row per row group, atomic files.
 - :mod:`.shuffle`: :func:`two_level_order` for files with many rows per row group.

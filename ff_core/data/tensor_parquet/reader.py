@@ -10,9 +10,13 @@ as with ``direct=False``). The file pages a read touched through the mapping are
 (:class:`_Mapped`), so the resident set stays flat however much of the dataset is read. A tensor viewing a decoded
 buffer is read-only: clone before editing one in place, or pass ``copy=True``.
 
-What a row read costs besides its copy is per-row setup, so two bounded per-process caches hold what is fixed per
-file: the small columns of a whole file, decoded at once (:meth:`TensorParquetDataset._file_small`), and where each
-row group's uncompressed ``_bytes`` values lie (:attr:`_Mapped.locations`), so a row read again parses no header.
+What a row read costs besides its copy is per-row setup. For a file whose values are all uncompressed, its row
+catalogue (:mod:`.catalogue`: every small column and every value's place, built on the file's second read and
+stored for the next process) replaces it: a row is located without parsing or decoding anything. Otherwise two
+bounded per-process caches hold what is fixed per file: the small columns of a whole file, decoded at once
+(:meth:`TensorParquetDataset._file_small`), and where each row group's uncompressed ``_bytes`` values lie
+(:attr:`_Mapped.locations`), so a row read again parses no header. :meth:`TensorParquetDataset.describe` returns a
+row's uncompressed tensors as file ranges the caller reads where it wants them (one copy into a batch).
 
 Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
 so a read decodes exactly one row. Files of other writers often hold many rows per group and Parquet cannot decode
