@@ -143,9 +143,11 @@ class FlowDataModule(L.LightningDataModule):
             rows within each window of this many groups, keeping this many decoded groups per reader
             (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
             decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
-        hand_off: tensor-parquet shards with ``num_workers > 0`` only: workers hand uncompressed tensors to the main
-            process as file ranges, which it reads straight into the batch (``TensorParquetDataset(hand_off=True)``,
-            docs/datasets.md); ``False``: workers read them and the rows cross in shared memory. The file-range path
+        hand_off: tensor-parquet shards: uncompressed tensors travel as file ranges that the main process reads
+            straight into the batch (``TensorParquetDataset.describe``, docs/datasets.md), from the workers or, with
+            ``num_workers=0``, from the processor; ``False``: workers read them and the rows cross in shared memory
+            (without workers: read into the row, then copied into the batch). Either way a shard file must not be
+            replaced while a run reads it (with file ranges that is an error naming it). The file-range path
             wins when the shards are page-cached; turn it off when the dataset is far larger than RAM (every read
             then waits on the disk in the main process) or on file systems where reads are slow (FUSE, network).
         buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries

@@ -4,21 +4,22 @@ Reading a row of a one-row-per-group file costs, besides the copy of its tensors
 new process pays again: decoding the file's small columns (scalars, ``_shape``, ``_dtype``: pyarrow spends ~30 µs
 a column chunk, ~0.3-0.6 ms a row with the card's 25) and parsing the page header in front of each ``_bytes`` value
 (~0.3 ms a row). Together they cost as much as the copy itself (benchmarks/RESULTS.md, "Tensor-parquet shards",
-run K), and DataLoader workers are new processes every epoch. A catalogue holds both for every row of one file:
+run K), and DataLoader workers are new processes every epoch. The reader keeps both in bounded per-process caches
+(:class:`~ff_core.data.tensor_parquet.TensorParquetDataset`: a file's small columns decoded whole on its second
+read, each row group's value places); a catalogue is those caches stored for the next process, for one file:
 
-* every small column of the file, as pyarrow decoded it;
+* its small columns (binary scalars left out: a dataset reading one decodes the file as before), as pyarrow
+  decoded them;
 * for every tensor, where its ``_bytes`` value lies in the file (offset, length; null for a null value).
 
-It is built by a reader from what it reads anyway (:meth:`~ff_core.data.tensor_parquet.TensorParquetDataset`'s
-pyarrow read of the small columns and :mod:`.pages`' header parse, with their checks), only for files whose every
-``_bytes`` value is an uncompressed range of the file (ff's writer's default; the other layouts keep the per-process
-caches), and stored as an Arrow IPC file keyed by the parquet file's fingerprint (:func:`fingerprint`: size,
-modification time and a digest of its footer, which records every column chunk's place and size and, as writers
-write statistics by default, each small value of a one-row group): beside the data (``ROOT/.ff_tensor_parquet_rows/``)
-when the folder is writable, else in the cache folder, written atomically. A catalogue whose fingerprint differs from
-the file's, whose rows or columns differ from the file's, or that cannot be read is ignored and built again (a file
-rewritten within the file system's clock tick at the same size still has another footer). Its values are checked at
-every read as a page-parsed value is (byte length against ``_shape`` x ``_dtype``).
+The reader writes it when it decodes a file's small columns whole (with the page headers of every row group, and
+their checks), only for files whose every ``_bytes`` value is an uncompressed range of the file (ff's writer's
+default), as an Arrow IPC file keyed by the parquet file's :func:`fingerprint` (size, modification time, inode,
+change time, footer digest): beside the data (``ROOT/.ff_tensor_parquet_rows/``) when the folder is writable, else
+in the cache folder, written atomically. A new reader fills its caches from it instead of decoding and parsing; a
+catalogue whose fingerprint or row count differs from the file's, that lacks a column, or that cannot be read is
+ignored (and written again). Its values are checked at every read as a page-parsed value is (byte length against
+``_shape`` x ``_dtype``). A copy of the shards elsewhere (another inode) builds its own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ _KEY = b"ff.catalogue"  # schema metadata: "version rows fingerprint"
 
 
 def fingerprint(fd: int) -> str:
-    """``"size mtime_ns sha256-of-footer"`` of an open parquet file (its last 8 bytes give the footer's length).
+    """``"size mtime_ns inode ctime_ns sha256-of-footer"`` of an open parquet file (its last 8 bytes give the footer's
+    length). A file renamed over another is a new inode; one rewritten in place has a new ``ctime`` (which, unlike
+    ``mtime``, no copy tool or ``touch`` can set back); the footer digest tells apart what a reused inode number
+    within one clock tick would not.
 
     Raises:
         OSError: the file cannot be read, or is too short to be parquet.
@@ -54,7 +58,7 @@ def fingerprint(fd: int) -> str:
     if not 0 <= length <= st.st_size - 12:
         raise OSError(f"not a parquet file ({st.st_size} bytes, footer of {length})")
     footer = os.pread(fd, length, st.st_size - 8 - length)
-    return f"{st.st_size} {st.st_mtime_ns} {hashlib.sha256(footer).hexdigest()}"
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_ctime_ns} {hashlib.sha256(footer).hexdigest()}"
 
 
 @dataclass
@@ -69,16 +73,12 @@ class Catalogue:
     small: dict[str, list[Any]]
     places: dict[str, list[tuple[int, int] | None]]
 
-    @property
-    def rows(self) -> int:
-        return len(next(iter(self.small.values()), next(iter(self.places.values()), [])))
-
     def to_ipc(self, table: pa.Table, key: str) -> bytes:
         """The catalogue as Arrow IPC bytes: ``table`` (the file's small columns as decoded) and the locations."""
         for name, places in self.places.items():
             table = table.append_column(name + BYTES + OFFSET, pa.array([p and p[0] for p in places], pa.int64()))
             table = table.append_column(name + BYTES + LENGTH, pa.array([p and p[1] for p in places], pa.int64()))
-        table = table.replace_schema_metadata({_KEY: f"{CATALOGUE_VERSION} {self.rows} {key}".encode()})
+        table = table.replace_schema_metadata({_KEY: f"{CATALOGUE_VERSION} {table.num_rows} {key}".encode()})
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
@@ -119,16 +119,6 @@ def catalogue_paths(root: Path, rel: str, cache_dir: str | os.PathLike | None) -
     if cache_dir is not None:
         return [Path(cache_dir).expanduser() / folder / name]
     return [root / CATALOGUE_DIR / name, default_cache_dir() / folder / name]
-
-
-def load_catalogue(paths: Sequence[Path], key: str, rows: int, small: Sequence[str],
-                   tensors: Sequence[str]) -> Catalogue | None:
-    """The first valid catalogue among ``paths`` (:meth:`Catalogue.from_ipc`)."""
-    for path in paths:
-        found = Catalogue.from_ipc(path, key, rows, small, tensors)
-        if found is not None:
-            return found
-    return None
 
 
 def save_catalogue(paths: Sequence[Path], data: bytes) -> Path | None:

@@ -33,6 +33,7 @@ shared memory costs more than the read it carries: :mod:`.file_tensor`).
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import mmap
 import os
@@ -48,13 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ff_core.data.tensor_parquet.catalogue import (
-    Catalogue,
-    catalogue_paths,
-    fingerprint,
-    load_catalogue,
-    save_catalogue,
-)
+from ff_core.data.tensor_parquet.catalogue import Catalogue, catalogue_paths, fingerprint, save_catalogue
 from ff_core.data.tensor_parquet.file_tensor import FileTensor, allocate, file_identity, pread_full
 from ff_core.data.tensor_parquet.format import (
     BYTES,
@@ -138,11 +133,16 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         # pyarrow decodes the small columns; the _bytes ones are located in their pages unless direct is off.
         self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
-        # A file's catalogue holds every column of it, whichever this dataset reads (another may read others).
+        # A file's catalogue holds every tensor and small column of it, whichever this dataset reads (another may read
+        # others), but no binary scalar (a thumbnail would be copied whole): a dataset reading one decodes as before.
         every_tensor, every_scalar, _ = split_schema(self.index.schema)
+        binary = {f.name for f in self.index.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+                  or pa.types.is_fixed_size_binary(f.type)}
         self._catalogued_tensors = every_tensor
-        self._catalogued_small = [*every_scalar, *(t + s for t in every_tensor for s in (SHAPE, DTYPE))]
+        self._catalogued_small = [*(s for s in every_scalar if s not in binary),
+                                  *(t + s for t in every_tensor for s in (SHAPE, DTYPE))]
         self.cache_dir, self.catalogue = cache_dir, catalogue
+        self.catalogue_loads = self.catalogue_builds = 0
         self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
         self.shared_memory, self.hand_off = shared_memory, hand_off
         self._reset()
@@ -344,11 +344,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             return self._groups[gid]
         mapped = self._file(f)
         rows = self.index.group_rows[f][g]
-        if self.direct and self.catalogue:
-            listed = self._from_catalogue(mapped, f, gid, rows)
-            if listed is not None:
-                return listed
-        values = self._direct_values(mapped, g, rows) if self.direct else {}
+        values = self._direct_values(mapped, f, g, rows) if self.direct else {}
         rest = [t + BYTES for t in self.tensor_names if t not in values]
         self.chunk_reads.update({"direct": len(values), "pyarrow": len(rest)})
         small = None if rest else self._file_small(mapped, f, gid, rows)
@@ -366,67 +362,65 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 self._groups.popitem(last=False)
         return group
 
-    def _from_catalogue(self, mapped: _Mapped, f: int, gid: int, rows: int) -> _Group | None:
-        """Row group ``gid`` from its file's :class:`~.catalogue.Catalogue` (no header parsed, no column decoded):
-        loaded at the file's first read in this process, else built on its second (as :meth:`_file_small` decodes
-        the small columns then) and stored for the next process; ``None``: the file has none (read as before)."""
-        if mapped.catalogue is None and not mapped.catalogue_looked:
-            mapped.catalogue_looked = True
-            mapped.catalogue = load_catalogue(self._catalogue_paths(f), mapped.fingerprint,
-                                              sum(self.index.group_rows[f]), self._catalogued_small,
-                                              self._catalogued_tensors)
-        if mapped.catalogue is None:
-            if mapped.catalogue_failed or mapped.small_reads < 1 or sum(self.index.group_rows[f]) > self.small_rows:
-                return None
-            mapped.catalogue = self._build_catalogue(mapped, f)
-            if mapped.catalogue is None:
-                return None
-        start = int(self.index.group_start[gid] - self.index.file_start[f])
-        catalogue, end = mapped.catalogue, start + rows
-        self.chunk_reads["catalogue"] += len(self.tensor_names)
-        small = {c: catalogue.small[c][start:end] for c in self._small_columns}
-        values = {t: [None if p is None else (mapped.buffer, *p) for p in catalogue.places[t][start:end]]
-                  for t in self.tensor_names}
-        return _Group(mapped, small, values)
-
-    def _build_catalogue(self, mapped: _Mapped, f: int) -> Catalogue | None:
-        """File ``f``'s catalogue from its small columns (one pyarrow read) and its ``_bytes`` page headers, every
-        column of it; stored where :func:`~.catalogue.catalogue_paths` says (best effort). ``None`` (and never tried
-        again while the file is open) when a value is compressed or a chunk is one the page reader leaves to
-        pyarrow: the file is then read as before, which names any damage."""
-        mapped.catalogue_failed = True  # until it succeeds
-        first = mapped.meta.row_group(0) if mapped.meta.num_row_groups else None
-        if first is None or any(first.column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
-                                for t in self._catalogued_tensors if t + BYTES in mapped.columns):
-            return None  # compressed values are decoded at each read: nothing to locate (known from the footer)
-        places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in self._catalogued_tensors}
-        for g, rows in enumerate(self.index.group_rows[f]):
-            for t in self._catalogued_tensors:
-                try:
-                    found = mapped.values(g, t + BYTES, rows)
-                except Unsupported:
-                    return None
-                if any(v is not None and v[0] is not mapped.buffer for v in found):
-                    return None  # compressed: decoded at each read, nothing to locate
-                places[t] += [None if v is None else (v[1], v[2]) for v in found]
-        try:
-            table = mapped.read_all(self._catalogued_small)
-        except (OSError, pa.ArrowException):
-            return None
-        catalogue = Catalogue({c: table.column(c).to_pylist() for c in self._catalogued_small}, places)
-        save_catalogue(self._catalogue_paths(f), catalogue.to_ipc(table, mapped.fingerprint))
-        mapped.catalogue_failed = False
-        return catalogue
-
     def _catalogue_paths(self, f: int) -> list[Path]:
         return catalogue_paths(self.root, self.index.files[f], self.cache_dir)
 
-    def _direct_values(self, mapped: _Mapped, g: int, rows: int) -> dict[str, list[Value]]:
-        """Where each row's ``_bytes`` values of row group ``g`` lie, for the chunks the page reader reads.
+    def _load_places(self, mapped: _Mapped, f: int) -> None:
+        """Fill :attr:`_Mapped.locations` for every row group of file ``f`` from its stored catalogue, if it has a
+        valid one (looked for once per handle); remembered in :attr:`_Mapped.catalogue_path` for the small columns."""
+        mapped.catalogue_looked = True
+        rows = self.index.group_rows[f]
+        if sum(rows) > self.small_rows:
+            return
+        for path in self._catalogue_paths(f):
+            found = Catalogue.from_ipc(path, mapped.fingerprint, sum(rows), [], self.tensor_names)
+            if found is not None:
+                break
+        else:
+            return
+        mapped.catalogue_path = path
+        self.catalogue_loads += 1
+        start = 0
+        for g, n in enumerate(rows):
+            mapped.locations[g] = {t: [None if p is None else (mapped.buffer, *p) for p in places[start:start + n]]
+                                   for t, places in found.places.items()}
+            start += n
+
+    def _store_catalogue(self, mapped: _Mapped, f: int, table: pa.Table) -> None:
+        """Store file ``f``'s catalogue: ``table`` (its catalogued small columns, just decoded whole) and where every
+        ``_bytes`` value of every row group lies (page headers parsed; the requested tensors' places kept in
+        :attr:`_Mapped.locations` too). Nothing is stored for a file with a compressed value or a chunk the page
+        reader leaves to pyarrow, nor when no place is writable (no catalogue is only slower)."""
+        first = mapped.meta.row_group(0) if mapped.meta.num_row_groups else None
+        if first is None or any(first.column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
+                                for t in self._catalogued_tensors if t + BYTES in mapped.columns):
+            return  # compressed values are decoded at each read: nothing to locate (known from the footer)
+        places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in self._catalogued_tensors}
+        for g, rows in enumerate(self.index.group_rows[f]):
+            found = {}
+            for t in self._catalogued_tensors:
+                try:
+                    found[t] = mapped.values(g, t + BYTES, rows)
+                except Unsupported:
+                    return
+                if any(v is not None and v[0] is not mapped.buffer for v in found[t]):
+                    return  # a compressed page
+                places[t] += [None if v is None else (v[1], v[2]) for v in found[t]]
+            mapped.locations.setdefault(g, {t: found[t] for t in self.tensor_names})
+        catalogue = Catalogue({}, places)
+        mapped.catalogue_path = save_catalogue(self._catalogue_paths(f), catalogue.to_ipc(table, mapped.fingerprint))
+        self.catalogue_builds += mapped.catalogue_path is not None
+
+    def _direct_values(self, mapped: _Mapped, f: int, g: int, rows: int) -> dict[str, list[Value]]:
+        """Where each row's ``_bytes`` values of row group ``g`` of file ``f`` lie, for the chunks the page reader
+        reads.
 
         Uncompressed locations are kept with the file's handle (:attr:`_Mapped.locations`): a row group read again
-        (the next epoch) parses no page header. Values in a decompressed page are not kept (that would keep the page).
+        (the next epoch) parses no page header; with a stored catalogue, not even the first time. Values in a
+        decompressed page are not kept (that would keep the page).
         """
+        if self.catalogue and not mapped.catalogue_looked:
+            self._load_places(mapped, f)
         cached = mapped.locations.get(g)
         if cached is not None:
             return dict(cached)
@@ -453,16 +447,27 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         """
         cached = self._small_files.get(f)
         if cached is None:
-            mapped.small_reads += 1
-            if mapped.small_reads < 2 or mapped.small_failed or sum(self.index.group_rows[f]) > self.small_rows:
-                return None
-            try:
-                table = mapped.read_all(self._small_columns)
-            except (OSError, pa.ArrowException):
-                mapped.small_failed = True
-                return None
-            cached = self._small_files[f] = {c: table.column(c).to_pylist() for c in self._small_columns}
-            self._small_counts[f] = table.num_rows
+            file_rows = sum(self.index.group_rows[f])
+            listed = None if mapped.catalogue_path is None else Catalogue.from_ipc(
+                mapped.catalogue_path, mapped.fingerprint, file_rows, self._small_columns, [])
+            if listed is not None:  # the stored catalogue: nothing to decode
+                cached = self._small_files[f] = listed.small
+            else:
+                mapped.small_reads += 1
+                if mapped.small_reads < 2 or mapped.small_failed or file_rows > self.small_rows:
+                    return None
+                store = self.catalogue and mapped.catalogue_path is None
+                columns = [*dict.fromkeys([*self._catalogued_small, *self._small_columns])] if store else \
+                    self._small_columns
+                try:
+                    table = mapped.read_all(columns)
+                except (OSError, pa.ArrowException):
+                    mapped.small_failed = True
+                    return None
+                cached = self._small_files[f] = {c: table.column(c).to_pylist() for c in self._small_columns}
+                if store:
+                    self._store_catalogue(mapped, f, table.select(self._catalogued_small))
+            self._small_counts[f] = file_rows
             while sum(self._small_counts.values()) > self.small_rows:
                 oldest = next(iter(self._small_files))
                 del self._small_files[oldest], self._small_counts[oldest]
@@ -534,7 +539,6 @@ class _Mapped:
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
         self.meta = self.file.metadata  # one wrapper, not one per access
-        self.fingerprint = fingerprint(self.fd)  # what its catalogue is keyed by (the footer is known good now)
         schema = self.meta.schema
         # Flat columns only (a nested one, a list, has a dotted path and is never a _bytes column): column index
         # and maximum definition level by name.
@@ -545,9 +549,13 @@ class _Mapped:
         self.locations: dict[int, dict[str, list[Value]]] = {}  # row group -> uncompressed _bytes values' places
         self.small_reads = 0  # row groups whose small columns were read while this handle was open
         self.small_failed = False  # the small columns of the whole file could not be decoded at once
-        self.catalogue: Catalogue | None = None  # the file's row catalogue (:mod:`.catalogue`), once found or built
-        self.catalogue_looked = False  # its stored catalogue was looked for
-        self.catalogue_failed = False  # building one failed (a compressed value, a chunk left to pyarrow)
+        self.catalogue_path: Path | None = None  # its valid stored row catalogue (:mod:`.catalogue`), once known
+        self.catalogue_looked = False  # a stored catalogue was looked for
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What the file's catalogue is keyed by (:func:`~.catalogue.fingerprint`)."""
+        return fingerprint(self.fd)
 
     def read_all(self, columns: list[str]) -> pa.Table:
         """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,
