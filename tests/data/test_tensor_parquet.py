@@ -239,7 +239,7 @@ class Spy:
 
 def test_a_read_touches_one_row_group_and_the_requested_columns(tmp_path, monkeypatch):
     write_card_layout(tmp_path, [6], workers=1, rows_per_file=6)
-    ds = TensorParquetDataset(tmp_path, columns=["id", "text_embedding"])
+    ds = TensorParquetDataset(tmp_path, columns=["id", "text_embedding"], catalogue=False)  # (with: nothing decoded)
     spy = Spy(monkeypatch)
     direct = []  # the _bytes chunks read from their pages: (file offset of the chunk, column)
     original = reader.chunk_values
@@ -422,8 +422,8 @@ def test_per_file_caches_follow_a_rewritten_file(tmp_path, catalogue):
     With row catalogues the new file is given the old one's size and modification time too (a rewrite within the
     file system's clock tick): only the footer tells them apart, and the old file's stored catalogue is not used."""
     def write(k: int) -> None:
-        with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=4) as writer:
-            for i in range(4):
+        with TensorParquetWriter(tmp_path, tensor_schema(ID, ["x"]), rows_per_file=4, catalogue=False) as writer:
+            for i in range(4):  # (catalogues: built by the readers here)
                 writer.write({"id": f"v{k}-{i}", "x": torch.full((2,), float(10 * k + i))})  # same layout
 
     write(0)
@@ -431,7 +431,7 @@ def test_per_file_caches_follow_a_rewritten_file(tmp_path, catalogue):
     assert old[0]["id"] == "v0-0"  # the file opened; its small columns not decoded whole yet
     assert [cached[i]["id"] for i in range(4)] == [f"v0-{i}" for i in range(4)]
     assert cached._small_files and len(cached._handles[0].locations) == 4  # every cache filled
-    assert cached.catalogue_builds == catalogue and len(list(tmp_path.glob(f"{CATALOGUE_DIR}/*"))) == catalogue
+    assert cached.catalogue_builds == catalogue and len(list(tmp_path.glob(f"*/{CATALOGUE_DIR}/*"))) == catalogue
     before = old.files[0].stat()
     old.files[0].unlink()
     write(1)

@@ -47,7 +47,7 @@ def test_a_new_dataset_reads_every_row_from_the_stored_catalogues(tmp_path, monk
     rows = rows_with_a_bad_shape()  # 9 rows: 3 files of 3
     _write_files(tmp_path, rows, 3, per_group, **WRITE_OPTIONS[options])
     assert_same_rows(TensorParquetDataset(tmp_path), TensorParquetDataset(tmp_path, direct=False), rows)  # builds
-    assert len(list((tmp_path / CATALOGUE_DIR).iterdir())) == 3
+    assert len(list((tmp_path / "part" / CATALOGUE_DIR).iterdir())) == 3
     for columns in (None, ["id", "int16", "float32", "bfloat16"]):
         fresh = TensorParquetDataset(tmp_path, columns=columns)
         order = list(range(len(rows)))
@@ -88,8 +88,7 @@ def test_stale_damaged_or_foreign_catalogues_are_never_used(tmp_path):
     rows = rows_of_every_dtype()
     paths = _write_files(tmp_path, rows, 3, 1, **WRITE_OPTIONS["plain"])
     assert_same_rows(TensorParquetDataset(tmp_path), TensorParquetDataset(tmp_path, direct=False), rows)
-    ds = TensorParquetDataset(tmp_path)
-    where = [catalogue_paths(ds.root, rel, None)[0] for rel in ds.index.files]
+    where = [catalogue_paths(path)[0] for path in paths]
     # Stale (its file rewritten in place), foreign (another file's, of the same row count), damaged (truncated).
     rows = [{**r, "id": r["id"] + "!"} for r in rows[:3]] + rows[3:]
     _write_files(tmp_path, rows[:3], 3, 1, **WRITE_OPTIONS["plain"])
@@ -113,9 +112,9 @@ def test_catalogues_go_to_cache_dir_and_compressed_files_get_none(tmp_path):
         ds = TensorParquetDataset(tmp_path / name, cache_dir=tmp_path / "cache")
         for i in range(len(rows)):
             ds[i]
-        assert not (tmp_path / name / CATALOGUE_DIR).exists()
+        assert not (tmp_path / name / "part" / CATALOGUE_DIR).exists()
     stored = list((tmp_path / "cache").rglob("*.arrow"))
-    assert len(stored) == 1 and stored[0].parent.name.startswith("plain-")
+    assert stored == [catalogue_paths(tmp_path / "plain" / "part" / "f0.parquet", tmp_path / "cache", writing=True)[0]]
     again = TensorParquetDataset(tmp_path / "plain", cache_dir=tmp_path / "cache")
     assert again[3]["id"] == "3" and again.catalogue_loads == 1
     assert TensorParquetDataset(tmp_path / "plain", catalogue=False)[3]["id"] == "3"
@@ -140,18 +139,18 @@ def test_a_rewrite_the_footer_cannot_tell_apart_is_not_read_through_the_old_cata
     footer's digest; the inode and change time still tell it apart."""
     schema = tensor_schema({"caption": pa.string()}, ["x"])
 
-    def write(caption: str, shape: tuple[int, int]) -> None:
-        with TensorParquetWriter(tmp_path, schema, rows_per_file=2) as writer:
+    def write(caption: str, shape: tuple[int, int], catalogue: bool) -> None:
+        with TensorParquetWriter(tmp_path, schema, rows_per_file=2, catalogue=catalogue) as writer:
             for _ in range(2):
                 writer.write({"caption": caption, "x": torch.arange(6.0).reshape(shape)})
 
-    write("a" * 5000, (2, 3))
+    write("a" * 5000, (2, 3), catalogue=True)
     builder = TensorParquetDataset(tmp_path)
-    assert builder[0]["caption"] == "a" * 5000 and builder[1]["x"].shape == (2, 3) and builder.catalogue_builds == 1
+    assert builder[0]["caption"] == "a" * 5000 and builder[1]["x"].shape == (2, 3) and builder.catalogue_loads == 1
     path = builder.files[0]
     before = path.stat()
     path.unlink()
-    write("b" * 5000, (3, 2))
+    write("b" * 5000, (3, 2), catalogue=False)  # another tool rewrote it: the old catalogue stays beside it
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert path.stat().st_size == before.st_size
     fresh = TensorParquetDataset(tmp_path)
@@ -172,7 +171,7 @@ def test_catalogued_caches_stay_bounded_and_binary_scalars_stay_out(tmp_path):
     for i in range(9):
         builder[i]
     assert builder.catalogue_builds == 3
-    stored = pa.ipc.open_file(pa.memory_map(str(next((tmp_path / CATALOGUE_DIR).iterdir())))).read_all()
+    stored = pa.ipc.open_file(pa.memory_map(str(next((tmp_path / "p" / CATALOGUE_DIR).iterdir())))).read_all()
     assert "thumb" not in stored.column_names and "id" in stored.column_names
     lean = TensorParquetDataset(tmp_path, columns=["id", "x"])
     lean.small_rows = 6  # two files' small columns at most

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ff_core.data.tensor_parquet import TensorParquetDataset, TensorParquetWriter, tensor_schema
+from ff_core.data.tensor_parquet import TensorParquetDataset, TensorParquetWriter, reader, tensor_schema
+from ff_core.data.tensor_parquet.catalogue import CATALOGUE_DIR
 
 SCHEMA = tensor_schema({"id": pa.string(), "n": pa.int64()}, ["x"])
 
@@ -23,11 +24,28 @@ def test_files_groups_and_trailing_chunk(tmp_path):
             w.write(row)
     folder = tmp_path / "out" / "worker_2"
     assert w.paths == [folder / f"data_chunk_{i}.parquet" for i in range(3)]
-    assert sorted(p.name for p in folder.iterdir()) == [f"data_chunk_{i}.parquet" for i in range(3)]  # no temp
+    assert sorted(p.name for p in folder.iterdir()) == [CATALOGUE_DIR] + [f"data_chunk_{i}.parquet" for i in range(3)]
+    assert sorted(p.name for p in (folder / CATALOGUE_DIR).iterdir()) == [f"{p.name}.arrow" for p in w.paths]  # no temp
     metas = [pq.read_metadata(p) for p in w.paths]
     assert [(m.num_rows, m.num_row_groups) for m in metas] == [(3, 3), (3, 3), (1, 1)]
     assert pq.read_schema(w.paths[0]).equals(SCHEMA)
     assert [r["n"] for r in pq.read_table(folder).to_pylist()] == list(range(7))
+
+
+def test_readers_find_the_catalogues_the_writer_wrote(tmp_path, monkeypatch):
+    """Each published file's row catalogue is written beside it: a dataset opened at any root above it locates its
+    rows from the first read on, decoding no small column and parsing no page header."""
+    with TensorParquetWriter(tmp_path / "shard000" / "combined", SCHEMA, rows_per_file=3) as w:
+        for row in rows(7):
+            w.write(row)
+    monkeypatch.setattr(reader, "chunk_values", None)  # any page header parsed, or small column decoded, fails
+    monkeypatch.setattr(reader._Mapped, "read_all", None)
+    monkeypatch.setattr(reader._Mapped, "read_row_group", None)
+    for root in (tmp_path, tmp_path / "shard000" / "combined" / "worker_0"):
+        ds = TensorParquetDataset(root)
+        got = [ds[i] for i in range(7)]
+        assert [r["n"] for r in got] == list(range(7)) and ds.catalogue_loads == 3 and not ds.catalogue_builds
+        assert all(torch.equal(r["x"], torch.arange(i + 1, dtype=torch.float32)) for i, r in enumerate(got))
 
 
 def test_compression_round_trip(tmp_path):
@@ -46,7 +64,8 @@ def test_a_failure_publishes_nothing_partial(tmp_path):
                 w.write(row)
             raise RuntimeError("boom")
     # The complete first file stays; the half-written second one is dropped, temporaries included.
-    assert sorted(p.name for p in (tmp_path / "worker_0").iterdir()) == ["data_chunk_0.parquet"]
+    assert sorted(p.name for p in (tmp_path / "worker_0").iterdir()) == [CATALOGUE_DIR, "data_chunk_0.parquet"]
+    assert [p.name for p in (tmp_path / "worker_0" / CATALOGUE_DIR).iterdir()] == ["data_chunk_0.parquet.arrow"]
 
 
 def test_refuses_to_overwrite(tmp_path):

@@ -12,14 +12,16 @@ read, each row group's value places); a catalogue is those caches stored for the
   decoded them;
 * for every tensor, where its ``_bytes`` value lies in the file (offset, length; null for a null value).
 
-The reader writes it when it decodes a file's small columns whole (with the page headers of every row group, and
-their checks), only for files whose every ``_bytes`` value is an uncompressed range of the file (ff's writer's
+A reader writes it when it decodes a file's small columns whole (with the page headers of every row group, and
+their checks), and ff's writer for every file it publishes (:func:`~ff_core.data.tensor_parquet.reader.
+write_catalogue`), only for files whose every ``_bytes`` value is an uncompressed range of the file (ff's writer's
 default), as an Arrow IPC file keyed by the parquet file's :func:`fingerprint` (size, modification time, inode,
-change time, footer digest): beside the data (``ROOT/.ff_tensor_parquet_rows/``) when the folder is writable, else
-in the cache folder, written atomically. A new reader fills its caches from it instead of decoding and parsing; a
-catalogue whose fingerprint or row count differs from the file's, that lacks a column, or that cannot be read is
-ignored (and written again). Its values are checked at every read as a page-parsed value is (byte length against
-``_shape`` x ``_dtype``). A copy of the shards elsewhere (another inode) builds its own.
+change time, footer digest): beside the file (``FOLDER/.ff_tensor_parquet_rows/NAME.arrow``, so a dataset opened at
+any root finds it) when the folder is writable, else in the cache folder, written atomically. A new reader fills
+its caches from it instead of decoding and parsing; a catalogue whose fingerprint or row count differs from the
+file's, that lacks a column, or that cannot be read is ignored (and written again). Its values are checked at every
+read as a page-parsed value is (byte length against ``_shape`` x ``_dtype``). A copy of the shards elsewhere
+(another inode) builds its own.
 """
 
 from __future__ import annotations
@@ -110,15 +112,20 @@ class Catalogue:
             return None
 
 
-def catalogue_paths(root: Path, rel: str, cache_dir: str | os.PathLike | None) -> list[Path]:
-    """Where the catalogue of file ``rel`` (relative to ``root``) may be stored, in the order tried: beside the data,
-    then the default cache folder (only ``cache_dir`` when given, as for the row index)."""
-    digest = hashlib.sha256(rel.encode()).hexdigest()[:16]
-    name = f"{Path(rel).stem}-{digest}.arrow"
-    folder = f"{root.name or 'root'}-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}-rows"
-    if cache_dir is not None:
-        return [Path(cache_dir).expanduser() / folder / name]
-    return [root / CATALOGUE_DIR / name, default_cache_dir() / folder / name]
+def catalogue_paths(path: Path, cache_dir: str | os.PathLike | None = None, writing: bool = False) -> list[Path]:
+    """Where the catalogue of parquet file ``path`` may be, in the order looked in: beside it
+    (``FOLDER/.ff_tensor_parquet_rows/NAME.arrow``: found whatever root a dataset is opened at; where ff's writer puts
+    it), then in the cache folder (``cache_dir``, else ``~/.cache/ff/tensor_parquet``) under a name derived from
+    the file's absolute path. ``writing``: where to write, in the order tried: ``cache_dir`` only when given (as
+    for the row index), else beside the file, then the default cache folder."""
+    path = Path(path).absolute()
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    cached = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    beside = path.parent / CATALOGUE_DIR / f"{path.name}.arrow"
+    elsewhere = cached / "rows" / f"{path.stem}-{digest}.arrow"
+    if writing and cache_dir is not None:
+        return [elsewhere]
+    return [beside, elsewhere]
 
 
 def save_catalogue(paths: Sequence[Path], data: bytes) -> Path | None:

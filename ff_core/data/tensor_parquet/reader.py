@@ -133,14 +133,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         # pyarrow decodes the small columns; the _bytes ones are located in their pages unless direct is off.
         self._small_columns = [*scalars, *(t + s for t in tensors for s in (SHAPE, DTYPE))]
         self._shape_columns = [t + SHAPE for t in tensors]
-        # A file's catalogue holds every tensor and small column of it, whichever this dataset reads (another may read
-        # others), but no binary scalar (a thumbnail would be copied whole): a dataset reading one decodes as before.
-        every_tensor, every_scalar, _ = split_schema(self.index.schema)
-        binary = {f.name for f in self.index.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
-                  or pa.types.is_fixed_size_binary(f.type)}
-        self._catalogued_tensors = every_tensor
-        self._catalogued_small = [*(s for s in every_scalar if s not in binary),
-                                  *(t + s for t in every_tensor for s in (SHAPE, DTYPE))]
+        self._catalogued_tensors, self._catalogued_small = catalogued_columns(self.index.schema)
         self.cache_dir, self.catalogue = cache_dir, catalogue
         self.catalogue_loads = self.catalogue_builds = 0
         self.cached_groups, self.open_files, self.copy, self.direct = cached_groups, open_files, copy, direct
@@ -362,8 +355,8 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 self._groups.popitem(last=False)
         return group
 
-    def _catalogue_paths(self, f: int) -> list[Path]:
-        return catalogue_paths(self.root, self.index.files[f], self.cache_dir)
+    def _catalogue_paths(self, f: int, writing: bool = False) -> list[Path]:
+        return catalogue_paths(self.files[f], self.cache_dir, writing)
 
     def _load_places(self, mapped: _Mapped, f: int) -> None:
         """Fill :attr:`_Mapped.locations` for every row group of file ``f`` from its stored catalogue, if it has a
@@ -387,28 +380,10 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             start += n
 
     def _store_catalogue(self, mapped: _Mapped, f: int, table: pa.Table) -> None:
-        """Store file ``f``'s catalogue: ``table`` (its catalogued small columns, just decoded whole) and where every
-        ``_bytes`` value of every row group lies (page headers parsed; the requested tensors' places kept in
-        :attr:`_Mapped.locations` too). Nothing is stored for a file with a compressed value or a chunk the page
-        reader leaves to pyarrow, nor when no place is writable (no catalogue is only slower)."""
-        first = mapped.meta.row_group(0) if mapped.meta.num_row_groups else None
-        if first is None or any(first.column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
-                                for t in self._catalogued_tensors if t + BYTES in mapped.columns):
-            return  # compressed values are decoded at each read: nothing to locate (known from the footer)
-        places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in self._catalogued_tensors}
-        for g, rows in enumerate(self.index.group_rows[f]):
-            found = {}
-            for t in self._catalogued_tensors:
-                try:
-                    found[t] = mapped.values(g, t + BYTES, rows)
-                except Unsupported:
-                    return
-                if any(v is not None and v[0] is not mapped.buffer for v in found[t]):
-                    return  # a compressed page
-                places[t] += [None if v is None else (v[1], v[2]) for v in found[t]]
-            mapped.locations.setdefault(g, {t: found[t] for t in self.tensor_names})
-        catalogue = Catalogue({}, places)
-        mapped.catalogue_path = save_catalogue(self._catalogue_paths(f), catalogue.to_ipc(table, mapped.fingerprint))
+        """Store file ``f``'s catalogue (:func:`_store_catalogue`); the requested tensors' places are kept in
+        :attr:`_Mapped.locations` too."""
+        mapped.catalogue_path = _store_catalogue(mapped, self._catalogued_tensors, table,
+                                                 self._catalogue_paths(f, writing=True), self.tensor_names)
         self.catalogue_builds += mapped.catalogue_path is not None
 
     def _direct_values(self, mapped: _Mapped, f: int, g: int, rows: int) -> dict[str, list[Value]]:
@@ -507,6 +482,58 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         while len(handles) > max(1, self.open_files):
             handles.popitem(last=False)  # unmapped once the last Arrow buffer viewing it is gone
         return handles[f]
+
+
+def catalogued_columns(schema: pa.Schema) -> tuple[tuple[str, ...], list[str]]:
+    """The tensors and small columns a file of ``schema`` keeps in its catalogue: every tensor and small column of
+    it, whichever a dataset reads (another may read others), but no binary scalar (a thumbnail would be copied
+    whole; a dataset reading one decodes the file's small columns as without a catalogue)."""
+    tensors, scalars, _ = split_schema(schema)
+    binary = {f.name for f in schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+              or pa.types.is_fixed_size_binary(f.type)}
+    return tensors, [*(s for s in scalars if s not in binary), *(t + s for t in tensors for s in (SHAPE, DTYPE))]
+
+
+def write_catalogue(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """Write the row catalogue (:mod:`.catalogue`) of one parquet file now, as a reader would on the file's second
+    read (ff's writer does it for every file it publishes, so even a dataset's first epoch finds them); returns
+    where, or ``None`` (a compressed value, a chunk the page reader leaves to pyarrow, a file that is not
+    tensor-parquet, no writable place: readers then decode it as without a catalogue).
+
+    Raises:
+        OSError, pyarrow.ArrowException: the file cannot be opened as parquet.
+    """
+    mapped = _Mapped(Path(path))
+    tensors, small = catalogued_columns(mapped.file.schema_arrow)
+    if split_schema(mapped.file.schema_arrow)[2]:
+        return None
+    return _store_catalogue(mapped, tensors, mapped.read_all(small), catalogue_paths(Path(path), cache_dir, True))
+
+
+def _store_catalogue(mapped: _Mapped, tensors: Sequence[str], table: pa.Table, paths: Sequence[Path],
+                     keep: Sequence[str] = ()) -> Path | None:
+    """Store the catalogue of ``mapped``'s file: ``table`` (its catalogued small columns, decoded whole) and where
+    every ``tensors`` value of every row group lies (page headers parsed, with their checks; the places of ``keep``
+    also put in :attr:`_Mapped.locations`). Nothing is stored for a file with a compressed value or a chunk the page
+    reader leaves to pyarrow, nor when no place in ``paths`` is writable (no catalogue is only slower)."""
+    groups = [mapped.meta.row_group(g).num_rows for g in range(mapped.meta.num_row_groups)]
+    if not groups or any(mapped.meta.row_group(0).column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
+                         for t in tensors if t + BYTES in mapped.columns):
+        return None  # compressed values are decoded at each read: nothing to locate (known from the footer)
+    places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in tensors}
+    for g, rows in enumerate(groups):
+        found = {}
+        for t in tensors:
+            try:
+                found[t] = mapped.values(g, t + BYTES, rows)
+            except Unsupported:
+                return None
+            if any(v is not None and v[0] is not mapped.buffer for v in found[t]):
+                return None  # a compressed page
+            places[t] += [None if v is None else (v[1], v[2]) for v in found[t]]
+        if keep:
+            mapped.locations.setdefault(g, {t: found[t] for t in keep})
+    return save_catalogue(paths, Catalogue({}, places).to_ipc(table, mapped.fingerprint))
 
 
 @dataclass

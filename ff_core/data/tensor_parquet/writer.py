@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ff_core.data.tensor_parquet.format import BYTES, encode_tensor, split_schema
+from ff_core.data.tensor_parquet.reader import write_catalogue
 
 
 class TensorParquetWriter:
@@ -33,10 +34,13 @@ class TensorParquetWriter:
         worker: the worker folder number (parallel writers use different ones).
         compression: a Parquet codec (``"zstd"``, ``"snappy"``, ...) or ``None`` for none; latents rarely compress,
             and uncompressed pages are read fastest.
+        catalogue: write each uncompressed file's row catalogue beside it once published
+            (:func:`~ff_core.data.tensor_parquet.reader.write_catalogue`), so readers locate its rows without
+            decoding or parsing from their first read on (best effort: a failure leaves readers to build it).
     """
 
     def __init__(self, root: str | os.PathLike, schema: pa.Schema, rows_per_file: int = 64, worker: int = 0,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, catalogue: bool = True) -> None:
         if rows_per_file < 1:
             raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
         tensors, _, problems = split_schema(schema)
@@ -44,6 +48,7 @@ class TensorParquetWriter:
             raise ValueError(f"schema: {problems[0][0]}: {problems[0][1]}")
         self.folder = Path(root).expanduser() / f"worker_{worker}"
         self.schema, self.rows_per_file, self.compression = schema, rows_per_file, compression or "none"
+        self.catalogue = catalogue
         self.tensor_names = set(tensors)
         self.paths: list[Path] = []
         self._writer: pq.ParquetWriter | None = None
@@ -141,4 +146,9 @@ class TensorParquetWriter:
             os.replace(self._tmp, final)
         self._tmp = None
         self.paths.append(final)
+        if self.catalogue and self.compression == "none":
+            try:
+                write_catalogue(final)
+            except (OSError, pa.ArrowException):
+                pass  # only slower: readers build it on a file's second read
         self._rows_in_file = 0
