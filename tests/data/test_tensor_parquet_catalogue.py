@@ -182,3 +182,33 @@ def test_catalogued_caches_stay_bounded_and_binary_scalars_stay_out(tmp_path):
     assert lean.catalogue_loads == 3
     full = TensorParquetDataset(tmp_path)  # reads the binary scalar: decoded by pyarrow, places from the catalogue
     assert [full[i]["thumb"] for i in range(9)] == [r["thumb"] for r in rows] and full.catalogue_loads == 3
+
+
+def test_catalogue_failures_never_fail_a_read_and_large_files_wait_for_a_second_read(tmp_path, monkeypatch):
+    rows = rows_of_every_dtype()
+    _write_files(tmp_path, rows, 3, 1, **WRITE_OPTIONS["plain"])
+    arrow = TensorParquetDataset(tmp_path, direct=False)
+
+    def refuse(*_):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(reader, "save_catalogue", refuse)
+        failing = TensorParquetDataset(tmp_path)
+        assert_same_rows(failing, arrow, rows)
+        assert not failing.catalogue_builds and not (tmp_path / "part" / CATALOGUE_DIR).exists()
+    assert_same_rows(TensorParquetDataset(tmp_path), arrow, rows)  # builds them
+    monkeypatch.setattr(reader, "EAGER_ROWS", 2)  # these 3-row files count as large now
+    lazy = TensorParquetDataset(tmp_path)
+    lazy[0]
+    assert lazy.catalogue_loads == 0  # a file read once costs what it did without catalogues
+    lazy[1], lazy[2]
+    assert lazy.catalogue_loads == 1 and torch.equal(lazy[2]["int16"], arrow[2]["int16"])
+
+
+def test_a_catalogue_with_columns_of_the_wrong_type_is_ignored(tmp_path):
+    table = pa.table({"id": ["a"], "x_bytes.offset": ["4"], "x_bytes.length": ["2"]},
+                     metadata={b"ff.catalogue": b"1 1 100 5 abc"})
+    with pa.ipc.new_file(str(tmp_path / "c.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert Catalogue.from_ipc(tmp_path / "c.arrow", "100 5 abc", 1, ["id"], ["x"]) is None

@@ -108,7 +108,7 @@ class Catalogue:
                     return None
                 out.places[t] = [None if o is None else (o, n) for o, n in zip(offsets, lengths)]
             return out
-        except (OSError, KeyError, pa.ArrowException):
+        except (OSError, KeyError, TypeError, ValueError, pa.ArrowException):
             return None
 
 

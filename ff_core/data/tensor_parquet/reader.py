@@ -10,12 +10,12 @@ as with ``direct=False``). The file pages a read touched through the mapping are
 (:class:`_Mapped`), so the resident set stays flat however much of the dataset is read. A tensor viewing a decoded
 buffer is read-only: clone before editing one in place, or pass ``copy=True``.
 
-What a row read costs besides its copy is per-row setup. For a file whose values are all uncompressed, its row
-catalogue (:mod:`.catalogue`: every small column and every value's place, built on the file's second read and
-stored for the next process) replaces it: a row is located without parsing or decoding anything. Otherwise two
-bounded per-process caches hold what is fixed per file: the small columns of a whole file, decoded at once
-(:meth:`TensorParquetDataset._file_small`), and where each row group's uncompressed ``_bytes`` values lie
-(:attr:`_Mapped.locations`), so a row read again parses no header. :meth:`TensorParquetDataset.describe` returns a
+What a row read costs besides its copy is per-row setup, so two bounded per-process caches hold what is fixed per
+file: the small columns of a whole file, decoded at once (:meth:`TensorParquetDataset._file_small`), and where each
+row group's uncompressed ``_bytes`` values lie (:attr:`_Mapped.locations`), so a row read again parses no header.
+For a file whose values are all uncompressed, its row catalogue (:mod:`.catalogue`: both, stored beside the file by
+ff's writer or by the first reader that filled them) fills them at the file's first read in a new process: a row is
+then located without parsing or decoding anything. :meth:`TensorParquetDataset.describe` returns a
 row's uncompressed tensors as file ranges the caller reads where it wants them (one copy into a batch).
 
 Files written by ff (:class:`~ff_core.data.tensor_parquet.writer.TensorParquetWriter`) hold one row per row group,
@@ -33,7 +33,6 @@ shared memory costs more than the read it carries: :mod:`.file_tensor`).
 from __future__ import annotations
 
 import difflib
-import functools
 import hashlib
 import mmap
 import os
@@ -361,8 +360,10 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def _load_places(self, mapped: _Mapped, f: int) -> None:
         """Fill :attr:`_Mapped.locations` for every row group of file ``f`` from its stored catalogue, if it has a
         valid one (looked for once per handle); remembered in :attr:`_Mapped.catalogue_path` for the small columns."""
-        mapped.catalogue_looked = True
         rows = self.index.group_rows[f]
+        if sum(rows) > EAGER_ROWS and mapped.small_reads < 1:
+            return  # a large file: its catalogue is loaded on its second read (a file read once costs no more)
+        mapped.catalogue_looked = True
         if sum(rows) > self.small_rows:
             return
         for path in self._catalogue_paths(f):
@@ -382,8 +383,11 @@ class TensorParquetDataset(torch.utils.data.Dataset):
     def _store_catalogue(self, mapped: _Mapped, f: int, table: pa.Table) -> None:
         """Store file ``f``'s catalogue (:func:`_store_catalogue`); the requested tensors' places are kept in
         :attr:`_Mapped.locations` too."""
-        mapped.catalogue_path = _store_catalogue(mapped, self._catalogued_tensors, table,
-                                                 self._catalogue_paths(f, writing=True), self.tensor_names)
+        try:
+            mapped.catalogue_path = _store_catalogue(mapped, self._catalogued_tensors, table,
+                                                     self._catalogue_paths(f, writing=True), self.tensor_names)
+        except (OSError, ValueError, pa.ArrowException):
+            return  # only slower: the row read goes on without one
         self.catalogue_builds += mapped.catalogue_path is not None
 
     def _direct_values(self, mapped: _Mapped, f: int, g: int, rows: int) -> dict[str, list[Value]]:
@@ -423,15 +427,18 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         cached = self._small_files.get(f)
         if cached is None:
             file_rows = sum(self.index.group_rows[f])
-            listed = None if mapped.catalogue_path is None else Catalogue.from_ipc(
+            eager = file_rows <= EAGER_ROWS or mapped.small_reads >= 1
+            listed = None if mapped.catalogue_path is None or not eager else Catalogue.from_ipc(
                 mapped.catalogue_path, mapped.fingerprint, file_rows, self._small_columns, [])
+            table = None
             if listed is not None:  # the stored catalogue: nothing to decode
-                cached = self._small_files[f] = listed.small
+                cached = listed.small
             else:
                 mapped.small_reads += 1
                 if mapped.small_reads < 2 or mapped.small_failed or file_rows > self.small_rows:
                     return None
-                store = self.catalogue and mapped.catalogue_path is None
+                store = self.catalogue and mapped.catalogue_path is None and _uncompressed(
+                    mapped, self._catalogued_tensors)
                 columns = [*dict.fromkeys([*self._catalogued_small, *self._small_columns])] if store else \
                     self._small_columns
                 try:
@@ -439,10 +446,10 @@ class TensorParquetDataset(torch.utils.data.Dataset):
                 except (OSError, pa.ArrowException):
                     mapped.small_failed = True
                     return None
-                cached = self._small_files[f] = {c: table.column(c).to_pylist() for c in self._small_columns}
-                if store:
-                    self._store_catalogue(mapped, f, table.select(self._catalogued_small))
-            self._small_counts[f] = file_rows
+                cached = {c: table.column(c).to_pylist() for c in self._small_columns}
+            self._small_files[f], self._small_counts[f] = cached, file_rows
+            if table is not None and store:
+                self._store_catalogue(mapped, f, table.select(self._catalogued_small))
             while sum(self._small_counts.values()) > self.small_rows:
                 oldest = next(iter(self._small_files))
                 del self._small_files[oldest], self._small_counts[oldest]
@@ -476,7 +483,7 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             handles.move_to_end(f)
             return handles[f]
         try:
-            handles[f] = _Mapped(self.files[f])
+            handles[f] = _Mapped(self.files[f], catalogue=self.catalogue and self.direct)
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise DatasetError(self.files[f], None, None, f"cannot open: {exc}") from None
         while len(handles) > max(1, self.open_files):
@@ -503,7 +510,7 @@ def write_catalogue(path: str | os.PathLike, cache_dir: str | os.PathLike | None
     Raises:
         OSError, pyarrow.ArrowException: the file cannot be opened as parquet.
     """
-    mapped = _Mapped(Path(path))
+    mapped = _Mapped(Path(path), catalogue=True)
     tensors, small = catalogued_columns(mapped.file.schema_arrow)
     if split_schema(mapped.file.schema_arrow)[2]:
         return None
@@ -517,8 +524,7 @@ def _store_catalogue(mapped: _Mapped, tensors: Sequence[str], table: pa.Table, p
     also put in :attr:`_Mapped.locations`). Nothing is stored for a file with a compressed value or a chunk the page
     reader leaves to pyarrow, nor when no place in ``paths`` is writable (no catalogue is only slower)."""
     groups = [mapped.meta.row_group(g).num_rows for g in range(mapped.meta.num_row_groups)]
-    if not groups or any(mapped.meta.row_group(0).column(mapped.columns[t + BYTES][0]).compression != "UNCOMPRESSED"
-                         for t in tensors if t + BYTES in mapped.columns):
+    if not groups or not _uncompressed(mapped, tensors):
         return None  # compressed values are decoded at each read: nothing to locate (known from the footer)
     places: dict[str, list[tuple[int, int] | None]] = {t: [] for t in tensors}
     for g, rows in enumerate(groups):
@@ -534,6 +540,13 @@ def _store_catalogue(mapped: _Mapped, tensors: Sequence[str], table: pa.Table, p
         if keep:
             mapped.locations.setdefault(g, {t: found[t] for t in keep})
     return save_catalogue(paths, Catalogue({}, places).to_ipc(table, mapped.fingerprint))
+
+
+def _uncompressed(mapped: _Mapped, tensors: Sequence[str]) -> bool:
+    """Whether the first row group's ``_bytes`` chunks of ``tensors`` are uncompressed (a writer uses one codec)."""
+    first = mapped.meta.row_group(0) if mapped.meta.num_row_groups else None
+    return first is not None and all(first.column(mapped.columns[t + BYTES][0]).compression == "UNCOMPRESSED"
+                                     for t in tensors if t + BYTES in mapped.columns)
 
 
 @dataclass
@@ -557,7 +570,7 @@ class _Mapped:
     dtype only by chance, about half the time: viewing it in place would need a copy anyway).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, catalogue: bool = False) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         weakref.finalize(self, os.close, self.fd)  # closed with this handle (the mapping keeps its own descriptor)
@@ -566,6 +579,9 @@ class _Mapped:
         self.buffer = pa.py_buffer(self.map)
         self.file = pq.ParquetFile(pa.BufferReader(self.buffer))
         self.meta = self.file.metadata  # one wrapper, not one per access
+        # What the file's catalogue is keyed by (:func:`~.catalogue.fingerprint`), taken as it was opened: a file
+        # rewritten in place later has another change time, so nothing built from this handle is keyed to it.
+        self.fingerprint = fingerprint(self.fd) if catalogue else None
         schema = self.meta.schema
         # Flat columns only (a nested one, a list, has a dotted path and is never a _bytes column): column index
         # and maximum definition level by name.
@@ -578,11 +594,6 @@ class _Mapped:
         self.small_failed = False  # the small columns of the whole file could not be decoded at once
         self.catalogue_path: Path | None = None  # its valid stored row catalogue (:mod:`.catalogue`), once known
         self.catalogue_looked = False  # a stored catalogue was looked for
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """What the file's catalogue is keyed by (:func:`~.catalogue.fingerprint`)."""
-        return fingerprint(self.fd)
 
     def read_all(self, columns: list[str]) -> pa.Table:
         """``columns`` of every row group of the file, read with ``pread`` rather than through the mapping: as fast,
@@ -636,6 +647,7 @@ class _Mapped:
 
 
 _FAULT_AROUND = 1 << 16  # Linux's default fault_around_bytes (see _Mapped.release)
+EAGER_ROWS = 1024  # a file of at most this many rows takes its stored catalogue at its first read; larger at its second
 
 
 def _byte_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
