@@ -228,9 +228,10 @@ def run_reader(root: Path, name: str, order: torch.Tensor, budget: float, row_by
                               catalogue="no catalogue" not in name)
     if name.startswith("ff two-level"):
         order = two_level_order(ds.group_bounds, 0, 0, window=4)
-    read = {"card recipe": card_recipe, "whole row group": whole_group,
-            "ff file ranges": lambda d: d.describe, "ff file ranges, no catalogue": lambda d: d.describe}.get(
-        name, lambda d: d.__getitem__)(ds)
+    if name.startswith("ff file ranges"):
+        read = ds.describe
+    else:
+        read = {"card recipe": card_recipe, "whole row group": whole_group}.get(name, lambda d: d.__getitem__)(ds)
     return timed(read, iter(order), budget, row_bytes, consume)
 
 

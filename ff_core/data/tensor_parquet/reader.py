@@ -90,9 +90,9 @@ class TensorParquetDataset(torch.utils.data.Dataset):
             Compressed values are still decoded in the worker. Outside workers: no effect (:meth:`describe` returns
             the same description in any process).
         catalogue: use and keep row catalogues (:mod:`.catalogue`): a file's small columns and ``_bytes`` places,
-            built on its second read and stored for the next process (beside the data, else in ``cache_dir`` or the
-            cache folder), so a row read in a new process decodes and parses nothing but its tensors' bytes.
-            ``False``: per-process caches only (as with a file whose values are compressed).
+            written beside it by ff's writer or by the first reader that decodes its small columns whole (else in
+            ``cache_dir`` or the cache folder), so a row read in a new process decodes and parses nothing but its
+            tensors' bytes. ``False``: per-process caches only (as with a file whose values are compressed).
 
     Attributes:
         tensor_names: the tensors a row holds, in column order.
@@ -361,13 +361,14 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         """Fill :attr:`_Mapped.locations` for every row group of file ``f`` from its stored catalogue, if it has a
         valid one (looked for once per handle); remembered in :attr:`_Mapped.catalogue_path` for the small columns."""
         rows = self.index.group_rows[f]
-        if sum(rows) > EAGER_ROWS and mapped.small_reads < 1:
+        file_rows = sum(rows)
+        if file_rows > EAGER_ROWS and mapped.small_reads < 1:
             return  # a large file: its catalogue is loaded on its second read (a file read once costs no more)
         mapped.catalogue_looked = True
-        if sum(rows) > self.small_rows:
+        if file_rows > self.small_rows:
             return
         for path in self._catalogue_paths(f):
-            found = Catalogue.from_ipc(path, mapped.fingerprint, sum(rows), [], self.tensor_names)
+            found = Catalogue.from_ipc(path, mapped.fingerprint, file_rows, [], self.tensor_names)
             if found is not None:
                 break
         else:
@@ -511,9 +512,9 @@ def write_catalogue(path: str | os.PathLike, cache_dir: str | os.PathLike | None
         OSError, pyarrow.ArrowException: the file cannot be opened as parquet.
     """
     mapped = _Mapped(Path(path), catalogue=True)
-    tensors, small = catalogued_columns(mapped.file.schema_arrow)
     if split_schema(mapped.file.schema_arrow)[2]:
         return None
+    tensors, small = catalogued_columns(mapped.file.schema_arrow)
     return _store_catalogue(mapped, tensors, mapped.read_all(small), catalogue_paths(Path(path), cache_dir, True))
 
 
