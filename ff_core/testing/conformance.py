@@ -24,10 +24,12 @@ the path tested. Two groups of checks:
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
   encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full
-  sampling run (with and without CFG; at another embedded guidance), the decoding, the encoding (the VAE's
-  posterior sample from the same generator, normalised as the pipeline's latents are), and the LoRA export loaded
-  through ``load_lora_weights`` are compared with tolerances. A failure says what
-  differed, where, and what it looks like.
+  sampling run (with and without CFG; at another embedded guidance), the decoding, the encoding (every latent
+  component through the pipeline's own VAE path: the posterior the family's reference trainer takes,
+  :attr:`~AdapterConformance.reference_posterior`, normalised as the pipeline's latents are), and the LoRA export
+  loaded through ``load_lora_weights`` are compared with tolerances; the denoiser and encoding checks compare every
+  latent component (LTX-2's and MiniMax H3's audio too). A failure says what differed, where, and what it looks
+  like.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
 prompts when the contract takes them, an image per required image slot), batches no larger than its
@@ -67,7 +69,6 @@ from ff_core.testing.reference import (
     diagnose_velocity,
     differences,
     first_latents,
-    first_mask,
     run_pipeline,
     state_tensor,
     velocity_at,
@@ -98,8 +99,13 @@ class AdapterConformance:
         sample_atol: tolerance of the final latents of a full sampling run.
         media_atol: tolerance of decoded images and videos in uint8 units (rounding: 1).
         audio_atol: tolerance of decoded audio (float waveforms in [-1, 1]; 1e-4 is about 3 LSB of 16-bit PCM).
-        encode_atol: tolerance of the clean latents ``encode_output`` gives against the pipeline VAE's posterior
-            sample (same generator), normalised as the pipeline's latents are (:meth:`reference_encode`).
+        encode_atol: tolerance of the clean latents ``encode_output`` gives against the pipeline's own VAE path
+            (:meth:`reference_encode`), every component.
+        reference_posterior: which posterior latent the family's reference trainer trains on, and so what
+            :meth:`reference_encode` takes: ``"sample"`` (default; diffusers' ``train_dreambooth_sd3.py``:
+            ``vae.encode(x).latent_dist.sample()``, drawn here from the kit's generator, the one ``encode_output``
+            gets) or ``"mode"`` (``latent_dist.mode()``: ltx-trainer, the H3 SFT data flow). Read by the default
+            :meth:`reference_encode` and by a plugin's own; never the adapter's setting.
         roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE: coarse (a
             wrong pixel range, no decode), since a briefly trained tiny VAE reconstructs loosely (the SD3 one: about
             29 and 41 on the two held-out shapes); the latent normalisation is :meth:`check_encoding`'s to catch.
@@ -121,6 +127,7 @@ class AdapterConformance:
     media_atol: ClassVar[float] = 1.0
     audio_atol: ClassVar[float] = 1e-4
     encode_atol: ClassVar[float] = 1e-4
+    reference_posterior: ClassVar[str] = "sample"
     roundtrip_tolerance: ClassVar[float] = 64.0
     seed: ClassVar[int] = 7
 
@@ -213,13 +220,16 @@ class AdapterConformance:
         return dict(run.tensors)
 
     def reference_encode(self, pipe: Any, adapter: Adapter, targets: list[list[Tensor]],
-                         generator: torch.Generator) -> Tensor:  # fmt: skip
-        """The clean latents of ``targets`` as the pipeline's own code normalises them, in the adapter's (unpacked)
-        layout: a posterior sample of ``pipe.vae`` drawn from ``generator`` (:func:`vae_posterior_sample`), then
-        ``(z - shift_factor) * scaling_factor`` from the VAE's config, the inverse of what the pipeline's decoding
-        applies (SD3, FLUX.1: ``latents / scaling_factor + shift_factor``). Override for another normalisation (Wan:
-        ``(z - latents_mean) / latents_std``)."""
-        z = vae_posterior_sample(pipe.vae, targets, generator)
+                         generator: torch.Generator) -> Tensor | dict[str, Tensor]:  # fmt: skip
+        """The clean latents of ``targets`` through the pipeline's own VAE path, independent of the adapter, in the
+        adapter's (unpacked) layout: one tensor for an adapter with one latent component, else a dict with every
+        component by name (the check compares each). Default: ``pipe.vae``'s posterior as
+        :attr:`reference_posterior` says (:func:`vae_posterior`: a sample drawn from ``generator``, or the mode),
+        then ``(z - shift_factor) * scaling_factor`` from the VAE's config, the inverse of what the pipeline's
+        decoding applies (SD3, FLUX.1: ``latents / scaling_factor + shift_factor``). Override for another
+        normalisation (Wan: ``(z - latents_mean) / latents_std``) or several components (LTX-2, MiniMax H3: video and
+        audio)."""
+        z = vae_posterior(pipe.vae, targets, self.reference_posterior, generator)
         config = pipe.vae.config
         return (z - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
@@ -375,20 +385,25 @@ class AdapterConformance:
     def check_denoiser(self, adapter: Adapter, pipe: Any, case: ReferenceCase, what: str = "") -> None:
         """One denoiser call at each sigma of the run: ``velocity`` at the pipeline's latents and sigma equals the
         pipeline's Euler update over that step."""
-        layout, mask = self.reference_layout, first_mask(case.init)
+        layout = self.reference_layout
         for k in range(self.reference_steps):
-            sigma = float(case.run.sigmas[k])
+            levels = self.reference_levels(adapter, case, k)
             state = layout.adapter_state(pipe, case.run.latents[k], case.init)
             with torch.no_grad():
-                ours = state_tensor(velocity_at(adapter, state, self.reference_levels(adapter, case, k),
-                                                case.condition))  # fmt: skip
-            theirs = state_tensor(layout.adapter_state(pipe, case.run.velocity(k), case.init))
-            problem = differences(ours, theirs, atol=self.velocity_atol, rtol=self.velocity_atol * 10, mask=mask)
-            if problem is not None:
-                why = diagnose_velocity(pipe, case.run, k, ours, theirs, layout, case.init, atol=self.velocity_atol)
+                ours = velocity_at(adapter, state, levels, case.condition)
+            theirs = layout.adapter_state(pipe, case.run.velocity(k), case.init)
+            # Every component: a stream whose output alone is wrong (an audio unpack) leaves the others exact.
+            for name, tensor in ours.components.items():
+                problem = differences(tensor, theirs.components[name], atol=self.velocity_atol,
+                                      rtol=self.velocity_atol * 10, mask=case.init.masks.get(name))  # fmt: skip
+                if problem is None:
+                    continue
+                sigma = levels[name] if isinstance(levels, dict) else levels
+                why = diagnose_velocity(pipe, case.run, k, tensor, theirs.components[name], layout, case.init,
+                                        atol=self.velocity_atol, component=name)  # fmt: skip
                 raise AssertionError(
                     f"velocity{what} at sigma {sigma:.4g} (step {k} of {self.reference_steps}) differs from "
-                    f"{type(pipe).__name__}'s denoiser step at the same latents: {problem}. {why}"
+                    f"{type(pipe).__name__}'s denoiser step at the same latents, component {name!r}: {problem}. {why}"
                 )
 
     def check_sampling(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
@@ -453,20 +468,34 @@ class AdapterConformance:
                                  "range.")  # fmt: skip
 
     def check_encoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
-        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`) with a seeded generator gives the latents
-        the pipeline's VAE samples from the same generator, normalised as the pipeline's latents are
-        (:meth:`reference_encode`). No trained VAE needed: a random one with a non-identity normalisation tells an
-        ``encode_output`` that skips it (the decoding check sees only ``decode``'s side)."""
+        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`) with a seeded generator gives, in every
+        latent component, the latents of the pipeline's own VAE path (:meth:`reference_encode`: the posterior the
+        reference trainer takes, :attr:`reference_posterior`, a sample from the same generator or the mode,
+        normalised as the pipeline's latents are). No trained VAE needed: a random one with a non-identity
+        normalisation tells an ``encode_output`` that skips it (the decoding check sees only ``decode``'s side), and
+        its posterior's spread tells a sample from the mode."""
         targets = self.make_targets(adapter, len(case.inputs))
         with torch.no_grad():
             ours = adapter.encode_output(targets, case.condition, generator=torch.Generator().manual_seed(self.seed))
             theirs = self.reference_encode(pipe, adapter, targets, torch.Generator().manual_seed(self.seed))
-        check_close("encode_output's clean latents", state_tensor(ours).float().cpu(), theirs.float().cpu(),
-                    atol=self.encode_atol, rtol=self.encode_atol, mask=first_mask(ours),
-                    hint=f"The posterior sample was {type(pipe).__name__}'s VAE's from the same generator, so the "
-                         "latent normalisation differs: check encode_output applies the VAE's (shift / scaling "
-                         "factors, latents_mean / latents_std) as decode inverts it, and the pixel range "
-                         "[-1, 1].")  # fmt: skip
+        if isinstance(theirs, Tensor):
+            if len(ours.components) != 1:
+                raise AssertionError(f"reference_encode gives one tensor, encode_output gives the components "
+                                     f"{list(ours.components)}: return every component by name")  # fmt: skip
+            theirs = {next(iter(ours.components)): theirs}
+        missing = set(ours.components) ^ set(theirs)
+        if missing:
+            raise AssertionError(f"encode_output gives the components {list(ours.components)}, reference_encode "
+                                 f"{list(theirs)}: every component is compared")  # fmt: skip
+        posterior = ("sample drawn from the same generator" if self.reference_posterior == "sample"
+                     else "mode (latent_dist.mode())")  # fmt: skip
+        for name, tensor in ours.components.items():
+            check_close(f"encode_output's clean {name!r} latents", tensor.float().cpu(), theirs[name].float().cpu(),
+                        atol=self.encode_atol, rtol=self.encode_atol, mask=ours.masks.get(name),
+                        hint=f"The reference is {type(pipe).__name__}'s VAE path, its posterior's {posterior} (the "
+                             "reference trainer's): check encode_output takes the same posterior latent, applies "
+                             "the VAE's latent normalisation (shift / scaling factors, latents_mean / latents_std) "
+                             "as decode inverts it, and the pipeline's pixel range / audio preprocessing.")  # fmt: skip
 
     def check_cfg(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
         """A contract that accepts negative prompts has a negative branch, and CFG on changes the velocity."""
@@ -902,14 +931,28 @@ def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
     return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
 
 
-def vae_posterior_sample(vae: Any, media: list[list[Tensor]], generator: torch.Generator) -> Tensor:
-    """``vae.encode(x).latent_dist.sample(generator)`` of each sample's first output as one batch: uint8 images
-    (3, H, W) or videos (F, 3, H, W, ff's media layout; the VAE takes (B, 3, F, H, W)), scaled to [-1, 1]."""
+POSTERIORS = ("mode", "sample")
+"""How target latents are taken from a VAE posterior: its mode (mean) or a sample from the training generator."""
+
+
+def vae_posterior(vae: Any, media: list[list[Tensor]], posterior: str,
+                  generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
+    """``vae.encode(x).latent_dist.mode()`` (``posterior="mode"``) or ``.sample(generator)`` (``"sample"``) of each
+    sample's first output as one batch: uint8 images (3, H, W) or videos (F, 3, H, W, ff's media layout; the VAE takes
+    (B, 3, F, H, W)), scaled to [-1, 1]."""
+    if posterior not in POSTERIORS:
+        raise ValueError(f"posterior must be one of {POSTERIORS}, got {posterior!r}")
     x = torch.stack([outputs[0] for outputs in media]).float() / 127.5 - 1
     if x.ndim == 5:
         x = x.permute(0, 2, 1, 3, 4)
     param = next(vae.parameters())
-    return vae.encode(x.to(param.device, param.dtype)).latent_dist.sample(generator=generator)
+    dist = vae.encode(x.to(param.device, param.dtype)).latent_dist
+    return dist.mode() if posterior == "mode" else dist.sample(generator=generator)
+
+
+def vae_posterior_sample(vae: Any, media: list[list[Tensor]], generator: torch.Generator) -> Tensor:
+    """:func:`vae_posterior` with ``posterior="sample"``."""
+    return vae_posterior(vae, media, "sample", generator)
 
 
 def frozen_in_train_mode(adapter: Adapter) -> list[str]:

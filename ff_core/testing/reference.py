@@ -229,12 +229,12 @@ def run_pipeline(pipe: Any, latents: Latents, *, steps: int, denoisers: Sequence
 @torch.no_grad()
 def diagnose_velocity(
     pipe: Any, run: PipelineRun, k: int, ours: Tensor, reference: Tensor, layout: LatentLayout, like: LatentState,
-    *, atol: float,
+    *, atol: float, component: str | None = None,
 ) -> str:  # fmt: skip
     """What a velocity mismatch at step ``k`` looks like: the pipeline's denoiser re-run with its timestep scaled by
     1000 or 1/1000 (a sigma scaled by ``num_train_timesteps`` twice, or not at all), or the same values in another
-    order (a wrong packing permutation). ``ours`` and ``reference`` are in the adapter's layout; ``""`` when none
-    fits."""
+    order (a wrong packing permutation). ``ours`` and ``reference`` are in the adapter's layout, of latent component
+    ``component`` (``None``: the first); ``""`` when none fits."""
     if is_permutation(ours, reference, atol=atol):
         return ("The adapter's velocity holds the reference's values in another order: a wrong latent packing/"
                 "unpacking permutation of the right shape?")  # fmt: skip
@@ -245,7 +245,7 @@ def diagnose_velocity(
             t = kwargs["timestep"]
             for factor, why in ((1000.0, "scaled by num_train_timesteps twice"), (1e-3, "not scaled to timesteps")):
                 out = module(*args, **{**kwargs, "timestep": t * factor, "return_dict": False})[0]
-                v = layout.adapter_state(pipe, out, like).components[next(iter(like.components))]
+                v = layout.adapter_state(pipe, out, like).components[component or next(iter(like.components))]
                 if differences(ours, v, atol=atol * 10, rtol=1e-2) is None:
                     return (f"The adapter's velocity is the pipeline's {name} at timestep x{factor:g} "
                             f"({float(t.flatten()[0]):g} -> {float(t.flatten()[0]) * factor:g}): the sigma is {why}.")
@@ -254,8 +254,8 @@ def diagnose_velocity(
 
 
 def state_tensor(state: LatentState) -> Tensor:
-    """The first component of ``state``: the one whose noise levels sampling steps through (the denoiser check
-    compares it; the sampling check compares every component)."""
+    """The first component of ``state``: the one whose noise levels sampling steps through (the CFG check compares
+    it; the denoiser, sampling and encoding checks compare every component)."""
     return next(iter(state.components.values()))
 
 

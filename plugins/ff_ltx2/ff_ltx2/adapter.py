@@ -18,13 +18,17 @@ instantiating it:
   sigmas (the pipeline deep-copies the scheduler for it).
 * decode: video VAE of the denormalised latents, audio VAE to a mel spectrogram, vocoder to the waveform.
 * targets (:meth:`encode_output`): the video clip on the ``frame_rate`` grid (the loader fits it to
-  :meth:`output_geometry`), the audio cut to the same clock ``num_frames / frame_rate`` (:mod:`ff_ltx2.audio`),
-  both VAE posteriors sampled from the training generator.
+  :meth:`output_geometry`), the audio cut to the same clock ``num_frames / frame_rate`` (:mod:`ff_ltx2.audio`; a
+  soundtrack that ends early is right-padded with silence, as Flow-Factory's ``prepare_ltx2_target_audio``), both
+  VAE posteriors taken at their mode (``latent_dist.mode()``: ltx-trainer's ``process_videos`` encodes normalised
+  means, Flow-Factory's ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio`` take the mode);
+  ``target_posterior="sample"`` draws posterior samples from the training generator instead.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import re
 from pathlib import Path
@@ -96,6 +100,8 @@ def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
 
 
 KWARGS = "model.adapter_kwargs"
+# How encode_output takes the target latents from the VAE posteriors (adapter_kwargs.target_posterior).
+TARGET_POSTERIORS = ("mode", "sample")
 
 
 def check_geometry(num_frames: int, height: int, width: int, spatial: int, temporal: int, patch: int,
@@ -121,6 +127,11 @@ def _check_number(key: str, value: Any, *, integer: bool, minimum: float, strict
     if not ok:
         what = "an integer" if integer else "a number"
         raise ConfigError(f"{KWARGS}.{key}", f"must be {what} {'>' if strict else '>='} {minimum:g}, got {value!r}")
+
+
+def _tolerance(audio_tolerance: float | None) -> float:
+    """``audio_tolerance`` as :func:`~ff_core.audio.clock_window` takes it: ``None`` pads any shortfall."""
+    return math.inf if audio_tolerance is None else float(audio_tolerance)
 
 
 def _to_video(item: Any, index: int) -> tuple[Tensor, float]:
@@ -175,7 +186,8 @@ class LTX2T2AVAdapter(Adapter):
         max_sequence_length: int = 1024,
         use_cross_timestep: bool = True,
         mel_n_fft: int = 1024,
-        audio_tolerance: float = 0.05,
+        audio_tolerance: float | None = None,
+        target_posterior: str = "mode",
     ) -> None:
         """
         Args:
@@ -197,8 +209,13 @@ class LTX2T2AVAdapter(Adapter):
             use_cross_timestep: the pipeline's ``use_cross_timestep`` (its default ``True``): audio<->video attention
                 modulated by the other stream's noise level.
             mel_n_fft: FFT size of the target audio's mel spectrogram (LTX-2's audio processor: 1024).
-            audio_tolerance: seconds a target's audio may fall short of the clip's clock and still be padded with
-                silence (rounding of its length); shorter clips are rejected.
+            audio_tolerance: ``None`` (default): a target's audio shorter than the clip's clock is right-padded with
+                silence, however short (Flow-Factory's ``prepare_ltx2_target_audio`` trims or right-pads onto the
+                clock; ``ff data validate`` notes each one). A number of seconds: the old rule, audio short by more
+                than that is rejected (``0.05`` was the default before).
+            target_posterior: ``"mode"`` (default): the target latents are the VAE posteriors' modes, video and
+                audio (ltx-trainer's ``process_videos``, Flow-Factory's LTX-2 target codec); ``"sample"``: posterior
+                samples drawn from the training generator (video first, then audio).
         """
         super().__init__()
         self.transformer, self.vae, self.audio_vae, self.vocoder = transformer, vae, audio_vae, vocoder
@@ -210,12 +227,13 @@ class LTX2T2AVAdapter(Adapter):
         self.spatial_stride, self.temporal_stride = video_vae_compression(dict(vae.config))
         type(self)._check_values(height=height, width=width, num_frames=num_frames, frame_rate=frame_rate,
                                  max_sequence_length=max_sequence_length, mel_n_fft=mel_n_fft,
-                                 audio_tolerance=audio_tolerance)  # fmt: skip
+                                 audio_tolerance=audio_tolerance, target_posterior=target_posterior)  # fmt: skip
         check_geometry(num_frames, height, width, self.spatial_stride, self.temporal_stride,
                        transformer.config.patch_size, transformer.config.patch_size_t)  # fmt: skip
         self.height, self.width, self.num_frames, self.frame_rate = height, width, num_frames, float(frame_rate)
         self.max_sequence_length = min(max_sequence_length, tokenizer.model_max_length)
         self.use_cross_timestep, self.mel_n_fft, self.audio_tolerance = use_cross_timestep, mel_n_fft, audio_tolerance
+        self.target_posterior = target_posterior
         for frozen in (vae, audio_vae, vocoder, connectors, text_encoder):
             frozen.requires_grad_(False).eval()
 
@@ -235,21 +253,26 @@ class LTX2T2AVAdapter(Adapter):
                 _check_number(key, values[key], integer=True, minimum=1)
         if "frame_rate" in values:
             _check_number("frame_rate", values["frame_rate"], integer=False, minimum=0, strict=True)
-        if "audio_tolerance" in values:
+        if values.get("audio_tolerance") is not None:
             _check_number("audio_tolerance", values["audio_tolerance"], integer=False, minimum=0)
+        if "target_posterior" in values and values["target_posterior"] not in TARGET_POSTERIORS:
+            raise ConfigError(f"{KWARGS}.target_posterior", f"must be one of {', '.join(TARGET_POSTERIORS)}, got "
+                              f"{values['target_posterior']!r}")  # fmt: skip
 
     @classmethod
     def check_adapter_kwargs(
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
     ) -> None:
-        """Before any weight loads: every number in range, ``dtype`` known, ``image_crf`` only for ``ltx2_i2av``;
+        """Before any weight loads: every number in range, ``dtype`` and ``target_posterior`` known, ``image_crf`` only
+        for ``ltx2_i2av``;
         with the checkpoint, the clip geometry against its video VAE's compression and the transformer's patch sizes
         (:func:`check_geometry`, read from ``vae/config.json`` and ``transformer/config.json``)."""
         from ff_core.pretrained import read_config
 
         settings = cls._settings(adapter_kwargs)
         cls._check_values(**{k: settings[k] for k in ("height", "width", "num_frames", "frame_rate",
-                                                      "max_sequence_length", "mel_n_fft", "audio_tolerance")})
+                                                      "max_sequence_length", "mel_n_fft", "audio_tolerance",
+                                                      "target_posterior")})
         try:
             resolve_dtype(settings["dtype"])
             cls._extra_kwargs(settings["image_crf"])
@@ -269,12 +292,13 @@ class LTX2T2AVAdapter(Adapter):
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
     ) -> tuple[MediaGeometry, AudioSpan]:
         """The video clip :meth:`output_geometry` decodes, and the audio span :meth:`target_mel` cuts (the clip's
-        ``num_frames / frame_rate`` seconds, ``audio_tolerance`` short at most): from ``adapter_kwargs`` alone."""
+        ``num_frames / frame_rate`` seconds; ``audio_tolerance`` short at most, any shortfall, ``math.inf``, when it is
+        ``None``: padded with silence, noted by ``ff data validate``): from ``adapter_kwargs`` alone."""
         s = cls._settings(adapter_kwargs)
         cls._check_values(**{k: s[k] for k in ("height", "width", "num_frames", "frame_rate", "audio_tolerance")})
         duration = s["num_frames"] / float(s["frame_rate"])
         return (MediaGeometry(s["height"], s["width"], num_frames=s["num_frames"], fps=float(s["frame_rate"])),
-                AudioSpan(duration, tolerance=float(s["audio_tolerance"])))  # fmt: skip
+                AudioSpan(duration, tolerance=_tolerance(s["audio_tolerance"])))  # fmt: skip
 
     @classmethod
     def check_bucket(
@@ -347,7 +371,8 @@ class LTX2T2AVAdapter(Adapter):
         max_sequence_length: int = 1024,
         use_cross_timestep: bool = True,
         mel_n_fft: int = 1024,
-        audio_tolerance: float = 0.05,
+        audio_tolerance: float | None = None,
+        target_posterior: str = "mode",
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
     ) -> LTX2T2AVAdapter:
@@ -363,6 +388,7 @@ class LTX2T2AVAdapter(Adapter):
             use_cross_timestep: see :class:`LTX2T2AVAdapter`.
             mel_n_fft: see :class:`LTX2T2AVAdapter`.
             audio_tolerance: see :class:`LTX2T2AVAdapter`.
+            target_posterior: see :class:`LTX2T2AVAdapter`.
             image_crf: ``ltx2_i2av`` only (:class:`LTX2I2AVAdapter`); ``ltx2_t2av`` refuses a value.
             dtype: weights dtype of the transformer, the connectors and the text encoder (VAEs, vocoder: fp32).
             revision: hub revision.
@@ -372,12 +398,13 @@ class LTX2T2AVAdapter(Adapter):
         cls.check_adapter_kwargs(path, {"height": height, "width": width, "num_frames": num_frames,
                                         "frame_rate": frame_rate, "max_sequence_length": max_sequence_length,
                                         "mel_n_fft": mel_n_fft, "audio_tolerance": audio_tolerance,
-                                        "image_crf": image_crf, "dtype": dtype})  # fmt: skip
+                                        "image_crf": image_crf, "dtype": dtype,
+                                        "target_posterior": target_posterior})  # fmt: skip
         extra = cls._extra_kwargs(image_crf)
         adapter = cls(**cls._components(path, dt, revision), **extra, height=height, width=width, num_frames=num_frames,
                       frame_rate=frame_rate, max_sequence_length=max_sequence_length,
                       use_cross_timestep=use_cross_timestep, mel_n_fft=mel_n_fft,
-                      audio_tolerance=audio_tolerance)  # fmt: skip
+                      audio_tolerance=audio_tolerance, target_posterior=target_posterior)  # fmt: skip
         local = Path(path).expanduser()
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
                           "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
@@ -585,7 +612,7 @@ class LTX2T2AVAdapter(Adapter):
         # 4 L hops can run past the clip's clock (L = round(duration * latents per second) rounded up): cut that much
         # of the source when it has it, so only a source that really ends is padded with silence; a clip is still
         # rejected only when it falls short of the clip's own duration.
-        window = clock_window(waveform, rate, start - offset, self.duration, tolerance=self.audio_tolerance,
+        window = clock_window(waveform, rate, start - offset, self.duration, tolerance=_tolerance(self.audio_tolerance),
                               what=what, keep=max(self.duration, samples / float(cfg.sample_rate)))  # fmt: skip
         x = to_model_rate(window, rate, int(cfg.sample_rate), int(cfg.in_channels), samples)
         mel = log_mel(x.to(self.audio_vae.device), sample_rate=int(cfg.sample_rate), n_fft=self.mel_n_fft,
@@ -599,13 +626,17 @@ class LTX2T2AVAdapter(Adapter):
         x, starts = self._videos(media)
         mels = torch.stack([self.target_mel(outputs[1], starts[i], f"media[{i}][1]")
                             for i, outputs in enumerate(media)])  # fmt: skip
-        # Posterior samples drawn from `generator` (video first, then audio), as the LTX-2 trainer encodes targets.
-        video = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample(generator=generator)
-        audio = self.audio_vae.encode(mels.to(self.audio_vae.dtype)).latent_dist.sample(generator=generator)
+        # The posteriors' modes (ltx-trainer, Flow-Factory), or samples drawn from `generator`, video first.
+        video = self._latents(self.vae.encode(x.to(self.vae.dtype)).latent_dist, generator)
+        audio = self._latents(self.audio_vae.encode(mels.to(self.audio_vae.dtype)).latent_dist, generator)
         audio = audio[:, :, : self.audio_latent_frames]
         dtype = self.transformer.dtype
         return LatentState({"video": self.normalize_video(video.float()).to(dtype),
                             "audio": self.normalize_audio(audio.float()).to(dtype)})  # fmt: skip
+
+    def _latents(self, posterior: Any, generator: torch.Generator | None) -> Tensor:
+        """``posterior.mode()``, or a sample from ``generator`` (``target_posterior="sample"``)."""
+        return posterior.sample(generator=generator) if self.target_posterior == "sample" else posterior.mode()
 
     # -- the denoiser ----------------------------------------------------------------------------
     def _timesteps(self, t: Tensor, state: LatentState) -> tuple[Tensor, Tensor]:

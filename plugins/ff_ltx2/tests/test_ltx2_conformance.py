@@ -14,12 +14,13 @@ import math
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 from ff_ltx2 import LTX2I2AVAdapter, LTX2T2AVAdapter
+from ff_ltx2.audio import log_mel
 from ff_ltx2.testing import build_tiny_ltx2
 from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
 from PIL import Image
 
 from ff_core.adapter import LatentState
-from ff_core.testing.conformance import AdapterConformance, vae_posterior_sample
+from ff_core.testing.conformance import AdapterConformance
 from ff_core.testing.reference import LatentLayout
 
 
@@ -106,12 +107,37 @@ class TestLTX2T2AVConformance(AdapterConformance):
                             f"{prefix}prompt_attention_mask": connector_mask})  # fmt: skip
         return out
 
+    # ltx-trainer's process_videos and Flow-Factory's LTX-2 target codec train on the posteriors' modes.
+    reference_posterior = "mode"
+
     def reference_encode(self, pipe, adapter, targets, generator):
-        """The video VAE's posterior sample (drawn first, as ``encode_output`` draws video before audio), normalised
-        as ``LTX2Pipeline._normalize_latents`` does: ``(z - latents_mean) * scaling_factor / latents_std``."""
-        z = vae_posterior_sample(pipe.vae, targets, generator)
-        vae = pipe.vae
-        return pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        """Both streams through the pipeline's own VAE path, never the adapter's (Flow-Factory's
+        ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio``, ltx-trainer's ``process_videos``):
+
+        * video: ``pipe.video_processor.preprocess_video`` of the frames in [0, 1], ``pipe.vae.encode(x)
+          .latent_dist.mode()``, ``LTX2Pipeline._normalize_latents``;
+        * audio: each clip-long tone at the audio VAE's rate cut by hand to the ``4 L`` mel hops' samples, LTX-2's
+          log-mel (``ff_ltx2.audio.log_mel``, held against a hand STFT in test_ltx2_audio.py) cut to ``4 L`` frames,
+          ``pipe.audio_vae.encode(mel).latent_dist.mode()`` cut to ``L`` latent frames, then the pipeline's
+          ``_pack_audio_latents`` / ``_normalize_audio_latents`` / ``_unpack_audio_latents``.
+        """
+        assert self.reference_posterior == "mode"
+        vae, audio_vae = pipe.vae, pipe.audio_vae
+        frames = [video.float() / 255 for video, _ in targets]  # (F, 3, H, W) in [0, 1]
+        pixels = pipe.video_processor.preprocess_video(frames, height=SIZE, width=SIZE)
+        z = vae.encode(pixels).latent_dist.mode()
+        video = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        cfg = audio_vae.config
+        frames_l = round(FRAMES / FPS * cfg.sample_rate / cfg.mel_hop_length / 4)  # LTX2Pipeline's audio_num_frames
+        samples = 4 * frames_l * cfg.mel_hop_length
+        assert all(audio.shape[-1] >= samples for _, audio in targets)  # make_targets' tones last the clip
+        waves = torch.stack([audio[:, :samples] for _, audio in targets])
+        mel = log_mel(waves, sample_rate=cfg.sample_rate, n_fft=1024, hop_length=cfg.mel_hop_length,
+                      n_mels=cfg.mel_bins)[:, :, : 4 * frames_l]  # fmt: skip
+        za = audio_vae.encode(mel).latent_dist.mode()[:, :, :frames_l]
+        packed = pipe._normalize_audio_latents(pipe._pack_audio_latents(za), audio_vae.latents_mean,
+                                               audio_vae.latents_std)  # fmt: skip
+        return {"video": video, "audio": pipe._unpack_audio_latents(packed, frames_l, za.shape[3])}
 
     def reference_media(self, adapter, output):
         """Frames in uint8 units; the waveform right-padded with silence to the clip's clock, as ff decodes it."""

@@ -21,10 +21,12 @@ without instantiating the pipeline:
 * decode: ``latents * std + mean``, the video VAE, then undo the ImageNet pixel normalisation; the audio VAE per
   stereo channel, giving the pipeline's ``L * hop`` samples at the audio VAE's rate.
 * targets (:meth:`MiniMaxH3Adapter.encode_output`): the video clip on the 24-fps grid fitted to the canvas (the
-  loader, :meth:`output_geometry`), ImageNet-normalised, its posterior sampled from the training generator; the
-  audio cut from the clip's start, converted to stereo at the audio VAE's rate and trimmed or right-padded to
-  exactly ``L * hop`` samples (the aligned latent duration, spec "H3 audio"), encoded to its posterior mean (H3's
-  codec always consumes the mean: ``AutoencoderKLMiniMaxH3Audio.encode``).
+  loader, :meth:`output_geometry`), ImageNet-normalised, encoded to its posterior mode (Flow-Factory's
+  ``encode_h3_target_video``: "the H3 SFT reference data flow", the mean in fp32; ``target_posterior="sample"``
+  draws a posterior sample from the training generator instead); the audio cut from the clip's start, converted to
+  stereo at the audio VAE's rate and trimmed or right-padded to exactly ``L * hop`` samples (the aligned latent
+  duration, spec "H3 audio"), encoded to its posterior mean (H3's codec always consumes the mean:
+  ``AutoencoderKLMiniMaxH3Audio.encode``; Flow-Factory's ``encode_h3_target_audio``).
 
 Extending (FL2VA, Ref2VA): subclass :class:`MiniMaxH3Adapter` and fill the hooks: :meth:`presentation` (the
 tokenized prompt with its labels and vision blocks), :meth:`condition_rows` (cached condition tensors of one sample),
@@ -49,10 +51,14 @@ from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, rej
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
+from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, aligned_num_frames, check_clip
 
 log = logging.getLogger(__name__)
+
+# How encode_output takes the target video latents from the VAE posterior (adapter_kwargs.target_posterior).
+TARGET_POSTERIORS = ("mode", "sample")
 
 T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 """``minimax-h3-t2va``: prompt only, an exact ordered (video, audio) pair out, B = 1, no CFG."""
@@ -61,6 +67,14 @@ T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 TEXT_ENCODER_LAYER = 50  # hidden_states[50] of Qwen3-VL conditions the transformer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's (ImageNet) pixel convention
 AUDIO_CHANNELS = 2  # stereo, carried as two channel-major blocks of audio rows
+
+
+def check_target_posterior(value: Any) -> str:
+    """``adapter_kwargs.target_posterior`` is one of :data:`TARGET_POSTERIORS`, else a ``ConfigError`` naming it."""
+    if value not in TARGET_POSTERIORS:
+        raise ConfigError("model.adapter_kwargs.target_posterior",
+                          f"must be one of {', '.join(TARGET_POSTERIORS)}, got {value!r}")  # fmt: skip
+    return value
 
 
 def pixel_stats(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -139,6 +153,7 @@ class MiniMaxH3Adapter(Adapter):
         height: int = 768,
         width: int = 1344,
         num_frames: int = 124,
+        target_posterior: str = "mode",
     ) -> None:
         """
         Args:
@@ -153,6 +168,9 @@ class MiniMaxH3Adapter(Adapter):
             height: pixel rows of the canvas (multiple of the VAE's spatial compression x the patch).
             width: pixel columns, likewise (the released canvas: 768 x 1344, 16:9).
             num_frames: frames per clip at 24 fps, rounded up to ``17 n + 5`` (5-15 s; 124 is the smallest).
+            target_posterior: ``"mode"`` (default): the target video latents are the video VAE posterior's mode
+                (Flow-Factory's ``encode_h3_target_video``, the released H3 SFT data flow); ``"sample"``: a posterior
+                sample drawn from the training generator. The audio always takes its posterior's mean (H3's codec).
         """
         super().__init__()
         self.transformer, self.vae, self.audio_vae = transformer, vae, audio_vae
@@ -165,6 +183,7 @@ class MiniMaxH3Adapter(Adapter):
             log.warning("model.adapter_kwargs.num_frames: %d is not of the form 17 n + 5; rounded up to %d",
                         num_frames, aligned)  # fmt: skip
         self.height, self.width, self.num_frames = height, width, aligned
+        self.target_posterior = check_target_posterior(target_posterior)
         self.hop_length = int(audio_vae.hop_length)
         self.audio_rate = int(audio_vae.config.sampling_rate)
         for frozen in (vae, audio_vae, text_encoder):
@@ -226,6 +245,7 @@ class MiniMaxH3Adapter(Adapter):
         height: int = 768,
         width: int = 1344,
         num_frames: int = 124,
+        target_posterior: str = "mode",
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
     ) -> MiniMaxH3Adapter:
@@ -237,13 +257,16 @@ class MiniMaxH3Adapter(Adapter):
             height: see :class:`MiniMaxH3Adapter`.
             width: see :class:`MiniMaxH3Adapter`.
             num_frames: see :class:`MiniMaxH3Adapter`.
+            target_posterior: see :class:`MiniMaxH3Adapter`.
             dtype: weights dtype of the transformer and the text encoder (the VAEs stay fp32; the transformer keeps
                 its own fp32 modules, diffusers' ``_keep_in_fp32_modules``).
             revision: hub revision.
         """
         check_clip(num_frames, height, width)  # before any weight loads; the canvas multiple once the VAE is known
+        check_target_posterior(target_posterior)
         path, dt = str(pretrained_model_name_or_path), resolve_dtype(dtype)
-        adapter = cls(**cls._components(path, dt, revision), height=height, width=width, num_frames=num_frames)
+        adapter = cls(**cls._components(path, dt, revision), height=height, width=width, num_frames=num_frames,
+                      target_posterior=target_posterior)  # fmt: skip
         local = Path(path).expanduser()
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
                           "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
@@ -278,10 +301,12 @@ class MiniMaxH3Adapter(Adapter):
     def check_adapter_kwargs(
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
     ) -> None:
-        """Before any weight loads (``ff fit`` set-up, ``ff data validate --model``): ``dtype`` known and the clip
+        """Before any weight loads (``ff fit`` set-up, ``ff data validate --model``): ``dtype`` and
+        ``target_posterior`` known and the clip
         within the spec's rules (:func:`~ff_minimax.rules.check_clip`: 5-15 s after rounding to ``17 n + 5``); with
         the checkpoint, the canvas against :meth:`canvas_multiple`. Each a ``ConfigError`` naming the key."""
         resolve_dtype(adapter_kwargs.get("dtype", "float32"))
+        check_target_posterior(adapter_kwargs.get("target_posterior", "mode"))
         multiple = None if pretrained_model_name_or_path is None else cls.canvas_multiple(pretrained_model_name_or_path)
         check_clip(*cls._clip(adapter_kwargs), multiple)
 
@@ -669,7 +694,9 @@ class MiniMaxH3Adapter(Adapter):
             starts.append(start)
         x = torch.stack(videos).to(self.vae.device).permute(0, 2, 1, 3, 4).float() / 255.0  # (B, 3, F, H, W)
         pmean, pstd = pixel_stats(x.device)
-        z = self.vae.encode((x - pmean) / pstd).latent_dist.sample(generator=generator).float()
+        posterior = self.vae.encode((x - pmean) / pstd).latent_dist
+        # The mode in fp32 (Flow-Factory's encode_h3_target_video), or a sample drawn from `generator`.
+        z = (posterior.sample(generator=generator) if self.target_posterior == "sample" else posterior.mode()).float()
         mean, std = self._video_stats(z)
         waves = torch.stack([self.target_waveform(outputs[1], starts[i], f"media[{i}][1]")
                              for i, outputs in enumerate(media)]).to(self.audio_vae.device)  # (B, 2, N)  # fmt: skip

@@ -111,6 +111,7 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
         height: int = 768,
         width: int = 1344,
         num_frames: int = 124,
+        target_posterior: str = "mode",
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
     ) -> MiniMaxH3Ref2VAAdapter:
@@ -126,6 +127,7 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
             height: see :meth:`MiniMaxH3Adapter.from_pretrained`.
             width: likewise.
             num_frames: likewise.
+            target_posterior: likewise.
             dtype: likewise.
             revision: likewise.
         """
@@ -133,7 +135,8 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
         cls._check_reference_geometry({"reference_image_short_edge": reference_image_short_edge,
                                        "canvas_short_edge": canvas_short_edge, "canvas_max_pixels": canvas_max_pixels})
         adapter = super().from_pretrained(pretrained_model_name_or_path, height=height, width=width,
-                                          num_frames=num_frames, dtype=dtype, revision=revision)  # fmt: skip
+                                          num_frames=num_frames, target_posterior=target_posterior, dtype=dtype,
+                                          revision=revision)  # fmt: skip
         adapter.reference_image_short_edge = reference_image_short_edge
         adapter.canvas_short_edge, adapter.canvas_max_pixels = canvas_short_edge, canvas_max_pixels
         adapter.io_contract = contract_here()

@@ -19,7 +19,6 @@ import torch
 from diffusers import ModularPipeline
 from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3LoopSchedulerStep
-from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 from ff_minimax import MiniMaxH3T2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE, build_tiny_minimax
 from ff_minimax.text import load_processor
@@ -63,11 +62,12 @@ class TestMiniMaxH3T2VAConformance(AdapterConformance):
     reference_layout = LatentLayout(to_pipeline=to_rows, from_pipeline=from_rows,
                                     step_tensors=("latents", "audio_latents"), to_pipeline_call=to_call)  # fmt: skip
     prompts = ("a red square with a low tone",)
-    # The H3 conditioning encoder samples its posterior under seed 42 (encode_vae_condition, the reference for the
-    # target encoding): the kit's generators use the same seed.
+    # The H3 SFT data flow (Flow-Factory's encode_h3_target_video / encode_h3_target_audio) trains on the posterior
+    # modes, in fp32: not the conditioning recipe (encode_vae_condition: a seed-42 sample rounded to fp16).
+    reference_posterior = "mode"
+    # The pipeline samples condition latents under its keyframe_encode_seed, 42 (encode_vae_condition): the kit's
+    # generators use the same seed (the conditioned workflows realise their conditions from it).
     seed = 42
-    # encode_vae_condition rounds the sampled latent to fp16 (the released conditioning recipe): ~5e-4 relative.
-    encode_atol = 2e-3
 
     def build_checkpoint(self, path):
         return build_tiny_minimax(path, variant="t2va")
@@ -139,11 +139,30 @@ class TestMiniMaxH3T2VAConformance(AdapterConformance):
         return None
 
     def reference_encode(self, pipe, adapter, targets, generator):
-        """The pipeline's own visual encoding (``encode_vae_condition``: ImageNet-normalised pixels, the posterior
-        sampled under seed 42, ``(z - latents_mean) / latents_std``) of the target clip."""
-        (video, _), *_ = targets
-        pixels = video.permute(1, 0, 2, 3)[None]  # (1, 3, F, H, W) uint8
-        return encode_vae_condition(pipe.vae, pixels, pipe.pixel_mean, pipe.pixel_std, encode_seed=self.seed)
+        """Both streams through the pipeline's own VAEs and conventions, never the adapter's (Flow-Factory's
+        ``encode_h3_target_video`` / ``encode_h3_target_audio``, the H3 SFT data flow):
+
+        * video: pixels in [0, 1] normalised by the pipeline's ``pixel_mean`` / ``pixel_std`` (as
+          ``encode_vae_condition`` does), ``pipe.vae.encode(x).latent_dist.mode()`` in fp32, ``(z - latents_mean) /
+          latents_std`` from the VAE's config (the inverse of ``MiniMaxH3VaeDecoderStep``'s ``z * std + mean``);
+        * audio: each stereo channel of the clip-long waveform (``make_targets``: exactly ``L * hop`` samples at the
+          audio VAE's rate) as one mono item, ``pipe.audio_vae.encode(w).latent_dist.mode()``, normalised per latent
+          channel from the audio VAE's config (the inverse of ``MiniMaxH3AudioDecoderStep``'s).
+        """
+        assert self.reference_posterior == "mode"
+        vae, audio_vae = pipe.vae, pipe.audio_vae
+        videos = torch.stack([video for video, _ in targets]).permute(0, 2, 1, 3, 4).float() / 255  # (B, 3, F, H, W)
+        pmean = torch.tensor(pipe.pixel_mean).view(1, -1, 1, 1, 1)
+        pstd = torch.tensor(pipe.pixel_std).view(1, -1, 1, 1, 1)
+        z = vae.encode((videos - pmean) / pstd).latent_dist.mode().float()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        waves = torch.stack([audio for _, audio in targets])  # (B, 2, L hop)
+        za = audio_vae.encode(waves.reshape(-1, 1, waves.shape[-1])).latent_dist.mode().float()
+        za = za.reshape(waves.shape[0], 2, *za.shape[1:])
+        amean = torch.tensor(audio_vae.config.latents_mean).view(1, 1, -1, 1)
+        astd = torch.tensor(audio_vae.config.latents_std).view(1, 1, -1, 1)
+        return {"video": (z - mean) / std, "audio": (za - amean) / astd}
 
     def reference_media(self, adapter, output):
         """Frames in uint8 units, the stereo waveform as the pipeline's audio decode step gives it."""

@@ -76,7 +76,7 @@ BROKEN = {
     "VAE shift/scale ignored": (VAENormalisationIgnored, "decoding",
                                 r"decoded output 0 of sample 0 .* differs .*VAE latent normalisation"),
     "encode ignores normalisation": (EncodeNormalisationIgnored, "encoding",
-                                     r"encode_output's clean latents differs .*latent normalisation"),
+                                     r"encode_output's clean .*latents differs .*latent normalisation"),
     "wrong unpack permutation": (WrongUnpackPermutation, "denoiser",
                                  r"values in another order: a wrong latent packing/unpacking permutation"),
     "CFG skipped": (NoNegativeBranch, "cfg", r"accepts negative prompts .* unconditional\(condition\) returns None: "
