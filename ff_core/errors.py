@@ -101,6 +101,18 @@ class DatasetWarning(DatasetError):
         return (DatasetWarning, (self.path, self.line, self.field, self.reason))
 
 
+class DatasetNote(DatasetWarning):
+    """What ``ff data validate`` reports about a row the adapter accepts as it is but changes on the way in (LTX-2:
+    audio shorter than the clip, padded with silence): ``path:line: note: field: reason``. Never raised."""
+
+    def format(self) -> str:
+        what = f"{self.field}: {self.reason}" if self.field else self.reason
+        return f"{self.where}note: {what}"
+
+    def __reduce__(self):
+        return (DatasetNote, (self.path, self.line, self.field, self.reason))
+
+
 def raise_collected(errors: list[DatasetError]) -> None:
     """Raise ``errors`` together as :class:`DatasetErrors`; do nothing when the list is empty."""
     if errors:

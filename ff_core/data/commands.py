@@ -274,6 +274,7 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         return geometry
     splits, errors = read_splits(_dataset(args), args.split, args.trainer)
     warnings: list[DatasetWarning] = []
+    notes: list[DatasetWarning] = []  # rows the adapter accepts but changes (audio padded with silence)
     summaries: list[SplitSummary] = []
     for split, path, records in splits:
         if contract is not None:
@@ -287,11 +288,13 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         # (evaluation splits hold legacy prompt rows, without targets: target_span_errors would skip them anyway).
         if geometry and split == "train" and len(errors) == before:
             from ff_core.data.datamodule import cache_root
-            from ff_core.data.target_spans import target_span_errors
+            from ff_core.data.target_spans import target_span_problems
 
-            errors.extend(target_span_errors(records, geometry, cache_dir=cache_root()))  # `ff fit` reuses the headers
+            span_errors, span_notes = target_span_problems(records, geometry, cache_dir=cache_root())  # `ff fit`
+            errors.extend(span_errors)  # reuses the headers
+            notes.extend(span_notes)
         summaries.append(summary)
-    return _report(args, contract, summaries, errors, _grouped(warnings), out)
+    return _report(args, contract, summaries, errors, [*_grouped(warnings), *notes], out)
 
 
 def _report(args: argparse.Namespace, contract: tuple[str, PipelineIOContract] | None,

@@ -11,7 +11,9 @@ changed, one ``stat`` for each of the others.
 * video: the clip's whole frame grid must lie inside the file (:func:`~ff_core.data.buckets.fits`, the rule
   :func:`~ff_core.data.media.decode_clip` applies);
 * audio: ``start + seconds - tolerance`` on the target's clock: the header's duration, played at the manifest's
-  ``sample_rate`` when it declares one (``seconds * file rate / declared rate``).
+  ``sample_rate`` when it declares one (``seconds * file rate / declared rate``). Audio shorter than ``seconds`` but
+  within the tolerance (LTX-2's default: any shortfall, ``math.inf``, right-padded with silence as Flow-Factory does)
+  is a :class:`~ff_core.errors.DatasetNote` in ``ff data validate``, not an error (:func:`target_span_problems`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ff_core.data.header_cache import HEADER_CACHE_FOLDER, HeaderCache
 from ff_core.data.media import MediaHeader
 from ff_core.data.records import Record
 from ff_core.data.records_base import CANDIDATE_FIELDS
-from ff_core.errors import DatasetError
+from ff_core.errors import DatasetError, DatasetNote
 
 _EPS = 1e-6  # header durations are rationals printed as floats
 
@@ -40,7 +42,20 @@ def target_span_errors(
     skip_first: bool = False,
     cache_dir: str | os.PathLike | None = None,
 ) -> list[DatasetError]:
-    """One error per training target (every candidate's every output) its output's entry of ``geometry`` rejects.
+    """One error per training target (every candidate's every output) its output's entry of ``geometry`` rejects
+    (:func:`target_span_problems`' errors; ``ff fit``'s set-up)."""
+    return target_span_problems(records, geometry, skip_first=skip_first, cache_dir=cache_dir)[0]
+
+
+def target_span_problems(
+    records: Sequence[Record],
+    geometry: Sequence[MediaGeometry | AudioSpan | None],
+    *,
+    skip_first: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[list[DatasetError], list[DatasetNote]]:
+    """Per training target (every candidate's every output), an error when its output's entry of ``geometry``
+    rejects it, a note when the adapter accepts it but pads it (audio shorter than the span, within its tolerance).
 
     Args:
         records: the records (those without candidates, prompts, are skipped).
@@ -65,19 +80,28 @@ def target_span_errors(
             problem = _shortfall(headers, item.path, item.type, spec, item.fps, item.sample_rate, record, field)
         except DatasetError as exc:
             return exc.errors
-        return [DatasetError(record.source, record.line, field, f"{item.path}: {problem}")] if problem else []
+        if problem is None:
+            return []
+        kind = DatasetNote if isinstance(problem, _Padded) else DatasetError
+        return [kind(record.source, record.line, field, f"{item.path}: {problem}")]
 
     # Opening a container is I/O and C code that releases the GIL (a WAV: ~4 ms, most of it ffmpeg's stream probe):
     # threads overlap them; results stay in record order.
     with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1))) as pool:
-        errors = [error for found in pool.map(check, checks) for error in found]
+        found = [problem for problems in pool.map(check, checks) for problem in problems]
     headers.save()
-    return errors
+    return ([p for p in found if not isinstance(p, DatasetNote)],
+            [p for p in found if isinstance(p, DatasetNote)])  # fmt: skip
+
+
+class _Padded(str):
+    """A shortfall the adapter accepts and pads: a note, not an error."""
 
 
 def _shortfall(headers: HeaderCache, path, mtype: MediaType, spec: MediaGeometry | AudioSpan, fps: float | None,
                sample_rate: float | None, record: Record, field: str | None) -> str | None:  # fmt: skip
-    """Why a target of this type falls short of ``spec`` (``None``: it does not, or its header does not say)."""
+    """Why a target of this type falls short of ``spec`` (``None``: it does not, or its header does not say); a
+    :class:`_Padded` reason when the adapter accepts it and pads it with silence."""
     if isinstance(spec, MediaGeometry):
         if mtype is not MediaType.VIDEO or not spec.is_clip:
             return None
@@ -93,11 +117,19 @@ def _shortfall(headers: HeaderCache, path, mtype: MediaType, spec: MediaGeometry
         return None
     header = headers.probe(path, mtype, record, field)
     seconds = _clock_seconds(header, sample_rate)
-    if seconds is None or seconds - spec.start >= spec.seconds - spec.tolerance - _EPS:
+    if seconds is None:
         return None
     declared = sample_rate and header.sample_rate and sample_rate != header.sample_rate
     clock = f" played at its declared {sample_rate:g} Hz (file: {header.sample_rate} Hz)" if declared else ""
-    return (f"audio too short: it holds {max(seconds - spec.start, 0.0):.3f} s{clock} from {spec.start:g} s, the "
+    have = max(seconds - spec.start, 0.0)
+    if seconds - spec.start >= spec.seconds - spec.tolerance - _EPS:
+        # Short by under a millisecond: the header's or the sample count's rounding, not worth a note.
+        if seconds - spec.start >= spec.seconds - 1e-3:
+            return None
+        return _Padded(f"audio shorter than the clip: it holds {have:.3f} s{clock} from {spec.start:g} s, the clip "
+                       f"needs {spec.seconds:.3f} s; the adapter right-pads it with {spec.seconds - have:.3f} s of "
+                       "silence (its header)")  # fmt: skip
+    return (f"audio too short: it holds {have:.3f} s{clock} from {spec.start:g} s, the "
             f"clip needs {spec.seconds:.3f} s (at most {spec.tolerance:g} s less; its header); audio is never "
             "stretched: drop the record, or shorten the adapter's clip (num_frames / frame_rate)")
 

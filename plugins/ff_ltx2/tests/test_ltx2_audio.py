@@ -121,11 +121,36 @@ def test_target_mel_is_aligned_to_the_audio_latents(adapter):
     high = adapter.target_mel(DecodedAudio(tone(880.0, 1.5, 22050), 22050), 0.0, "high")
     assert low.shape == high.shape == (2, 4 * AUDIO_LATENTS, 16)
     assert int(low.mean((0, 1)).argmax()) < int(high.mean((0, 1)).argmax())
-    with pytest.raises(ValueError, match="media\\[0\\]\\[1\\]: the audio covers 0\\.500 s"):
-        adapter.target_mel(DecodedAudio(tone(220.0, 0.5, 22050), 22050), 0.0, "media[0][1]")
     # The manifest's sample_rate is a clock: 0.75 s of samples declared at half their rate cover the 1.125 s clip.
     declared = DecodedAudio(tone(220.0, 0.75, 22050), 22050, declared_sample_rate=11025.0)
     assert adapter.target_mel(declared, 0.0, "declared").shape == low.shape
+
+
+def test_audio_shorter_than_the_clip_is_right_padded_with_silence(adapter, tiny_ltx2):
+    """Flow-Factory's ``prepare_ltx2_target_audio`` (transcribed: cut the source to the clip's duration, convert it,
+    right-pad it with zeros onto the model's sample count, never reject it): 0.5 s of a 16 kHz stereo tone for the
+    1.125 s clip gives the log-mel of that tone followed by zeros up to the ``4 L`` mel hops (17,920 samples), built by
+    hand here, and encodes as that hand-padded waveform does. ``audio_tolerance`` (seconds) brings back the old
+    rejection."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    short = tone(220.0, 0.5, 16000, 2)
+    samples = 4 * AUDIO_LATENTS * 160
+    padded = torch.cat([short, torch.zeros(2, samples - short.shape[1])], dim=1)  # by hand: silence after 0.5 s
+    expected = log_mel(padded, sample_rate=16000, n_fft=1024, hop_length=160, n_mels=16)[:, : 4 * AUDIO_LATENTS]
+    torch.testing.assert_close(adapter.target_mel(short, 0.0, "short"), expected, rtol=0, atol=0)
+    # Resampled from 22.05 kHz too: 0.5 s of tone, then nothing but silence.
+    x = adapter.target_mel(DecodedAudio(tone(220.0, 0.5, 22050), 22050), 0.0, "resampled")
+    assert x.shape == expected.shape and torch.allclose(x[:, 60:], torch.tensor(math.log(1e-5)))
+    condition = adapter.prepare_condition(torch.utils.data.default_collate(adapter.preprocess([ConditionInput("a")])))
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    ours = adapter.encode_output([[video, short]], condition).components["audio"]
+    hand = adapter.encode_output([[video, padded]], condition).components["audio"]
+    torch.testing.assert_close(ours, hand, rtol=0, atol=0)
+    strict = LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **ADAPTER_KWARGS, audio_tolerance=0.05)
+    with pytest.raises(ValueError, match=r"media\[0\]\[1\]: the audio covers 0\.500 s .* needs 1\.125 s"):
+        strict.target_mel(short, 0.0, "media[0][1]")
 
 
 def test_audio_past_the_clip_clock_is_kept_not_padded(tiny_ltx2):
@@ -149,22 +174,30 @@ def test_audio_past_the_clip_clock_is_kept_not_padded(tiny_ltx2):
     assert float(x[:, -40:].abs().max()) > 0.1
 
 
-def test_encode_output_gives_both_streams_seeded_by_the_generator(adapter):
+def test_encode_output_takes_both_posterior_modes_or_samples_seeded_by_the_generator(adapter, tiny_ltx2):
+    """Default (``target_posterior="mode"``, ltx-trainer / Flow-Factory): both streams are the posteriors' modes, the
+    same whatever the generator; ``target_posterior="sample"``: samples drawn from the generator, video first."""
+    from ff_ltx2 import LTX2T2AVAdapter
+
+    sampling = LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **ADAPTER_KWARGS, target_posterior="sample")
     condition = adapter.prepare_condition(torch.utils.data.default_collate(adapter.preprocess([ConditionInput("a")])))
     g = torch.Generator().manual_seed(0)
     video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
     media = [[video, tone(220.0, FRAMES / FPS, 16000, 2)]]
 
-    def run(seed):
-        return adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(seed))
+    def run(seed, who=sampling):
+        return who.encode_output(media, condition, generator=torch.Generator().manual_seed(seed))
 
     a, b, c = run(0), run(0), run(1)
     assert list(a.components) == ["video", "audio"]
     assert a.components["video"].shape == (1, 4, (FRAMES - 1) // 2 + 1, SIZE // 8, SIZE // 8)
     assert a.components["audio"].shape == (1, 2, AUDIO_LATENTS, 4)
+    mode0, mode1 = run(0, adapter), run(1, adapter)
     for name in a.components:
         torch.testing.assert_close(a.components[name], b.components[name], rtol=0, atol=0)
         assert not torch.equal(a.components[name], c.components[name])
+        torch.testing.assert_close(mode0.components[name], mode1.components[name], rtol=0, atol=0)
+        assert not torch.equal(mode0.components[name], a.components[name])
     with pytest.raises(ValueError, match=r"media\[0\]: ltx2_t2av trains on exact \(video, audio\) pairs"):
         adapter.encode_output([[video]], condition)
 

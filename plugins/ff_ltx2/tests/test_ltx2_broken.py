@@ -1,8 +1,10 @@
 """The LTX-2 port's likeliest bugs, each caught by the kit against LTX2Pipeline on the stream it breaks: the audio
 latents' normalisation ignored (the decoded waveform), an audio unpack with the right shape and the wrong layout (the
-kit compares every stream of a sampling run, test_ltx2_conformance.py's two-stream layout), and the video's frame-rate
-conditioning left at the pipeline's default. The
-unbroken adapter passes every check (test_ltx2_conformance.py, whose kit configuration this reuses)."""
+kit compares every stream of a sampling run and of each denoiser call, test_ltx2_conformance.py's two-stream layout),
+the video's frame-rate conditioning left at the pipeline's default, target posteriors sampled where the references
+take the mode (both streams, or the audio alone), and the audio targets left unnormalised by ``encode_output`` alone
+(the kit compares every component of the encoding; it once compared the first only). The unbroken adapter passes
+every check (test_ltx2_conformance.py, whose kit configuration this reuses)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 import test_ltx2_conformance  # the module, not the class: a Test* name here would collect the kit a second time
 from ff_ltx2 import LTX2T2AVAdapter
 from ltx2_geometry import ADAPTER_KWARGS
+
+from ff_core.adapter import LatentState
 
 
 class AudioNormalisationIgnored(LTX2T2AVAdapter):
@@ -44,6 +48,37 @@ class FrameRateNotConditioned(LTX2T2AVAdapter):
             self.frame_rate = rate
 
 
+class PosteriorSampled(LTX2T2AVAdapter):
+    """Samples both VAE posteriors from the training generator (ff before issue 23) where ltx-trainer and
+    Flow-Factory take the mode."""
+
+    def _latents(self, posterior, generator):
+        return posterior.sample(generator=generator)
+
+
+class AudioPosteriorSampled(LTX2T2AVAdapter):
+    """Takes the video posterior's mode but samples the audio's: only the second component differs."""
+
+    def encode_output(self, media, condition, generator=None):
+        video = super().encode_output(media, condition, generator).components["video"]
+        self.target_posterior = "sample"
+        try:
+            audio = super().encode_output(media, condition, generator).components["audio"]
+        finally:
+            self.target_posterior = "mode"
+        return LatentState({"video": video, "audio": audio})
+
+
+class AudioEncodeNormalisationIgnored(LTX2T2AVAdapter):
+    """``encode_output`` leaves the audio latents raw (no per-feature ``latents_mean`` / ``latents_std``); decoding
+    is right, so only the encoding check, on the audio component, sees it."""
+
+    def encode_output(self, media, condition, generator=None):
+        state = super().encode_output(media, condition, generator)
+        return LatentState({"video": state.components["video"],
+                            "audio": self.denormalize_audio(state.components["audio"])})  # fmt: skip
+
+
 BROKEN = {
     # Sampling never leaves the normalised space: only decoding (the waveform, to audio_atol) sees it.
     "audio normalisation ignored": (AudioNormalisationIgnored, "decoding",
@@ -53,6 +88,15 @@ BROKEN = {
                                  r"the final '(video|audio)' latents of 3-step sampling .* differs"),
     "fps conditioning ignored": (FrameRateNotConditioned, "denoiser",
                                  r"velocity at sigma .* differs from LTX2Pipeline's denoiser step"),
+    # The audio tokens go in packed right and come out unpacked wrong: at the pipeline's latents only the audio
+    # velocity differs (the kit once compared the first component, the video, alone).
+    "audio unpacked mel-first, one denoiser call": (AudioUnpackedMelFirst, "denoiser",
+                                                    r"denoiser step at the same latents, component 'audio'"),
+    "posteriors sampled": (PosteriorSampled, "encoding",
+                           r"encode_output's clean 'video' latents differs .*posterior's mode"),
+    "audio posterior sampled": (AudioPosteriorSampled, "encoding", r"encode_output's clean 'audio' latents differs"),
+    "audio encoded unnormalised": (AudioEncodeNormalisationIgnored, "encoding",
+                                   r"encode_output's clean 'audio' latents differs .*latent normalisation"),
 }  # fmt: skip
 
 

@@ -46,6 +46,8 @@ def no_weights(monkeypatch):
     ("ltx2_t2av", {"height": 0}, r"model\.adapter_kwargs\.height: must be an integer >= 1, got 0"),
     ("ltx2_t2av", {"num_frames": 9.5}, r"model\.adapter_kwargs\.num_frames: must be an integer >= 1, got 9\.5"),
     ("ltx2_t2av", {"audio_tolerance": -1}, r"model\.adapter_kwargs\.audio_tolerance: must be a number >= 0"),
+    ("ltx2_t2av", {"target_posterior": "mean"}, r"model\.adapter_kwargs\.target_posterior: must be one of mode, "
+                                                r"sample, got 'mean'"),
     ("ltx2_t2av", {"dtype": "float8"}, r"model\.adapter_kwargs\.dtype: unknown dtype 'float8'; expected one of"),
     ("ltx2_t2av", {"image_crf": 20}, r"model\.adapter_kwargs\.image_crf: ltx2_t2av takes no condition image"),
     ("ltx2_i2av", {"image_crf": -3}, r"model\.adapter_kwargs\.image_crf: must be an integer >= 0"),
@@ -142,10 +144,6 @@ def _shorten(clips: Path, root: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize(("how", "message"), [
-    ("audio", r"train\.jsonl:2: supervision\.target\.media\[1\]\.path: .*audios/001\.wav: audio too short: it holds "
-              r"0\.750 s from 0 s, the clip needs 1\.125 s"),
-    ("declared_rate", r"train\.jsonl:2: supervision\.target\.media\[1\]\.path: .*audio too short: it holds 0\.750 s "
-                      r"played at its declared 44100 Hz"),
     ("video", r"train\.jsonl:2: supervision\.target\.media\[0\]\.path: .*videos/001\.mp4: video too short: 9 frames "
               r"at 8 fps from 0 s, but the file holds 0\.750 s"),
 ])  # fmt: skip
@@ -164,11 +162,39 @@ def test_too_short_targets_fail_at_setup_naming_file_line_and_field(tiny_ltx2, t
                  tmp_path / "run")
 
 
+@pytest.mark.parametrize(("how", "message"), [
+    ("audio", r"train\.jsonl:2: note: supervision\.target\.media\[1\]\.path: .*audios/001\.wav: audio shorter than "
+              r"the clip: it holds 0\.750 s from 0 s, the clip needs 1\.125 s; the adapter right-pads it with 0\.375 s "
+              r"of silence"),
+    ("declared_rate", r"train\.jsonl:2: note: supervision\.target\.media\[1\]\.path: .*audio shorter than the clip: "
+                      r"it holds 0\.750 s played at its declared 44100 Hz"),
+])  # fmt: skip
+def test_audio_shorter_than_the_clip_is_a_note_and_padded_not_an_error(tmp_path, how, message, no_weights, capsys):
+    """Flow-Factory trims or right-pads LTX-2's target audio onto the clip's clock, never rejects it: ``ff data
+    validate`` passes and notes each short soundtrack (``ff fit``'s set-up, the same header check, passes too).
+    ``audio_tolerance`` brings back the old rejection (``0.05`` s, the former default)."""
+    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.target_spans import target_span_errors
+
+    bad = _shorten(write_av_clips(tmp_path / "clips", 2), tmp_path / how, how)
+    kwargs = json.dumps(ADAPTER_KWARGS)
+    assert main(["data", "validate", str(bad), "--model", "ltx2_t2av", "--adapter-kwargs", kwargs]) == 0
+    out = capsys.readouterr().out
+    assert any(__import__("re").search(message, line) for line in out.splitlines()), out
+    assert "OK against 'ltx2_t2av'" in out
+    records = load_split(DatasetConfig(name="bad", dataset_dir=str(bad)), "train", None)
+    assert target_span_errors(records, LTX2T2AVAdapter.resolve_output_geometry(None, ADAPTER_KWARGS)) == []
+    strict = json.dumps({**ADAPTER_KWARGS, "audio_tolerance": 0.05})
+    assert main(["data", "validate", str(bad), "--model", "ltx2_t2av", "--adapter-kwargs", strict]) == 2
+    assert "audio too short: it holds 0.750 s" in capsys.readouterr().out
+
+
 def test_validate_checks_against_the_adapters_default_clip(tmp_path, capsys):
-    """Without ``--adapter-kwargs``, LTX-2's own clip (121 frames at 24 fps, 5.04 s): the 1.5 s clips are too short."""
+    """Without ``--adapter-kwargs``, LTX-2's own clip (121 frames at 24 fps, 5.04 s): the 1.5 s clips are too short
+    (the videos an error, the soundtracks a note: padded with silence)."""
     clips = write_av_clips(tmp_path / "clips", 2)
     assert main(["data", "validate", str(clips), "--model", "ltx2_t2av"]) == 2
     out = capsys.readouterr().out
-    assert "video too short: 121 frames at 24 fps" in out and "audio too short" in out
+    assert "video too short: 121 frames at 24 fps" in out and "note: " in out and "audio shorter than the clip" in out
     with wave.open(str(clips / "audios" / "000.wav")) as w:  # the check read the header, the file is whole
         assert w.getnframes() == int(1.5 * 22050)
