@@ -90,3 +90,33 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_streams_start_after_0(ada
     got = adapter.target_waveform(audio, start, "media[0][1]")
     expected = torch.from_numpy(noise[2000 : 2000 + adapter.audio_samples].astype(np.float32) / 32768.0)
     torch.testing.assert_close(got, expected[None].repeat(2, 1), rtol=0, atol=0)
+
+
+def test_target_video_is_the_posterior_mode_unless_sample_is_asked(adapter, tiny_minimax):
+    """Default ``target_posterior="mode"`` (Flow-Factory's ``encode_h3_target_video``): the video latents are
+    ``(vae.encode(x).latent_dist.mode() - latents_mean) / latents_std`` of the ImageNet-normalised pixels, whatever the
+    generator; ``"sample"`` draws from the generator (two seeds differ). The audio takes its mean either way. An
+    unknown value is a ConfigError naming the key before any weight loads."""
+    from ff_core.adapter import ConditionInput
+    from ff_core.errors import ConfigError
+    from ff_core.pretrained import check_adapter_kwargs
+
+    condition = adapter.prepare_condition(torch.utils.data.default_collate(adapter.preprocess([ConditionInput("a")])))
+    g = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (TINY_FRAMES, 3, TINY_SIZE, TINY_SIZE), dtype=torch.uint8, generator=g)
+    media = [[video, tone(440.0, 3.0, 8000, channels=2)]]
+    mode = adapter.encode_output(media, condition, generator=torch.Generator().manual_seed(1))
+    x = (video.permute(1, 0, 2, 3)[None].float() / 255 - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1, 1)) / (
+        torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1, 1))  # the H3 VAE's ImageNet pixel convention, by hand
+    cfg = adapter.vae.config
+    by_hand = (adapter.vae.encode(x).latent_dist.mode() - torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)) / (
+        torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1))
+    torch.testing.assert_close(mode.components["video"], by_hand, rtol=1e-5, atol=1e-5)
+    sampling = MiniMaxH3T2VAAdapter.from_pretrained(tiny_minimax("t2va"), height=TINY_SIZE, width=TINY_SIZE,
+                                                    num_frames=TINY_FRAMES, target_posterior="sample")  # fmt: skip
+    a, b = (sampling.encode_output(media, condition, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    assert not torch.equal(a.components["video"], b.components["video"])
+    assert not torch.equal(a.components["video"], mode.components["video"])
+    torch.testing.assert_close(a.components["audio"], mode.components["audio"], rtol=0, atol=0)
+    with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.target_posterior: must be one of mode, sample"):
+        check_adapter_kwargs(MiniMaxH3T2VAAdapter, None, {"target_posterior": "mean"})
