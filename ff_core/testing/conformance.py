@@ -492,10 +492,11 @@ class AdapterConformance:
         for name, tensor in ours.components.items():
             check_close(f"encode_output's clean {name!r} latents", tensor.float().cpu(), theirs[name].float().cpu(),
                         atol=self.encode_atol, rtol=self.encode_atol, mask=ours.masks.get(name),
-                        hint=f"The reference is {type(pipe).__name__}'s VAE path, its posterior's {posterior} (the "
-                             "reference trainer's): check encode_output takes the same posterior latent, applies "
-                             "the VAE's latent normalisation (shift / scaling factors, latents_mean / latents_std) "
-                             "as decode inverts it, and the pipeline's pixel range / audio preprocessing.")  # fmt: skip
+                        hint=f"The reference is {type(pipe).__name__}'s VAE path taking the posterior's "
+                             f"{posterior}, as the reference trainer does: check encode_output takes the same "
+                             "posterior latent, applies the VAE's latent normalisation (shift / scaling factors, "
+                             "latents_mean / latents_std) as decode inverts it, and the pipeline's pixel range / "
+                             "audio preprocessing.")  # fmt: skip
 
     def check_cfg(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
         """A contract that accepts negative prompts has a negative branch, and CFG on changes the velocity."""

@@ -168,7 +168,7 @@ class TestMiniMaxH3T2VAConformance(AdapterConformance):
         """Frames in uint8 units, the stereo waveform as the pipeline's audio decode step gives it."""
         return [[output["videos"][0].float() * 255, output["audio"][0].float()]]
 
-    # -- what the kit compares only on the first stream ------------------------------------------------------------
+    # -- the audio stream's own schedule and call, and the sign convention, by hand ---------------------------
     def test_reference_audio_schedule_is_the_audio_schedulers(self, adapter, reference, reference_case):
         ours = adapter.sampling_schedules(reference_case.init, self.reference_steps)
         torch.testing.assert_close(ours["audio"], reference_case.run.stream_sigmas["audio_latents"], rtol=0,
