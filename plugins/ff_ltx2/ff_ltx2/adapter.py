@@ -19,9 +19,10 @@ instantiating it:
 * decode: video VAE of the denormalised latents, audio VAE to a mel spectrogram, vocoder to the waveform.
 * targets (:meth:`encode_output`): the video clip on the ``frame_rate`` grid (the loader fits it to
   :meth:`output_geometry`), the audio cut to the same clock ``num_frames / frame_rate`` (:mod:`ff_ltx2.audio`; a
-  soundtrack that ends early is right-padded with silence, as Flow-Factory's ``prepare_ltx2_target_audio``), both
-  VAE posteriors taken at their mode (``latent_dist.mode()``: ltx-trainer's ``process_videos`` encodes normalised
-  means, Flow-Factory's ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio`` take the mode);
+  soundtrack that ends early is right-padded with silence, as ltx-trainer's ``MediaDataset._extract_audio`` and
+  Flow-Factory's ``prepare_ltx2_target_audio`` do), both VAE posteriors taken at their mode (``latent_dist.mode()``:
+  ltx-trainer's ``scripts/process_videos.py`` ``encode_video`` / ``encode_audio`` call ltx-core's encoders, which
+  return normalised means; Flow-Factory's ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio`` take the mode);
   ``target_posterior="sample"`` draws posterior samples from the training generator instead.
 """
 
@@ -210,12 +211,13 @@ class LTX2T2AVAdapter(Adapter):
                 modulated by the other stream's noise level.
             mel_n_fft: FFT size of the target audio's mel spectrogram (LTX-2's audio processor: 1024).
             audio_tolerance: ``None`` (default): a target's audio shorter than the clip's clock is right-padded with
-                silence, however short (Flow-Factory's ``prepare_ltx2_target_audio`` trims or right-pads onto the
-                clock; ``ff data validate`` notes each one). A number of seconds: the old rule, audio short by more
-                than that is rejected (``0.05`` was the default before).
+                silence, however short (ltx-trainer's ``MediaDataset._extract_audio`` and Flow-Factory's
+                ``prepare_ltx2_target_audio`` trim or right-pad with zeros; ``ff data validate`` notes each one). A
+                number of seconds: the old rule, audio short by more than that is rejected (``0.05`` was the
+                default before).
             target_posterior: ``"mode"`` (default): the target latents are the VAE posteriors' modes, video and
-                audio (ltx-trainer's ``process_videos``, Flow-Factory's LTX-2 target codec); ``"sample"``: posterior
-                samples drawn from the training generator (video first, then audio).
+                audio (ltx-trainer's ``encode_video`` / ``encode_audio``, Flow-Factory's LTX-2 target codec);
+                ``"sample"``: posterior samples drawn from the training generator (video first, then audio).
         """
         super().__init__()
         self.transformer, self.vae, self.audio_vae, self.vocoder = transformer, vae, audio_vae, vocoder

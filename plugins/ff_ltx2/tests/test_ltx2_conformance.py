@@ -107,12 +107,13 @@ class TestLTX2T2AVConformance(AdapterConformance):
                             f"{prefix}prompt_attention_mask": connector_mask})  # fmt: skip
         return out
 
-    # ltx-trainer's process_videos and Flow-Factory's LTX-2 target codec train on the posteriors' modes.
+    # ltx-trainer's process_videos.py (encode_video / encode_audio) and Flow-Factory's LTX-2 target codec train on
+    # the posteriors' modes.
     reference_posterior = "mode"
 
     def reference_encode(self, pipe, adapter, targets, generator):
         """Both streams through the pipeline's own VAE path, never the adapter's (Flow-Factory's
-        ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio``, ltx-trainer's ``process_videos``):
+        ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio``, ltx-trainer's ``encode_video`` / ``encode_audio``):
 
         * video: ``pipe.video_processor.preprocess_video`` of the frames in [0, 1], ``pipe.vae.encode(x)
           .latent_dist.mode()``, ``LTX2Pipeline._normalize_latents``;
