@@ -10,9 +10,11 @@ the log-prob ``l`` under the current policy and ``l_old`` under the rollout's::
     ratio = exp(l - l_old)
     L_policy = mean_i max(-A_i ratio_i, -A_i clip(ratio_i, 1 - clip_range, 1 + clip_range))
 
-and with a KL penalty of weight ``kl_beta`` to the reference policy, either on the step means
-(``|mu_theta - mu_ref|^2 / (2 std^2)``, element mean: the KL of the two Gaussian steps, Flow-GRPO's ``kl_loss``) or
-on the velocities (``|v_theta - v_ref|^2``, element mean), ``L = L_policy + kl_beta * KL``.
+and with a KL penalty of weight ``kl_beta`` to the reference policy, either on the step means (element mean of
+``|mu_theta - mu_ref|^2`` over ``2 s_sigma^2``, flow_grpo's SD3 ``kl_loss``, ``kl_scale: flow_grpo``; or over
+``2 std^2``, the exact KL of the two Gaussian steps, ``kl_scale: exact_gaussian``) or on the velocities
+(``|v_theta - v_ref|^2``, element mean), ``L = L_policy + kl_beta * KL`` (:meth:`GRPOObjective.kl
+<ff_core.objectives.grpo.GRPOObjective.kl>`).
 """
 
 from __future__ import annotations
