@@ -136,9 +136,10 @@ class GRPOObjective(Objective):
         mini_batches: optimiser steps per inner epoch; the rank's micro-batches are split evenly among them.
         clip_range: PPO ratio clip ``epsilon`` (Flow-GRPO: 1e-4).
         adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]`` (Flow-GRPO: 5).
-        global_std: normalise advantages by the std of every reward of the step instead of each group's (flow_grpo's
-            ``sample.global_std``, true in its config/base.py and every SD3 / FLUX recipe; ff keeps the per-group std,
-            its Wan2.1 recipe's and the Flow-GRPO paper's eq. 4).
+        global_std: normalise advantages by the std of every reward of the step (over all ranks) instead of each
+            group's: flow_grpo's ``sample.global_std``, true in its config/base.py and every SD3 / FLUX recipe, and
+            Flow-Factory's default. ``False``: each group's own std (the Flow-GRPO paper's eq. 4, flow_grpo's Wan2.1
+            recipe, ff's default before issue 23).
         filter_zero_std: leave the samples of groups whose rewards are all equal (zero std, advantage 0) out of the
             update, as flow_grpo does (scripts/train_sd3.py drops samples with zero advantage before training): the
             loss is the mean over the kept samples, and the KL term sees only them. ``False``: they stay in, with
@@ -188,7 +189,7 @@ class GRPOObjective(Objective):
         mini_batches: int = 1,
         clip_range: float = 1e-4,
         adv_clip_max: float = 5.0,
-        global_std: bool = False,
+        global_std: bool = True,
         kl_beta: float = 0.0,
         kl_on: Literal["mean", "velocity"] = "mean",
         kl_scale: Literal["flow_grpo", "exact_gaussian"] = "flow_grpo",

@@ -252,7 +252,8 @@ class TwoRankHost(Host):
 def test_zero_std_ratio_counts_the_groups_of_every_rank():
     """Group 0's samples on rank 0 are tied (3, 3) but rank 1's are not (3, 5): over the step it has a spread; group
     1 is tied on both ranks. ``zero_std_ratio`` = 1/2 = flow_grpo's ``calculate_zero_std_ratio`` over the gathered
-    rewards (rank 0 alone would say 1), and the advantages are the gathered tracker's."""
+    rewards (rank 0 alone would say 1), and the advantages are the gathered tracker's with flow_grpo's default
+    ``global_std: True`` (config/base.py), ff's default too."""
     adapter, obj = ToyAdapter(), meta_objective()
     host = TwoRankHost(adapter, other_groups=[0, 0, 1, 1], other_rewards=[3.0, 5.0, 2.0, 2.0])
     b = meta_batch([3.0, 3.0, 2.0, 2.0], [0, 0, 1, 1])
@@ -260,7 +261,7 @@ def test_zero_std_ratio_counts_the_groups_of_every_rank():
     metrics = obj.score(adapter, host, b, rollouts)
     prompts, rewards = ["a", "a", "b", "b"] * 2, [3.0, 3.0, 2.0, 2.0, 3.0, 5.0, 2.0, 2.0]
     assert metrics["zero_std_ratio"] == flow_grpo_zero_std_ratio(prompts, rewards) == 0.5
-    expected = torch.from_numpy(flow_grpo_advantages(prompts, rewards)[:4]).float()
+    expected = torch.from_numpy(flow_grpo_advantages(prompts, rewards, global_std=True)[:4]).float()
     assert_close(torch.cat([r.advantages for r in rollouts]), expected)
     assert rollouts[0].keep is None and rollouts[1].keep.tolist() == [False, False]  # group 1 leaves the update
     assert zero_std_ratio(torch.tensor(rewards[:4]), torch.tensor([0, 0, 1, 1])) == 1.0  # what one rank would log
@@ -293,7 +294,7 @@ def test_filtered_update_is_flow_grpos_loss_over_the_kept_samples(filter_zero_st
     # The reference: rebuild the same rollout, then flow_grpo's loss on the samples it keeps.
     ref_obj = meta_objective()
     rollouts = ref_obj.rollout(adapter, b, torch.Generator().manual_seed(4))
-    adv = torch.from_numpy(flow_grpo_advantages(["a", "a", "b", "b"], [1.0, 2.0, 5.0, 5.0])).float()
+    adv = torch.from_numpy(flow_grpo_advantages(["a", "a", "b", "b"], [1.0, 2.0, 5.0, 5.0], global_std=True)).float()
     keep = adv != 0 if filter_zero_std else torch.ones(4, dtype=torch.bool)
     samples = [(r, i) for r in rollouts for i in range(2) if keep[r.rows.start + i]]
     adapter.net.zero_grad()
