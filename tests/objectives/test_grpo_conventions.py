@@ -26,7 +26,7 @@ from ff_core.objectives.grpo import UpdateStats
 from ff_core.objectives.grpo_loss import group_advantages, zero_std_ratio
 from ff_core.rewards.base import Reward
 from ff_core.sampling import StochasticSampling, sample_sde
-from tests.objectives.test_grpo import Host, ToyAdapter, batch, objective
+from tests.objectives.test_grpo import Host, ToyAdapter, ToyVideoAudio, batch, objective
 
 
 # -- transcriptions of the references ---------------------------------------------------------------------------------
@@ -400,3 +400,40 @@ def test_bad_convention_names_name_the_key():
             objective(**{key: "other"})
     with pytest.raises(ValueError, match="model.objective.sampler.cps_log_prob must be one of"):
         StochasticSampling(kind="cps", cps_log_prob="other")
+
+
+class OwnSchedules(ToyVideoAudio):
+    """Video + audio with the audio on its own, shifted schedule (as MiniMax H3's audio, shift 3)."""
+
+    def sampling_schedules(self, state, num_steps, shift=None):
+        s = torch.linspace(1.0, 0.0, num_steps + 1)
+        return {"video": s, "audio": 3 * s / (1 + 2 * s)}
+
+
+@pytest.mark.parametrize("kl_scale", ["flow_grpo", "exact_gaussian"])
+def test_kl_of_components_on_their_own_schedules_uses_each_ones_scale(kl_scale):
+    """Per component ``k`` at its own (sigma_k, sigma_k'), flow_grpo's ``kl_loss`` of that component (its own
+    ``std_dev_t``, the sigma = 1 step with its own sigma_max), then ``sum_k w_k kl_k`` as the log-prob reduces."""
+    adapter, obj = OwnSchedules(), objective(kl_beta=0.5, kl_scale=kl_scale)
+    rollouts, old = moved_policy(adapter, obj)
+    r = rollouts[0]
+    r.advantages = torch.zeros(2)
+    ref = OwnSchedules()
+    ref.net.load_state_dict(old)
+    for step in (0, 2):
+        t = r.trajectory.transitions[step]
+        stats = UpdateStats()
+        obj.transition_loss(adapter, r, t, stats)
+        with torch.no_grad():
+            levels = {k: torch.full((2,), s) for k, (s, _) in t.levels.items()}
+            v = adapter.component_velocity(t.state, levels, r.condition).components
+            v_ref = ref.component_velocity(t.state, levels, r.condition).components
+        expected = 0
+        for name, (sigma, sigma_next) in t.levels.items():
+            x, nxt, sigma_max = t.state.components[name], t.next.components[name], r.trajectory.sigma_max[name]
+            _, mean, std_dev_t, sqrt_dt = flow_grpo_step(x, v[name], sigma, sigma_next, sigma_max, 0.7, nxt)
+            _, mean_ref, _, _ = flow_grpo_step(x, v_ref[name], sigma, sigma_next, sigma_max, 0.7, nxt)
+            scale = std_dev_t if kl_scale == "flow_grpo" else std_dev_t * sqrt_dt
+            expected = expected + 1.0 * flow_grpo_kl(mean, mean_ref, scale)  # default weights {video: 1, audio: 1}
+        assert t.levels["video"] != t.levels["audio"]
+        assert_close(stats.kl[0], expected)
