@@ -149,6 +149,7 @@ def train(reference: Path, prompts: Path, args, probe: Probe) -> FlowCLI:
         "--model.objective.init_args.sampler", json.dumps({"kind": "flow_sde", "eta": args.eta,
                                                            "window": [0, args.sample_steps - 2]}),
         "--model.objective.init_args.kl_beta", str(args.kl_beta),
+        "--model.objective.init_args.kl_scale", args.kl_scale,
         "--model.optimizer.init_args.lr", str(args.lr),
         "--model.lora", lora,
         "--data.datasets", json.dumps([{"name": "prompts", "dataset_dir": str(prompts)}]),
@@ -219,6 +220,8 @@ def main() -> None:
     parser.add_argument("--eta", type=float, default=0.7)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-beta", type=float, default=0.0)
+    parser.add_argument("--kl-scale", default="flow_grpo", choices=["flow_grpo", "exact_gaussian"],
+                        help="kl_on: mean's divisor (RESULTS.md's KL run: exact_gaussian, ff's scale before issue 23)")
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bare-every", type=int, default=5, help="steps between overhead measurements")

@@ -13,8 +13,9 @@ Convention (SD3): ``x_sigma = (1 - sigma) x0 + sigma eps``, the network predicts
 * ``cps`` (coefficients-preserving sampling, Wang & Yu 2025, "Coefficients-Preserving Sampling for Reinforcement
   Learning with Flow Matching"): ``std = sigma_next sin(eta pi / 2)``, ``x0_hat = x - sigma v``,
   ``eps_hat = x + (1 - sigma) v``, ``mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat``: the
-  sample keeps the noise level ``sigma_next`` exactly. Its log-prob is the normalised Gaussian one (flow_grpo drops
-  the ``1 / (2 std^2)`` factor and the constants; ratios then differ).
+  sample keeps the noise level ``sigma_next`` exactly. Its log-prob is FlowCPS's by default, ``-(x_next - mean)^2``
+  (the Gaussian log-density times ``2 std^2``, constants dropped; ``cps_log_prob: flow_cps``), or the normalised
+  Gaussian one (``cps_log_prob: gaussian``), whose log-ratios are ``1 / (2 std^2)`` times FlowCPS's.
 
 Log-probabilities are computed in fp32 and are the **mean over active latent elements** (Flow-GRPO averages over
 elements; pinned elements, mask 0, are excluded); over the components of a multi-component state (video + audio)
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 StepKind = Literal["ode", "flow_sde", "cps"]
 STEP_KINDS: tuple[str, ...] = ("ode", "flow_sde", "cps")
+CPSLogProb = Literal["flow_cps", "gaussian"]
+CPS_LOG_PROBS: tuple[str, ...] = ("flow_cps", "gaussian")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 COMPONENT_WEIGHTS_KEY = "model.objective.init_args.component_weights"
 
@@ -104,6 +107,32 @@ def euler_step(state: LatentState, velocity: LatentState, sigma: float, sigma_ne
 
 
 # -- one Gaussian step, on plain tensors ----------------------------------------------------------------------------
+def noise_scale(kind: StepKind, sigma: float, sigma_next: float, eta: float, sigma_max: float | None = None) -> float:
+    """flow_grpo's ``std_dev_t`` of a step (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py): for ``flow_sde`` the
+    SDE's diffusion coefficient ``eta sqrt(sigma / (1 - sigma))`` (at ``sigma = 1``, ``1 - sigma`` taken at
+    ``sigma_max``), whose step std is this times ``sqrt(-dt)``; for ``cps`` the step std itself,
+    ``sigma_next sin(eta pi / 2)``; 0 for ``ode``. flow_grpo's SD3 and FLUX ``kl_loss`` divides by ``2 std_dev_t^2``.
+
+    Args:
+        kind: ``ode``, ``flow_sde`` or ``cps``.
+        sigma: the current noise level.
+        sigma_next: the next one, ``< sigma``.
+        eta: the noise level of the stochastic steps (Flow-GRPO's ``noise_level``).
+        sigma_max: ``flow_sde`` at ``sigma == 1``: the noise level whose ``1 - sigma`` replaces the zero one.
+    """
+    if kind == "ode":
+        return 0.0
+    if kind == "flow_sde":
+        if sigma >= 1.0:
+            if sigma_max is None or sigma_max >= 1.0:
+                raise ValueError("flow_sde at sigma = 1 needs sigma_max < 1 (the schedule's second noise level)")
+            return eta * math.sqrt(sigma / (1 - sigma_max))
+        return eta * math.sqrt(sigma / (1 - sigma))
+    if kind == "cps":
+        return sigma_next * math.sin(eta * math.pi / 2)
+    raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
+
+
 def step_gaussian(
     kind: StepKind, x: Tensor, v: Tensor, sigma: float, sigma_next: float, eta: float, sigma_max: float | None = None
 ) -> tuple[Tensor, float]:
@@ -123,16 +152,11 @@ def step_gaussian(
     if kind == "ode":
         return x + v * dt, 0.0
     if kind == "flow_sde":
-        if sigma >= 1.0:
-            if sigma_max is None or sigma_max >= 1.0:
-                raise ValueError("flow_sde at sigma = 1 needs sigma_max < 1 (the schedule's second noise level)")
-            s = eta * math.sqrt(sigma / (1 - sigma_max))
-        else:
-            s = eta * math.sqrt(sigma / (1 - sigma))
+        s = noise_scale(kind, sigma, sigma_next, eta, sigma_max)
         mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
         return mean, s * math.sqrt(-dt)
     if kind == "cps":
-        std = sigma_next * math.sin(eta * math.pi / 2)
+        std = noise_scale(kind, sigma, sigma_next, eta)
         x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
         return (1 - sigma_next) * x0_hat + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * eps_hat, std
     raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
@@ -143,6 +167,20 @@ def gaussian_log_density(x_next: Tensor, mean: Tensor, std: float) -> Tensor:
     if not std > 0:
         raise ValueError(f"a stochastic step needs std > 0, got {std} (a CPS step onto sigma_next = 0 has none)")
     return -((x_next.float() - mean) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI
+
+
+def step_log_density(kind: StepKind, x_next: Tensor, mean: Tensor, std: float,
+                     cps_log_prob: CPSLogProb = "flow_cps") -> Tensor:  # fmt: skip
+    """Element-wise log-density of a stochastic step, fp32: :func:`gaussian_log_density`, except for a ``cps`` step
+    with ``cps_log_prob: flow_cps``, FlowCPS's ``-(x_next - mean)^2`` (IamCreateAI/FlowCPS and flow_grpo's
+    ``sde_type='cps'``, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py: "remove all constants"), which drops the
+    Gaussian's ``1 / (2 std^2)`` with the constants, so its log-ratios are ``2 std^2`` times the Gaussian's and
+    ``clip_range`` values from FlowCPS / Flow-GRPO-Fast recipes (1e-5) keep their meaning."""
+    if kind == "cps" and cps_log_prob == "flow_cps":
+        return -((x_next.float() - mean) ** 2)
+    if kind == "cps" and cps_log_prob != "gaussian":
+        raise ValueError(f"cps_log_prob must be one of {CPS_LOG_PROBS}, got {cps_log_prob!r}")
+    return gaussian_log_density(x_next, mean, std)
 
 
 def component_mean(
@@ -223,12 +261,15 @@ class StepResult:
         log_prob: per sample, the mean log-density of ``next`` over active elements, fp32, shape (B,).
         mean: per component, the fp32 Gaussian mean (carries the velocity's graph when it has one).
         std: per component, the scalar std.
+        noise_scale: per component, flow_grpo's ``std_dev_t`` (:func:`noise_scale`): the std without ``sqrt(-dt)``
+            for ``flow_sde``, the std for ``cps``.
     """
 
     next: LatentState
     log_prob: Tensor
     mean: dict[str, Tensor]
     std: dict[str, float]
+    noise_scale: dict[str, float] = field(default_factory=dict)
 
 
 def step_log_prob(
@@ -241,17 +282,19 @@ def step_log_prob(
     sigma_max: float | Mapping[str, float] | None = None,
     component_weights: Mapping[str, float] | None = None,
     frozen_components: Collection[str] = (),
+    cps_log_prob: CPSLogProb = "flow_cps",
 ) -> StepResult:
     """The log-prob of a given ``next_state`` under one step of ``kind`` from ``state`` (replay; with gradient when
     ``velocity`` has one). Arguments as :func:`sde_step`."""
-    means, stds, dens = {}, {}, {}
+    means, stds, scales, dens = {}, {}, {}, {}
     for name, x in state.components.items():
         sigma, sigma_next = _component_sigmas(sigmas, name)
-        means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta,
-                                                _component_value(sigma_max, name))  # fmt: skip
-        dens[name] = gaussian_log_density(next_state.components[name], means[name], stds[name])
+        level = _component_value(sigma_max, name)
+        means[name], stds[name] = step_gaussian(kind, x, velocity.components[name], sigma, sigma_next, eta, level)
+        scales[name] = noise_scale(kind, sigma, sigma_next, eta, level)
+        dens[name] = step_log_density(kind, next_state.components[name], means[name], stds[name], cps_log_prob)
     log_prob = component_mean(dens, state.masks, component_weights, frozen_components)
-    return StepResult(next_state, log_prob, means, stds)
+    return StepResult(next_state, log_prob, means, stds, scales)
 
 
 def sde_step(
@@ -264,6 +307,7 @@ def sde_step(
     sigma_max: float | Mapping[str, float] | None = None,
     component_weights: Mapping[str, float] | None = None,
     frozen_components: Collection[str] = (),
+    cps_log_prob: CPSLogProb = "flow_cps",
 ) -> StepResult:
     """Draw ``x_next`` for one stochastic step and score it.
 
@@ -282,6 +326,8 @@ def sde_step(
         component_weights: how the per-component log-densities reduce to one log-prob per sample
             (:func:`component_mean`; ``None``: pooled by element count).
         frozen_components: components whose log-density is left out of the log-prob (they are still stepped).
+        cps_log_prob: a ``cps`` step's log-density (:func:`step_log_density`): FlowCPS's ``flow_cps`` or
+            ``gaussian``.
     """
     nxt = {}
     for name, x in state.components.items():
@@ -293,7 +339,7 @@ def sde_step(
         nxt[name] = keep_pinned((mean + std * noise).to(x.dtype), x, state.masks.get(name))
     next_state = replace(state, components=nxt, masks=dict(state.masks))
     return step_log_prob(state, velocity, next_state, sigmas, kind, eta, sigma_max, component_weights,
-                         frozen_components)
+                         frozen_components, cps_log_prob)
 
 
 # -- which steps are stochastic -------------------------------------------------------------------------------------
@@ -304,20 +350,32 @@ class StochasticSampling:
     Attributes:
         kind: ``flow_sde`` (Flow-GRPO) or ``cps`` (coefficients-preserving).
         eta: noise level (Flow-GRPO's ``noise_level``; 0.7 there).
-        window: ``[start, end)`` step indices where SDE steps may fall (``None``: every step; for ``cps`` every step
-            but the last, whose ``sigma_next = 0`` leaves no noise). ODE steps elsewhere.
+        window: ``[start, end)`` step indices where SDE steps may fall. ``None``: every step but the last, the one onto
+            ``sigma = 0``, which stays an ODE step so the rewards score clean latents (Flow-Factory's default
+            ``sde_steps``, ``0 .. num_inference_steps - 2``, src/flow_factory/hparams/args.py; flow_grpo's
+            Flow-GRPO-Fast window ``(0, len(timesteps) - 1)``; flow_grpo's SD3 recipes train the first 9 of 10 steps,
+            ``timestep_fraction: 0.99``). ``[0, num_steps]`` makes every ``flow_sde`` step stochastic (ff before
+            issue 23). ODE steps elsewhere.
         num_sde_steps: how many SDE steps a rollout takes, drawn uniformly from the window per rollout batch from
             the rollout generator (Flow-GRPO-Fast / MixGRPO style); ``None``: every step of the window.
+        cps_log_prob: a ``cps`` step's log-probability: ``flow_cps`` (FlowCPS's ``-(x' - mean)^2``, element mean;
+            constants and the Gaussian's ``1 / (2 std^2)`` dropped, as flow_grpo's ``sde_type='cps'``) or
+            ``gaussian`` (the normalised density, whose log-ratios are ``1 / (2 std^2)`` times FlowCPS's: 8-7900x on
+            SD3.5's late steps, so ``clip_range`` must shrink as much). Unused by ``flow_sde``.
     """
 
     kind: Literal["flow_sde", "cps"] = "flow_sde"
     eta: float = 0.7
     window: tuple[int, int] | None = None
     num_sde_steps: int | None = None
+    cps_log_prob: CPSLogProb = "flow_cps"
 
     def __post_init__(self) -> None:
         if self.kind not in ("flow_sde", "cps"):
             raise ValueError(f"model.objective.sampler.kind must be 'flow_sde' or 'cps', got {self.kind!r}")
+        if self.cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(f"model.objective.sampler.cps_log_prob must be one of {list(CPS_LOG_PROBS)}, got "
+                             f"{self.cps_log_prob!r}")  # fmt: skip
         if not self.eta > 0:
             raise ValueError(f"model.objective.sampler.eta must be > 0, got {self.eta}")
         if self.window is not None:
@@ -331,7 +389,10 @@ class StochasticSampling:
     def candidate_steps(self, num_steps: int) -> list[int]:
         """The window's step indices for a ``num_steps`` schedule, checked against it."""
         last = num_steps - 1 if self.kind == "cps" else num_steps  # CPS onto sigma 0 has std 0
-        start, end = self.window if self.window is not None else (0, last)
+        if self.window is None and num_steps < 2:
+            raise ValueError(f"model.objective.sampler.window: the default window (every step but the last) of a "
+                             f"{num_steps}-step schedule is empty; set num_steps >= 2 or the window")  # fmt: skip
+        start, end = self.window if self.window is not None else (0, num_steps - 1)  # all but the last step
         if end > last:
             raise ValueError(f"model.objective.sampler.window [{start}, {end}) reaches past step {last - 1} of a "
                              f"{num_steps}-step {self.kind} schedule" + (" (a CPS step onto sigma 0 has no noise)"
@@ -444,6 +505,7 @@ def guided_velocity(
     scale: Guidance,
     rescale: Guidance = 0.0,
     config_key: str = "model.sampling",
+    detach_negative: bool = False,
 ) -> LatentState:
     """The velocity at ``(state, sigma)``, with classifier-free guidance when ``negative`` is given: per latent
     component ``k``, ``v_neg + s_k (v - v_neg)`` (``scale``: one for all, or per component). ``sigma`` is one noise
@@ -457,6 +519,10 @@ def guided_velocity(
     back ``v = (x - x0_g) / sigma_k`` (in fp32; ``sigma_k > 0`` on every sampling step). Without it the combination
     is the plain one above (the same linear combination, in velocity space). ``config_key`` (``model.sampling``, or
     GRPO's ``model.objective.init_args``) prefixes the keys a mapping that lacks a component is reported under.
+
+    ``detach_negative``: the unconditional branch runs under ``no_grad`` (a constant of the guided velocity; no
+    activations kept), so a gradient flows through the conditional branch alone, ``s_k dv/dtheta`` (GRPO's
+    ``cfg_replay: detached_uncond``); its values are the same forward's, so the replayed log-prob does not change.
     """
     device = next(iter(state.components.values())).device
 
@@ -477,7 +543,11 @@ def guided_velocity(
     v = predict(condition)
     if negative is None:
         return v
-    v_neg = predict(negative)
+    if detach_negative:
+        with torch.no_grad():
+            v_neg = predict(negative)
+    else:
+        v_neg = predict(negative)
     out = {}
     for name, c in v.components.items():
         u, k = v_neg.components[name], guidance_for(scale, name, f"{config_key}.guidance_scale")
@@ -588,7 +658,7 @@ def sample_sde(
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
             out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max,
-                           component_weights, frozen_components)
+                           component_weights, frozen_components, sampler.cps_log_prob)
             trajectory.transitions.append(Transition(i, state, out.next, primary[i], primary[i + 1], out.log_prob,
                                                      steps))  # fmt: skip
             state = out.next

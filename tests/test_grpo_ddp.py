@@ -41,11 +41,8 @@ class DumpRankState(L.Callback):
         torch.save({"weights": weights, "batches": self.batches}, self.dirpath / f"rank{trainer.global_rank}.pt")
 
 
-def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
-    """2 ranks, 2 prompts x 2 samples per step, 3 steps: each group is split over the ranks (sample-major deal: each
-    rank one sample of both prompts), so the advantages need the gathered rewards; the ranks logged the same gathered
-    reward mean and end with identical weights that differ from the start (the averaged gradients stepped both
-    alike)."""
+def run_two_ranks(tiny_sd3, tmp_path, *extra) -> list[dict]:
+    """`ff fit` of the shrunk recipe on 2 gloo processes, 3 steps; each rank's DumpRankState."""
     from ff_core.testing.shapes import write_prompt_dataset
 
     prompts = write_prompt_dataset(tmp_path / "prompts")
@@ -61,14 +58,34 @@ def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
         "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
         "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false", "--trainer.enable_progress_bar",
-        "false", "--trainer.callbacks", json.dumps(callbacks),
+        "false", "--trainer.callbacks", json.dumps(callbacks), *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_two_process_steps_with_every_group_tied_change_nothing(tiny_sd3, tmp_path):
+    """A reward every sample ties on: with ``filter_zero_std`` neither rank replays anything, the flat all-reduce
+    (which carries each rank's count of trained terms) finds no rank trained, and both ranks leave their LoRA as
+    peft initialised it (B still zero), in step, without hanging."""
+    ranks = run_two_ranks(tiny_sd3, tmp_path, "--model.objective.init_args.rewards",
+                          json.dumps([{"name": "tests.test_grpo_fit:Constant"}]), "--model.eval_rewards", "[]")
+    for name, w in ranks[0]["weights"].items():
+        assert torch.equal(w, ranks[1]["weights"][name]), name
+        if "lora_B" in name:
+            assert w.abs().sum() == 0, name
+
+
+def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
+    """2 ranks, 2 prompts x 2 samples per step, 3 steps: each group is split over the ranks (sample-major deal: each
+    rank one sample of both prompts), so the advantages need the gathered rewards; the ranks logged the same gathered
+    reward mean and end with identical weights that differ from the start (the averaged gradients stepped both
+    alike)."""
+    ranks = run_two_ranks(tiny_sd3, tmp_path)
     for step in range(3):
         a, b = ranks[0]["batches"][step], ranks[1]["batches"][step]
         assert a["group"] == b["group"] == [2 * step, 2 * step + 1]  # the same prompts, their other samples

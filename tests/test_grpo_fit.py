@@ -159,3 +159,35 @@ def test_rows_lacking_a_reward_field_fail_before_weights_load(tiny_sd3, prompts_
                                             r"\(model.objective.rewards\)"):
         cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.adapter is None
+
+
+class Constant(Reward):
+    name = "constant"
+
+    def __call__(self, batch):
+        return torch.full((len(batch),), 22.37)
+
+
+def test_iterations_whose_groups_all_tie_count_a_step_and_change_nothing(tiny_sd3, prompts_dir, tmp_path):
+    """A reward every sample ties on (issue 23, item 12): ``zero_std_ratio`` logs 1, ``filter_zero_std`` leaves every
+    sample out of the update, and Lightning's loop still counts each iteration's optimiser step (``global_step``, hence
+    the next iteration's noise seed, advance) while the weights and the optimiser state stay as they were (no
+    gradient: AdamW skips every parameter, momentum and weight decay included)."""
+    cli = fit(tiny_sd3, prompts_dir, tmp_path, "--trainer.max_steps", "2", "--model.objective.init_args.rewards",
+              json.dumps([{"name": "test_grpo_fit:Constant"}]), "--model.eval_rewards", "[]")  # fmt: skip
+    start = {}
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            start.update({n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad})
+
+    cli.trainer.callbacks.append(Start())
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 2
+    rows = metrics(tmp_path)
+    assert [float(r["train/zero_std_ratio"]) for r in rows] == [1.0, 1.0]
+    assert all(not r.get("train/ratio") for r in rows)  # nothing replayed
+    for n, p in cli.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, start[n]), n
+    assert not cli.model.optimizers().optimizer.state

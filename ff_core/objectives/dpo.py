@@ -10,10 +10,15 @@ noise ``eps`` (both arms, both models)::
     L   = -log sigmoid(r_w - r_l)
 
 averaged over ``num_train_timesteps`` Monte-Carlo (sigma, eps) draws and over the batch. Errors are element means and
-beta multiplies their difference by 1/2, as in the authors' released training code, so beta values carry over from
-the Diffusion-DPO literature: 5000 for SD1.5 and SDXL in Wallace et al. (rectified-flow errors are velocity errors,
-``(1 - sigma)^-2`` times the epsilon errors at the same point; Flow-DPO keeps beta constant across sigma rather than
-rescaling it, which the authors found avoids over-optimising high noise levels).
+beta multiplies their difference by 1/2, as in the authors' released training code and in flow_grpo's
+scripts/train_sd3_dpo.py and Flow-Factory's DPO trainer, which use exactly this loss on velocity errors: their beta
+values carry over unchanged (flow_grpo's SD3 DPO recipes: 100; Flow-Factory's default 2000, its SD3.5 example 100).
+Diffusion-DPO's beta (5000 for SD1.5 and SDXL in Wallace et al.) does NOT carry over unchanged: it multiplies
+epsilon-prediction errors, and a velocity error is ``(1 - sigma)^-2`` times the epsilon error at the same point
+(``eps_hat = x_sigma + (1 - sigma) v_hat``), so the same loss needs ``beta_v = beta_eps (1 - sigma)^2``
+(:func:`velocity_beta`): 1/16 of it at the median of SD3.5's training draws (logit-normal, shift 3: sigma 0.75).
+Flow-DPO keeps beta constant across sigma rather than rescaling it per draw, which the authors found avoids
+over-optimising high noise levels; ff does the same.
 
 Spec ("Condition cache and target lifecycle"): one prepared condition serves both arms' encodes and all four
 forwards, so a stochastic condition cannot drift between the arms. The reference is the base with the LoRA disabled,
@@ -98,6 +103,22 @@ def diffusion_dpo_loss(errors: PreferenceErrors, beta: float) -> DPOTerms:
     return DPOTerms(loss, reward_chosen.detach(), reward_rejected.detach())
 
 
+def velocity_beta(epsilon_beta: float, sigma: float | Tensor) -> float | Tensor:
+    """The beta of this (velocity-error) loss that equals Diffusion-DPO's loss with ``epsilon_beta`` on
+    epsilon-prediction errors at noise level ``sigma``: ``epsilon_beta (1 - sigma)^2``.
+
+    With ``x_sigma = (1 - sigma) x0 + sigma eps`` and ``v = eps - x0``, an epsilon prediction read from a velocity is
+    ``eps_hat = x_sigma + (1 - sigma) v_hat``, so ``|eps_hat - eps|^2 = (1 - sigma)^2 |v_hat - v|^2``. One beta for
+    every draw (ff's, Flow-DPO's) matches Diffusion-DPO only at one sigma; at SD3.5's median training sigma (0.75)
+    ``velocity_beta(5000, 0.75) = 312.5``.
+
+    Args:
+        epsilon_beta: Diffusion-DPO's beta (Wallace et al. 2023: 5000 for SD1.5 / SDXL).
+        sigma: the noise level(s) in [0, 1] to match at.
+    """
+    return epsilon_beta * (1 - sigma) ** 2
+
+
 def preference_errors(
     adapter: Adapter,
     reference: ReferenceModel,
@@ -130,9 +151,12 @@ class DPOObjective(Objective):
     """Offline Diffusion-DPO on V2 preference records (formula and conventions: docs/objectives.md, "Offline DPO").
 
     Args:
-        beta: KL-regularisation strength: the implicit rewards are ``-beta/2`` times the policy-minus-reference error
-            of each arm (Wallace et al.'s convention, errors as element means; 5000 is theirs for SD1.5/SDXL).
-            Larger keeps the policy closer to the reference.
+        beta: KL-regularisation strength: the implicit rewards are ``-beta/2`` times the policy-minus-reference
+            velocity error of each arm (errors as element means): flow_grpo's and Flow-Factory's beta, unchanged
+            (flow_grpo SD3: 100). Diffusion-DPO's (5000 for SD1.5/SDXL, on epsilon errors) maps to
+            ``beta (1 - sigma)^2`` (:func:`velocity_beta`; ~1/16 at SD3.5's median sigma). The default 5000 is kept
+            from before issue 23 (the toy benchmark behaved alike for every beta >= 500). Larger keeps the policy
+            closer to the reference.
         timesteps: how noise levels are drawn per pair (logit-normal with the adapter's shift, or uniform).
         num_train_timesteps: independent Monte-Carlo (sigma, noise) draws averaged per microbatch.
         reference_offload: full fine-tuning only: keep the frozen reference denoiser in CPU memory and stream its

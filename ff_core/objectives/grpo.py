@@ -9,12 +9,14 @@ ranks, :class:`~ff_core.data.dataflow.GroupedDistributor`):
    sampler's window (stored as transitions), ODE elsewhere; noise from a generator seeded by (noise seed, rank,
    optimiser step), so runs and resumes repeat.
 2. **Rewards** on the decoded samples: pointwise ones on each rank, then every rank's scores (and, for groupwise
-   rewards, samples) are gathered; advantages are normalised per group and clipped.
+   rewards, samples) are gathered; advantages are normalised per group (float64; a tied group's are exactly 0) and
+   clipped; with ``filter_zero_std`` the samples of groups whose rewards are all equal leave the update.
 3. **Update**, ``num_inner_epochs`` times: the rank's micro-batches are split into ``mini_batches`` optimiser steps;
    in each, every stored transition of every micro-batch is replayed with gradient (the same micro-batches as the
    rollout, so the first ratio is exactly 1), its clipped surrogate (plus ``kl_beta`` x KL to the reference)
    back-propagated, gradients accumulated over transitions and micro-batches (Flow-GRPO's accumulation over trained
-   timesteps and samples), clipped to ``max_grad_norm``, then one optimiser and scheduler step.
+   timesteps and samples), clipped to ``max_grad_norm``, then one optimiser and scheduler step (an optimiser step
+   whose samples were all filtered out leaves the weights and the optimiser state alone).
 
 Rollout and replay run the networks in eval mode (no dropout), so the replayed log-prob of an unchanged policy is
 bitwise the rollout's: SD3-family transformers have no dropout, so nothing is lost there; a LoRA dropout is off.
@@ -40,7 +42,7 @@ from ff_core.objectives.flow_matching import (
     prepare_batch_condition,
     resolve_component_weights,
 )
-from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages
+from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages, tied_groups, zero_std_ratio
 from ff_core.objectives.reference import ReferenceModel
 from ff_core.rewards.base import RewardBatch, Rewards
 from ff_core.sampling import (
@@ -73,6 +75,8 @@ class Rollout:
         negative: its CFG branch (``None`` without CFG).
         trajectory: the sampled trajectory with its stored SDE transitions.
         advantages: per sample, filled once the rewards are gathered, shape (b,).
+        keep: per sample, whether it enters the update (``filter_zero_std``: not in a tied group), bool (b,);
+            ``None``: every sample.
     """
 
     rows: slice
@@ -80,6 +84,12 @@ class Rollout:
     negative: Condition | None
     trajectory: Trajectory
     advantages: Tensor | None = None
+    keep: Tensor | None = None
+
+    @property
+    def kept(self) -> int:
+        """How many of the micro-batch's samples enter the update."""
+        return self.rows.stop - self.rows.start if self.keep is None else int(self.keep.sum())
 
 
 @dataclass
@@ -126,10 +136,25 @@ class GRPOObjective(Objective):
         mini_batches: optimiser steps per inner epoch; the rank's micro-batches are split evenly among them.
         clip_range: PPO ratio clip ``epsilon`` (Flow-GRPO: 1e-4).
         adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]`` (Flow-GRPO: 5).
-        global_std: normalise advantages by the std of every reward of the step instead of each group's.
+        global_std: normalise advantages by the std of every reward of the step (over all ranks) instead of each
+            group's: flow_grpo's ``sample.global_std``, true in its config/base.py and every SD3 / FLUX recipe, and
+            Flow-Factory's default. ``False``: each group's own std (the Flow-GRPO paper's eq. 4, flow_grpo's Wan2.1
+            recipe, ff's default before issue 23).
+        filter_zero_std: leave the samples of groups whose rewards are all equal (zero std, advantage 0) out of the
+            update, as flow_grpo does (scripts/train_sd3.py drops samples with zero advantage before training): the
+            loss is the mean over the kept samples, and the KL term sees only them. ``False``: they stay in, with
+            advantage 0 (their KL term and their share of the mean remain).
         kl_beta: weight of the KL penalty to the reference policy (0: none, no reference is kept).
-        kl_on: ``mean`` (the Gaussian steps' KL, ``|mu - mu_ref|^2 / (2 std^2)``, Flow-GRPO) or ``velocity``
-            (``|v - v_ref|^2``).
+        kl_on: ``mean`` (the Gaussian steps' means, scaled by ``kl_scale``) or ``velocity`` (``|v - v_ref|^2``).
+        kl_scale: ``kl_on: mean``'s divisor. ``flow_grpo``: ``|mu - mu_ref|^2 / (2 s_sigma^2)``, ``s_sigma =
+            eta sqrt(sigma / (1 - sigma))`` without ``sqrt(|dt|)`` (flow_grpo's SD3 / FLUX ``kl_loss``, so its
+            ``beta`` values carry over; for ``cps`` its std, the exact KL). ``exact_gaussian``: the KL of the two
+            Gaussian steps, ``|mu - mu_ref|^2 / (2 std^2)``, ``std = s_sigma sqrt(|dt|)`` (flow_grpo's Wan2.1
+            script), ``1 / |dt|`` times ``flow_grpo``'s (3.7-25x on SD3.5's 10-step schedule).
+        cfg_replay: the gradient of the guided velocity in replays (``guidance_scale != 1``). ``full``: through both
+            branches, as flow_grpo's ``compute_log_prob`` and Flow-Factory. ``detached_uncond``: the unconditional
+            branch a constant (run under no_grad): only the conditional branch trains, at ``guidance_scale`` times
+            the rate, and its activations are not kept.
         max_grad_norm: clip the gradient norm before each optimiser step (``None``: no clipping). Lightning's
             ``trainer.gradient_clip_val`` does not apply to manual optimisation.
         reference_offload: full fine-tuning with ``kl_beta > 0``: keep the frozen reference in CPU memory.
@@ -164,9 +189,12 @@ class GRPOObjective(Objective):
         mini_batches: int = 1,
         clip_range: float = 1e-4,
         adv_clip_max: float = 5.0,
-        global_std: bool = False,
+        global_std: bool = True,
         kl_beta: float = 0.0,
         kl_on: Literal["mean", "velocity"] = "mean",
+        kl_scale: Literal["flow_grpo", "exact_gaussian"] = "flow_grpo",
+        filter_zero_std: bool = True,
+        cfg_replay: Literal["full", "detached_uncond"] = "full",
         max_grad_norm: float | None = 1.0,
         reference_offload: bool = False,
         component_weights: dict[str, float] | None = None,
@@ -182,8 +210,11 @@ class GRPOObjective(Objective):
                 raise ValueError(f"model.objective.{key} must be > 0, got {value}")
         if kl_beta < 0:
             raise ValueError(f"model.objective.kl_beta must be >= 0, got {kl_beta}")
-        if kl_on not in ("mean", "velocity"):
-            raise ValueError(f"model.objective.kl_on must be 'mean' or 'velocity', got {kl_on!r}")
+        for key, value, allowed in (("kl_on", kl_on, ("mean", "velocity")),
+                                    ("kl_scale", kl_scale, ("flow_grpo", "exact_gaussian")),
+                                    ("cfg_replay", cfg_replay, ("full", "detached_uncond"))):
+            if value not in allowed:
+                raise ValueError(f"model.objective.{key} must be one of {list(allowed)}, got {value!r}")
         if group_size < 2:  # one sample per group: every advantage is 0 and the policy never moves
             raise ValueError(f"model.objective.group_size must be >= 2 (advantages compare a prompt's samples), "
                              f"got {group_size}")  # fmt: skip
@@ -202,7 +233,8 @@ class GRPOObjective(Objective):
         self.micro_batch_size = micro_batch_size
         self.num_inner_epochs, self.mini_batches = num_inner_epochs, mini_batches
         self.clip_range, self.adv_clip_max, self.global_std = clip_range, adv_clip_max, global_std
-        self.kl_beta, self.kl_on, self.max_grad_norm = kl_beta, kl_on, max_grad_norm
+        self.kl_beta, self.kl_on, self.kl_scale, self.max_grad_norm = kl_beta, kl_on, kl_scale, max_grad_norm
+        self.filter_zero_std, self.cfg_replay = filter_zero_std, cfg_replay
         self.reference_offload = reference_offload
         self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
@@ -323,12 +355,17 @@ class GRPOObjective(Objective):
         else:
             all_scores = {k: gather(v) for k, v in per_reward.items()}
         total = self.rewards.combine(all_scores).total
-        advantages = group_advantages(total, all_groups.to(total.device), self.global_std)
+        all_groups = all_groups.to(total.device)
+        advantages = group_advantages(total, all_groups, self.global_std)
+        tied = tied_groups(total, all_groups)  # over every rank's groups, as the advantages
         rank, n = _rank(module), len(batch["prompt"])
-        local = advantages[rank * n : (rank + 1) * n]
+        local, local_tied = advantages[rank * n : (rank + 1) * n], tied[rank * n : (rank + 1) * n]
         for r in rollouts:
-            r.advantages = local[r.rows].to(next(iter(r.trajectory.final.components.values())).device)
-        metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0)}
+            device = next(iter(r.trajectory.final.components.values())).device
+            r.advantages = local[r.rows].to(device)
+            r.keep = (~local_tied[r.rows]).to(device) if self.filter_zero_std and local_tied[r.rows].any() else None
+        metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0),
+                   "zero_std_ratio": zero_std_ratio(total, all_groups)}  # fmt: skip
         for key, scores in all_scores.items():
             metrics[f"reward/{key}_mean"], metrics[f"reward/{key}_std"] = scores.mean(), scores.std(correction=0)
         clipped = advantages.clamp(-self.adv_clip_max, self.adv_clip_max)  # what the loss uses
@@ -342,12 +379,15 @@ class GRPOObjective(Objective):
         chunks = [c for c in _split(rollouts, self.mini_batches) if c]
         for _ in range(self.num_inner_epochs):
             for chunk in chunks:
-                terms = sum(len(r.trajectory.transitions) * (r.rows.stop - r.rows.start) for r in chunk)
+                # Every kept (sample, transition) weighs the same in the optimiser step: the mean over them.
+                terms = sum(len(r.trajectory.transitions) * r.kept for r in chunk)
                 for r in chunk:
+                    if not r.kept:  # filtered out whole (filter_zero_std): nothing to replay
+                        continue
                     for t in r.trajectory.transitions:
                         loss = self.transition_loss(adapter, r, t, stats)
-                        module.manual_backward(loss * (r.rows.stop - r.rows.start) / terms)
-                _average_gradients(module)
+                        module.manual_backward(loss * r.kept / terms)
+                _average_gradients(module, terms)
                 if self.max_grad_norm is not None:
                     module.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
                                           gradient_clip_algorithm="norm")  # fmt: skip
@@ -362,28 +402,31 @@ class GRPOObjective(Objective):
         trajectory = rollout.trajectory
         sigmas = t.levels or (t.sigma, t.sigma_next)
         v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
-                            self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY)  # the rollout's guidance
+                            self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY,
+                            detach_negative=self.cfg_replay == "detached_uncond")  # the rollout's guidance
         step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max,
-                             **self.reduction(adapter))  # the rollout's reduction: the first ratio is exactly 1
+                             **self.reduction(adapter), cps_log_prob=self.sampler.cps_log_prob)  # as the rollout's
         policy = clipped_policy_loss(step.log_prob, t.log_prob, rollout.advantages, self.clip_range,
                                      self.adv_clip_max)  # fmt: skip
         loss = policy.loss
         if stats.first_ratio is None:
             stats.first_ratio = policy.ratio
+        keep = rollout.keep if rollout.keep is not None else slice(None)  # the whole micro-batch runs: exact replay
         if self.kl_beta > 0:
             kl = self.kl(adapter, rollout, t, v, step)
             loss = loss + self.kl_beta * kl
-            stats.kl.append(kl.detach())
-        stats.ratio.append(policy.ratio)
-        stats.clipped_low.append(policy.clipped_low)
-        stats.clipped_high.append(policy.clipped_high)
-        stats.policy_loss.append(policy.loss.detach())
-        stats.approx_kl.append(0.5 * (step.log_prob.detach() - t.log_prob) ** 2)
-        return loss.mean()
+            stats.kl.append(kl.detach()[keep])
+        stats.ratio.append(policy.ratio[keep])
+        stats.clipped_low.append(policy.clipped_low[keep])
+        stats.clipped_high.append(policy.clipped_high[keep])
+        stats.policy_loss.append(policy.loss.detach()[keep])
+        stats.approx_kl.append((0.5 * (step.log_prob.detach() - t.log_prob) ** 2)[keep])
+        return loss[keep].mean()
 
     def kl(self, adapter: Adapter, rollout: Rollout, t, v, step) -> Tensor:
-        """Per sample, the KL term to the reference at this transition (``kl_on``), with gradient: element means
-        reduced over the components as the log-prob (:meth:`reduction`)."""
+        """Per sample, the KL term to the reference at this transition (``kl_on``, ``kl_scale``), with gradient:
+        element means reduced over the components as the log-prob (:meth:`reduction`), each component at its own
+        levels (its own ``std`` or ``noise_scale``)."""
         with torch.no_grad(), self.reference.active(adapter):
             v_ref = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
                                     self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY)  # fmt: skip
@@ -392,8 +435,9 @@ class GRPOObjective(Objective):
         masks = t.state.masks
         if self.kl_on == "velocity":
             diffs = {k: (x.float() - v_ref.components[k].float()) ** 2 for k, x in v.components.items()}
-        else:
-            diffs = {k: (m - ref.mean[k]) ** 2 / (2 * step.std[k] ** 2) for k, m in step.mean.items()}
+        else:  # flow_grpo: / (2 std_dev_t^2), its sde_step_with_logprob's std without sqrt(-dt); exact: / (2 std^2)
+            scale = step.std if self.kl_scale == "exact_gaussian" else step.noise_scale
+            diffs = {k: (m - ref.mean[k]) ** 2 / (2 * scale[k] ** 2) for k, m in step.mean.items()}
         return component_mean(diffs, masks, **self.reduction(adapter))
 
 
@@ -466,19 +510,34 @@ def _take_over_gradient_sync(module: Any) -> None:
     wrapper.require_backward_grad_sync = False
 
 
-def _average_gradients(module: Any) -> None:
-    """Average the trainable parameters' gradients over the data-parallel ranks (one flat all-reduce)."""
+def _average_gradients(module: Any, terms: int = 1) -> None:
+    """Average the trainable parameters' gradients over the data-parallel ranks (one flat all-reduce).
+
+    ``terms``: the (sample, transition) terms this rank back-propagated for the step. A rank that had none (its samples
+    all filtered out, ``filter_zero_std``) contributes zeros; when no rank had any, the gradients are left unset
+    (``None``), so the optimiser step changes neither the weights nor its state (torch optimisers skip parameters
+    without a gradient), as on one process.
+    """
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
         return
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
-    flat = _flatten_dense_tensors(grads)
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:  # every rank all-reduces the same tensors
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    count = torch.tensor([float(terms)], device=grads[0].device, dtype=grads[0].dtype)
+    flat = _flatten_dense_tensors([*grads, count])
     dist.all_reduce(flat)
+    if flat[-1] == 0:  # no rank trained on anything this step
+        for p in params:
+            p.grad = None
+        return
     flat /= trainer.world_size
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, [*grads, count])):
         g.copy_(synced)
 
 

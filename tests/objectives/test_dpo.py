@@ -305,3 +305,42 @@ def test_dpo_beta_sees_the_scale_of_the_component_weights():
     assert_close(summed, torch.tensor([math.log1p(math.exp(-0.5))]))
     assert_close(loss({"video": 0.5, "audio": 0.5}, 0.5)[1], torch.tensor([math.log1p(math.exp(-0.25))]))
     assert_close(loss({"video": 0.5, "audio": 0.5}, 1.0)[1], summed)
+
+
+def test_diffusion_dpo_beta_maps_to_the_velocity_beta_by_one_minus_sigma_squared():
+    """Diffusion-DPO (Wallace et al.'s train.py) scores epsilon predictions: ``model_losses = (model_pred -
+    target).pow(2).mean(dims)``, target the noise, ``inside_term = -0.5 * beta_dpo * (model_diff - ref_diff)``,
+    ``loss = -logsigmoid(inside_term).mean()``. Reading the epsilon prediction off the same velocities,
+    ``eps_hat = x_sigma + (1 - sigma) v_hat``, its loss with beta_eps equals ff's on the velocity errors with
+    ``velocity_beta(beta_eps, sigma) = beta_eps (1 - sigma)^2``, per sample sigma; not with beta_eps itself. At SD3.5's
+    median training sigma (logit-normal median sigmoid(0) = 0.5, shift 3: 3 * 0.5 / (1 + 2 * 0.5) = 0.75) the factor
+    is 1/16. flow_grpo's scripts/train_sd3_dpo.py scores velocities (``target = noise - model_input``) with the same
+    ``-0.5 * beta * w_l_diff``: its beta (100) is ff's unchanged."""
+    from ff_core.objectives.dpo import velocity_beta
+
+    g = torch.Generator().manual_seed(0)
+    x0 = {arm: torch.randn(3, 4, 2, 2, generator=g) for arm in ("w", "l")}
+    eps = torch.randn(3, 4, 2, 2, generator=g)
+    sigma = torch.tensor([0.2, 0.75, 0.9])
+    s = sigma.view(-1, 1, 1, 1)
+    x_sigma = {arm: (1 - s) * x0[arm] + s * eps for arm in x0}
+    v = {(m, arm): eps - x0[arm] + 0.3 * torch.randn(3, 4, 2, 2, generator=g) for m in ("theta", "ref") for arm in x0}
+
+    def velocity_error(m, arm):
+        return ((v[m, arm] - (eps - x0[arm])) ** 2).mean(dim=[1, 2, 3])
+
+    def epsilon_loss(m, arm):  # Wallace et al.: the epsilon prediction against the noise
+        return ((x_sigma[arm] + (1 - s) * v[m, arm] - eps) ** 2).mean(dim=[1, 2, 3])
+
+    beta_eps = 5000.0
+    model_diff = epsilon_loss("theta", "w") - epsilon_loss("theta", "l")
+    ref_diff = epsilon_loss("ref", "w") - epsilon_loss("ref", "l")
+    wallace = -torch.nn.functional.logsigmoid(-0.5 * beta_eps * (model_diff - ref_diff))
+    errors = PreferenceErrors(velocity_error("theta", "w"), velocity_error("theta", "l"), velocity_error("ref", "w"),
+                              velocity_error("ref", "l"))  # fmt: skip
+    assert_close(diffusion_dpo_loss(errors, velocity_beta(beta_eps, sigma)).loss, wallace)
+    assert not torch.allclose(diffusion_dpo_loss(errors, beta_eps).loss, wallace)
+    assert velocity_beta(5000.0, 0.75) == 5000.0 / 16
+    # flow_grpo's SD3 DPO: inside_term = -0.5 * beta * ((theta_w - ref_w) - (theta_l - ref_l)) on velocity MSEs.
+    w_l_diff = (errors.policy_chosen - errors.reference_chosen) - (errors.policy_rejected - errors.reference_rejected)
+    assert_close(diffusion_dpo_loss(errors, 100.0).loss, -torch.nn.functional.logsigmoid(-0.5 * 100.0 * w_l_diff))

@@ -138,15 +138,17 @@ def test_first_ratio_is_exactly_one_and_the_update_follows_the_advantages():
     assert adapter.training  # mode restored
 
 
-def test_advantages_are_group_normalised_decoded_rewards():
-    adapter, obj = ToyAdapter(), objective()
+@pytest.mark.parametrize("global_std", [True, False])
+def test_advantages_are_group_normalised_decoded_rewards(global_std):
+    """Centred per group, divided by the std of all the step's rewards (``global_std``, the default) or the group's."""
+    adapter, obj = ToyAdapter(), objective(global_std=global_std)
     b = batch()
     rollouts = obj.rollout(adapter, b, torch.Generator().manual_seed(1))
     assert [len(r.trajectory.transitions) for r in rollouts] == [3, 3]
     metrics = obj.score(adapter, None, b, rollouts)
     media = [m for r in rollouts for m in adapter.decode(r.trajectory.final)]
     rewards = torch.stack([m[0].float()[0].mean() / 255 for m in media])
-    expected = group_advantages(rewards, b["group"])
+    expected = group_advantages(rewards, b["group"], global_std)
     assert_close(torch.cat([r.advantages for r in rollouts]), expected)
     assert_close(metrics["reward/red_mean"], rewards.mean())
 
