@@ -557,6 +557,38 @@ class WanI2VAdapter(WanT2VAdapter):
         return dataclasses.replace(cls.tensor_columns, condition=condition)
 
     @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` geometry whose targets the condition latents cannot fit (config files only, before
+        weights load): :meth:`preprocess` encodes each record's condition image(s) once, at ``adapter_kwargs``'
+        canvas and frame count (the pipeline's ``prepare_latents``: ``[mask, latents of first, zeros..., (last)]``
+        over every latent frame), so a bucket with another canvas, or another frame count, would crash at the first
+        forward. Wan2.2 TI2V's condition is the first frame's latent alone: there only the canvas must match.
+        A bucket's ``fps`` and ``start`` change nothing the condition holds and pass.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint (its variant, from ``model_index.json``), or ``None``.
+            adapter_kwargs: ``model.adapter_kwargs`` (``height``, ``width``, ``num_frames``; else the defaults).
+            geometry: the bucket's geometry.
+        """
+        import inspect
+
+        defaults = inspect.signature(WanT2VAdapter.from_pretrained).parameters  # the defaults, in one place
+        kw = {k: (adapter_kwargs or {}).get(k, defaults[k].default) for k in ("height", "width", "num_frames")}
+        frames_matter = cls._variant(pretrained_model_name_or_path) != "ti2v"
+        bucket_frames = geometry.num_frames if geometry.num_frames is not None else kw["num_frames"]
+        if (geometry.height, geometry.width) == (kw["height"], kw["width"]) and (
+                not frames_matter or bucket_frames == kw["num_frames"]):  # fmt: skip
+            return
+        ours = f"{kw['height']}x{kw['width']}" + (f", {kw['num_frames']} frames" if frames_matter else "")
+        got = f"{geometry.height}x{geometry.width}" + (f", {bucket_frames} frames" if frames_matter else "")
+        raise ValueError(f"{cls.name} encodes its condition image(s) once, at model.adapter_kwargs' {ours}, so it "
+                         f"trains on that geometry only, got {got}; leave data.buckets unset or give that "
+                         "geometry")  # fmt: skip
+
+    @classmethod
     def _build(cls, path: str, dt: torch.dtype, revision: str | None, **kwargs: Any) -> WanI2VAdapter:
         from transformers import AutoImageProcessor, CLIPVisionModel
 
