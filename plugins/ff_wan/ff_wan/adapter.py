@@ -416,6 +416,16 @@ class WanT2VAdapter(Adapter):
         mask = mask.expand(b, 1, f, h, w)[:, 0, :, ::p_h, ::p_w]
         return (mask * t.view(b, 1, 1, 1)).flatten(1)
 
+    def uses_second_expert(self, sigma: float) -> bool | None:
+        """Wan2.2 A14B: whether ``transformer_2`` predicts at ``sigma`` (``sigma * num_train_timesteps < boundary_ratio
+        * num_train_timesteps``, in fp32 as :meth:`_forward` decides it), the steps ``WanPipeline`` guides with
+        ``guidance_scale_2``; ``None`` for a checkpoint with one transformer."""
+        if self.transformer_2 is None or self.boundary_ratio is None:
+            return None
+        n = self.scheduler.config.num_train_timesteps
+        t = torch.tensor(float(sigma), dtype=torch.float32) * n
+        return not bool(t >= self.boundary_ratio * n)
+
     def _forward(self, inputs: Tensor, timestep: Tensor, t: Tensor, kwargs: dict[str, Tensor]) -> Tensor:
         """The transformer, or per sample the expert its timestep selects (``t >= boundary``: ``transformer``)."""
         if self.transformer_2 is None or self.boundary_ratio is None:
@@ -467,8 +477,10 @@ class WanT2VAdapter(Adapter):
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """The Euler sigmas of ``FlowMatchEulerDiscreteScheduler`` at the checkpoint's shift (``set_timesteps``), or at
-        ``shift``. ff samples with Euler; a checkpoint's UniPC scheduler contributes its ``flow_shift`` only. Wan's
-        shift does not depend on the clip's size (``state`` is not read)."""
+        ``shift``: GRPO rollouts' schedule, and evaluation's with ``model.sampling.scheduler: euler`` (evaluation
+        otherwise steps with the checkpoint's own scheduler, released checkpoints' ``UniPCMultistepScheduler``, as
+        ``WanPipeline``: :meth:`~ff_core.adapter.Adapter.sampling_schedulers`). Of a UniPC scheduler only its
+        ``flow_shift`` is taken. Wan's shift does not depend on the clip's size (``state`` is not read)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         scheduler = self.scheduler
