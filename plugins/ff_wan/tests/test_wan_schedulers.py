@@ -193,3 +193,46 @@ def test_guidance_scale_2_needs_two_experts(tiny_wan):
     condition = _condition(adapter, [ConditionInput(PROMPTS[0])])
     with pytest.raises(ValueError, match=r"guidance_scale_2=3\.0: adapter 'wan2_t2v'.s checkpoint has no low-noise"):
         _ours(adapter, condition, 0, guidance_scale=4.0, guidance_scale_2=3.0)
+
+
+# -- the FlowModule options: model.sampling.scheduler and guidance_scale_2 ------------------------------------------
+@pytest.mark.parametrize("scheduler", ["checkpoint", "euler"])
+def test_validation_and_predict_samples_are_the_pipelines_default_output(tiny_wan_unipc, scheduler):
+    """``FlowModule.generate`` (what validation grids, ``ff validate`` and ``ff predict`` decode) at seed ``seed +
+    batch_idx``: with ``checkpoint`` (default) the pipeline's default video for that seed, up to uint8 rounding; with
+    ``euler`` another one (ff's Euler steps)."""
+    from diffusers import WanPipeline
+
+    from ff_core.module import FlowModule, SamplingConfig
+
+    path = tiny_wan_unipc("t2v")
+    module = FlowModule("wan2_t2v", str(path), adapter_kwargs=ADAPTER_KWARGS,
+                        sampling=SamplingConfig(num_steps=STEPS, guidance_scale=5.0, seed=3, scheduler=scheduler))
+    module.adapter = WanT2VAdapter.from_pretrained(path, **ADAPTER_KWARGS)
+    batch = {"condition": default_collate(module.adapter.preprocess([ConditionInput(p) for p in PROMPTS])),
+             "index": torch.tensor([0, 1]), "prompt": PROMPTS}  # fmt: skip
+    ours = torch.stack([m[0] for m in module.generate(batch, batch_idx=1)["media"]])
+    theirs = WanPipeline.from_pretrained(path)(
+        PROMPTS, num_inference_steps=STEPS, guidance_scale=5.0, height=SIZE, width=SIZE, num_frames=FRAMES,
+        output_type="pt", generator=torch.Generator().manual_seed(3 + 1), max_sequence_length=16).frames  # fmt: skip
+    gap = (ours.float() - theirs * 255).abs().max()
+    assert gap <= 0.5 + 1e-4 if scheduler == "checkpoint" else gap > 1
+
+
+def test_sampling_options_are_checked_where_they_are_built(tiny_wan):
+    from ff_core.errors import ConfigError
+    from ff_core.module import FlowModule, SamplingConfig
+
+    with pytest.raises(ValueError, match=r"model\.sampling\.scheduler must be one of \['checkpoint', 'euler'\]"):
+        SamplingConfig(scheduler="unipc")
+    with pytest.raises(ValueError, match=r"model\.sampling\.guidance_scale_2 must be a number in \[0, inf\]"):
+        SamplingConfig(guidance_scale_2=-1.0)
+    module = FlowModule("wan2_t2v", str(tiny_wan("t2v")), adapter_kwargs=ADAPTER_KWARGS,
+                        sampling=SamplingConfig(guidance_scale=4.0, guidance_scale_2=3.0))
+    with pytest.raises(ConfigError, match=r"model\.sampling\.guidance_scale_2: 3\.0 is set, but the 'wan2_t2v' "
+                                          r"checkpoint .* has one denoiser"):  # fmt: skip
+        module.configure_model()
+    two = FlowModule("wan2_t2v", str(tiny_wan("t2v_a14b")), adapter_kwargs=ADAPTER_KWARGS,
+                     sampling=SamplingConfig(guidance_scale=4.0, guidance_scale_2=3.0))
+    two.configure_model()
+    assert two.adapter.uses_second_expert(0.9) is False and two.adapter.uses_second_expert(0.5) is True
