@@ -164,15 +164,22 @@ def _hand_cfg(network, state, sigma: float, condition, scale: float) -> torch.Te
 
 
 def test_grpo_rollouts_guide_the_low_noise_experts_steps_with_guidance_scale_2(tiny_wan):
-    """Every transition of a rollout with ``guidance_scale=4, guidance_scale_2=3`` scores its ``x_next`` under the
-    velocity built by hand: above the boundary ``transformer`` at 4, below it ``transformer_2`` at 3."""
-    adapter = WanT2VAdapter.from_pretrained(tiny_wan("t2v_a14b"), **ADAPTER_KWARGS)
-    condition = _condition(adapter, [ConditionInput(PROMPTS[0])])
+    """``GRPOObjective(guidance_scale=4, guidance_scale_2=3)``: every transition of its rollout scores its ``x_next``
+    under the velocity built by hand, above the boundary ``transformer`` at 4, below it ``transformer_2`` at 3; the
+    replay (``transition_loss``'s guided velocity) is the same combination, so the first ratio is exactly 1."""
+    from ff_core.objectives import GRPOObjective
+
+    adapter = WanT2VAdapter.from_pretrained(tiny_wan("t2v_a14b"), **ADAPTER_KWARGS).eval()
     sampler = StochasticSampling(window=(0, STEPS))
+    objective = GRPOObjective(rewards=[{"name": "colour", "args": {"target": [0, 255, 0]}}], group_size=2,
+                              prompts_per_step=1, num_steps=STEPS, guidance_scale=4.0, guidance_scale_2=3.0,
+                              sampler=sampler)  # fmt: skip
+    batch = {"prompt": [PROMPTS[0]] * 2,
+             "condition": default_collate(adapter.preprocess([ConditionInput(PROMPTS[0])] * 2))}  # fmt: skip
+    [rollout] = objective.rollout(adapter, batch, torch.Generator().manual_seed(0))
+    trajectory, condition = rollout.trajectory, rollout.condition
+    experts = []
     with torch.no_grad():
-        trajectory = sample_sde(adapter, condition, sampler, num_steps=STEPS, guidance_scale=4.0,
-                                guidance_scale_2=3.0, generator=torch.Generator().manual_seed(0))  # fmt: skip
-        experts = []
         for t in trajectory.transitions:
             high = t.sigma >= adapter.boundary_ratio
             experts.append("transformer" if high else "transformer_2")
@@ -181,11 +188,17 @@ def test_grpo_rollouts_guide_the_low_noise_experts_steps_with_guidance_scale_2(t
             expected = step_log_prob(t.state, v, t.next, (t.sigma, t.sigma_next), sampler.kind, sampler.eta,
                                      trajectory.sigma_max)  # fmt: skip
             assert_close(t.log_prob, expected.log_prob, rtol=0, atol=1e-5)
-            # the replay's guided velocity (GRPO's transition_loss) is the same combination
-            negative = adapter.unconditional(condition)
-            replay = guided_velocity(adapter, t.state, t.sigma, condition, negative, 4.0, scale_2=3.0)
+            replay = guided_velocity(adapter, t.state, t.velocity_levels, condition, rollout.negative,
+                                     objective.guidance_scale, scale_2=objective.guidance_scale_2)  # fmt: skip
             assert_close(replay.components["latent"], v.components["latent"], rtol=0, atol=1e-5)
     assert experts[0] == "transformer" and experts[-1] == "transformer_2"
+    from ff_core.objectives.grpo import UpdateStats
+
+    rollout.advantages = torch.ones(2)
+    for t in trajectory.transitions:  # GRPO's own replay of every transition: the unchanged policy's ratio is 1
+        stats = UpdateStats()
+        objective.transition_loss(adapter, rollout, t, stats)
+        assert_close(stats.first_ratio, torch.ones(2), rtol=0, atol=1e-6)
 
 
 def test_guidance_scale_2_needs_two_experts(tiny_wan):
