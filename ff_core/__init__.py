@@ -19,5 +19,6 @@ replays call it when components step on their own schedules).
 ``guidance_rescale`` (``FlowModule`` passes it only when a run rescales: an older ``sample`` override still works);
 ``Adapter.timestep_shifts`` (training draws one level per component on its own shift, as sampling steps them).
 1.5: evaluation samples with the checkpoint's own scheduler (``Adapter.sampling_schedulers``, default: the adapter's
-``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with ``sample``'s
-``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only when set."""
+``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with
+``sample``'s ``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only
+when set."""
