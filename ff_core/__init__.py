@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-ADAPTER_INTERFACE_VERSION = "1.4"
+ADAPTER_INTERFACE_VERSION = "1.5"
 """The version (``major.minor``) of the adapter interface this ff-core provides (:class:`ff_core.adapter.Adapter`, its
 stage methods and class attributes, the hooks of :mod:`ff_core.hookspecs`). A plugin declares the version it targets
 (:attr:`ff_core.adapter.Adapter.interface_version` or the ``ff_adapter_interface_version`` hook); ff refuses a plugin
@@ -17,4 +17,8 @@ replays call it when components step on their own schedules).
 1.4: checks before weights load: ``Adapter.latent_components`` (per-component config keys), ``check_adapter_kwargs``,
 ``resolve_output_geometry`` (target spans from headers), ``check_bucket`` (``data.buckets``); ``sample``'s
 ``guidance_rescale`` (``FlowModule`` passes it only when a run rescales: an older ``sample`` override still works);
-``Adapter.timestep_shifts`` (training draws one level per component on its own shift, as sampling steps them)."""
+``Adapter.timestep_shifts`` (training draws one level per component on its own shift, as sampling steps them).
+1.5: evaluation samples with the checkpoint's own scheduler (``Adapter.sampling_schedulers``, default: the adapter's
+``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with
+``sample``'s ``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only
+when set."""

@@ -636,6 +636,39 @@ class Adapter(nn.Module):
             sigmas = self.sampling_sigmas(num_steps, shift=shift)
         return {name: sigmas for name in state.components}
 
+    def sampling_schedulers(
+        self, state: LatentState, num_steps: int, shift: float | None = None
+    ) -> dict[str, Any] | None:
+        """Per latent component of ``state``, the diffusers scheduler evaluation samples with
+        (``model.sampling.scheduler: checkpoint``), its timesteps set for ``num_steps`` steps; ``None``: ff's Euler
+        steps on :meth:`sampling_schedules` (the pipeline's sampler where the checkpoint's scheduler is Euler).
+
+        Default: :func:`ff_core.scheduler_sampling.checkpoint_schedulers` of the adapter's ``scheduler`` attribute, a
+        fresh copy per component, unless it is an Euler one (:data:`~ff_core.scheduler_sampling.EULER_SCHEDULERS`):
+        released Wan checkpoints' ``UniPCMultistepScheduler`` samples as ``WanPipeline`` does. A family whose
+        components have schedulers of their own returns one per component; one whose pipeline samples otherwise
+        than ``scheduler.step`` per timestep (or that cannot honour its masks with it) returns ``None`` and documents
+        it. GRPO rollouts never call it (their steps are ff's SDE / ODE steps).
+
+        Args:
+            state: the initial noise (component names, masks, device).
+            num_steps: sampler steps.
+            shift: ``model.sampling.shift`` (replaces the scheduler's ``flow_shift`` / ``shift``); ``None``: its own.
+        """
+        from ff_core.scheduler_sampling import checkpoint_schedulers
+
+        return checkpoint_schedulers(getattr(self, "scheduler", None), state, num_steps, shift)
+
+    def uses_second_expert(self, sigma: float) -> bool | None:
+        """Whether the denoiser's low-noise expert predicts at noise level ``sigma`` (Wan2.2 A14B: ``transformer_2``
+        below ``boundary_ratio``), the steps ``guidance_scale_2`` guides (:func:`ff_core.sampling.expert_guidance`);
+        ``None`` (default): the checkpoint has one denoiser, and ``guidance_scale_2`` is refused.
+
+        Args:
+            sigma: the noise level of a sampling step, in [0, 1].
+        """
+        return None
+
     def training_sigmas(self, state: LatentState | None = None) -> Tensor:
         """The table of noise levels the family's reference training draws from, descending from (about) 1 towards
         0, for latents shaped like ``state`` (``model.objective.timesteps.schedule: adapter``,
@@ -666,19 +699,24 @@ class Adapter(nn.Module):
         shift: float | None = None,
         embedded_guidance: float | None = None,
         guidance_rescale: float | dict[str, float] = 0.0,
+        guidance_scale_2: float | None = None,
+        scheduler: str = "checkpoint",
     ) -> LatentState:
-        """Deterministic Euler ODE sampling from noise to clean latents, with optional CFG
-        (:func:`ff_core.sampling.sample_ode`; GRPO's stochastic rollouts are :func:`ff_core.sampling.sample_sde`).
+        """Deterministic sampling from noise to clean latents, with optional CFG (:func:`ff_core.sampling.sample_ode`;
+        GRPO's stochastic rollouts are :func:`ff_core.sampling.sample_sde`): with the checkpoint's own scheduler where
+        :meth:`sampling_schedulers` gives one (``scheduler: checkpoint``, the default: the family pipeline's default
+        output), else, or with ``scheduler: euler``, Euler steps.
 
         Elements ``initial_noise`` pins through its masks (mask 0, e.g. a condition frame) are never changed.
         ``guidance_scale`` and ``guidance_rescale`` are one value or one per latent component
         (:func:`ff_core.sampling.guided_velocity`). ``shift`` overrides the schedule's shift (see
         :meth:`sampling_sigmas`); ``embedded_guidance`` sets the distilled-guidance scale
-        (:meth:`with_embedded_guidance`; ``None``: the adapter's default).
+        (:meth:`with_embedded_guidance`; ``None``: the adapter's default). ``guidance_scale_2``: the CFG scale of the
+        steps the low-noise expert predicts (:meth:`uses_second_expert`; Wan2.2 A14B), ``None``: ``guidance_scale``.
         """
         return sample_ode(self, condition, num_steps=num_steps, guidance_scale=guidance_scale, generator=generator,
-                          shift=shift, embedded_guidance=embedded_guidance,
-                          guidance_rescale=guidance_rescale)  # fmt: skip
+                          shift=shift, embedded_guidance=embedded_guidance, guidance_rescale=guidance_rescale,
+                          guidance_scale_2=guidance_scale_2, scheduler=scheduler)  # fmt: skip
 
     # -- LoRA export ----------------------------------------------------------------------------
     def lora_file(self, network: str) -> tuple[str, str]:

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 import torch
@@ -31,6 +31,7 @@ from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_guidance, check_kept_weights, guides
+from ff_core.scheduler_sampling import check_sampling_scheduler
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -86,6 +87,14 @@ class SamplingConfig:
         embedded_guidance: distilled-guidance scale a guidance-embedded denoiser is conditioned on (FLUX.1-dev's
             guidance embedding), independent of CFG's ``guidance_scale``; ``None`` (default): the adapter's. An error
             for a checkpoint without a guidance embedding.
+        guidance_scale_2: the CFG scale of the steps a two-expert checkpoint's low-noise expert predicts (Wan2.2
+            A14B's ``transformer_2``, below ``boundary_ratio``; ``WanPipeline``'s ``guidance_scale_2``; T2V-A14B's
+            recommendation: ``guidance_scale: 4.0``, ``guidance_scale_2: 3.0``); ``None`` (default):
+            ``guidance_scale`` on every step. An error for a checkpoint with one denoiser.
+        scheduler: ``checkpoint`` (default): sample with the checkpoint's own scheduler where it is not Euler
+            (released Wan checkpoints' ``UniPCMultistepScheduler``), so samples equal the family pipeline's default
+            output for the seed (:mod:`ff_core.scheduler_sampling`); checkpoints with an Euler scheduler sample as
+            with ``euler``. ``euler``: ff's Euler steps at the scheduler's shift, whatever the checkpoint ships.
     """
 
     num_steps: int = 20
@@ -94,9 +103,14 @@ class SamplingConfig:
     shift: float | None = None
     embedded_guidance: float | None = None
     guidance_rescale: float | dict[str, float] = 0.0
+    guidance_scale_2: float | None = None
+    scheduler: Literal["checkpoint", "euler"] = "checkpoint"
 
     def __post_init__(self) -> None:
         check_guidance("model.sampling.guidance_scale", self.guidance_scale)
+        if self.guidance_scale_2 is not None:
+            check_guidance("model.sampling.guidance_scale_2", self.guidance_scale_2)
+        check_sampling_scheduler(self.scheduler)
         check_guidance("model.sampling.guidance_rescale", self.guidance_rescale, high=1.0)
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"model.sampling.shift must be > 0 (or null for the scheduler's), got {self.shift}")
@@ -228,6 +242,7 @@ class FlowModule(L.LightningModule):
             self._check_strategy(strategy)
         self._check_guidance()
         self._check_guidance_rescale()
+        self._check_sampler_kwargs()
         self._check_micro_batch()
         if stage != TrainerFn.FITTING:
             return
@@ -308,6 +323,7 @@ class FlowModule(L.LightningModule):
         # A folder or hub id that cannot be loaded is a ConfigError naming model.pretrained_model_name_or_path.
         adapter = load_pretrained(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         self._check_embedded_guidance(adapter)
+        self._check_guidance_scale_2(adapter)
         adapter.requires_grad_(False)
         networks = adapter.denoisers()
         frozen = frozen_parameters(adapter, self.frozen_components)
@@ -401,6 +417,38 @@ class FlowModule(L.LightningModule):
         rescale = self.sampling.guidance_rescale
         values = rescale.values() if isinstance(rescale, dict) else [rescale]
         return {"guidance_rescale": rescale} if any(float(v) for v in values) else {}
+
+    def _sampler_kwargs(self) -> dict[str, Any]:
+        """``guidance_scale_2=`` and ``scheduler=`` for ``adapter.sample`` only where they differ from the defaults: an
+        adapter written against an interface before them may override ``sample`` without those arguments."""
+        out: dict[str, Any] = {}
+        if self.sampling.guidance_scale_2 is not None:
+            out["guidance_scale_2"] = self.sampling.guidance_scale_2
+        if self.sampling.scheduler != "checkpoint":
+            out["scheduler"] = self.sampling.scheduler
+        return out
+
+    def _check_sampler_kwargs(self) -> None:
+        """A ``guidance_scale_2`` or ``scheduler`` the adapter's ``sample`` cannot take (an override without the
+        argument or ``**kwargs``) is refused before any weight loads, naming the key."""
+        parameters = inspect.signature(self.adapter_cls.sample).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            return
+        for name, value in self._sampler_kwargs().items():
+            if name not in parameters:
+                raise ConfigError(f"model.sampling.{name}", f"{value!r}, but adapter {self.adapter_cls.name!r} "
+                                  f"overrides sample() without a {name} argument; leave it unset")  # fmt: skip
+
+    def _check_guidance_scale_2(self, adapter: Adapter) -> None:
+        """``guidance_scale_2`` guides a low-noise expert's steps: refused, naming the key, as soon as the loaded
+        checkpoint turns out to have one denoiser (:meth:`~ff_core.adapter.Adapter.uses_second_expert`)."""
+        keys = {"model.sampling.guidance_scale_2": self.sampling.guidance_scale_2,
+                "model.objective.init_args.guidance_scale_2": getattr(self.objective, "guidance_scale_2", None)}
+        for key, value in keys.items():
+            if value is not None and adapter.uses_second_expert(1.0) is None:
+                raise ConfigError(key, f"{value} is set, but the {adapter.name!r} checkpoint "
+                                       f"{self.pretrained_model_name_or_path} has one denoiser (no low-noise expert); "
+                                       "leave it unset")  # fmt: skip
 
     def _check_guidance_rescale(self) -> None:
         """A ``guidance_rescale`` the adapter's ``sample`` cannot take (an override without it or ``**kwargs``) is
@@ -654,6 +702,7 @@ class FlowModule(L.LightningModule):
             shift=self.sampling.shift,
             embedded_guidance=self.sampling.embedded_guidance,
             **self._rescale_kwargs(),
+            **self._sampler_kwargs(),
         )
         types = self.output_types
         rates = tuple(getattr(self.adapter, "output_rates", None) or (None,) * len(types))

@@ -505,6 +505,7 @@ def guided_velocity(
     scale: Guidance,
     rescale: Guidance = 0.0,
     config_key: str = "model.sampling",
+    scale_2: float | None = None,
     detach_negative: bool = False,
 ) -> LatentState:
     """The velocity at ``(state, sigma)``, with classifier-free guidance when ``negative`` is given: per latent
@@ -523,7 +524,13 @@ def guided_velocity(
     ``detach_negative``: the unconditional branch runs under ``no_grad`` (a constant of the guided velocity; no
     activations kept), so a gradient flows through the conditional branch alone, ``s_k dv/dtheta`` (GRPO's
     ``cfg_replay: detached_uncond``); its values are the same forward's, so the replayed log-prob does not change.
+
+    ``scale_2`` (``guidance_scale_2``): the CFG scale of the steps the denoiser's low-noise expert predicts (Wan2.2
+    A14B's ``transformer_2``, :meth:`Adapter.uses_second_expert <ff_core.adapter.Adapter.uses_second_expert>` at the
+    first component's level), as ``WanPipeline`` switches ``guidance_scale`` to ``guidance_scale_2`` below its
+    boundary; ``None``: ``scale`` on every step.
     """
+    scale = expert_guidance(adapter, sigma, scale, scale_2)
     device = next(iter(state.components.values())).device
 
     def levels(value: float) -> Tensor:
@@ -563,8 +570,28 @@ def guided_velocity(
     return replace(v, components=out, masks=dict(v.masks))
 
 
+def expert_guidance(
+    adapter: Adapter, sigma: float | Mapping[str, float], scale: Guidance, scale_2: float | None
+) -> Guidance:
+    """The CFG scale of one step: ``scale_2`` where the adapter's low-noise expert predicts at ``sigma`` (the first
+    component's level when per component; :meth:`Adapter.uses_second_expert
+    <ff_core.adapter.Adapter.uses_second_expert>`), else ``scale``. ``scale_2`` on a checkpoint with one denoiser is a
+    ``ValueError`` (``FlowModule`` refuses the key before sampling)."""
+    if scale_2 is None:
+        return scale
+    level = float(next(iter(sigma.values()))) if isinstance(sigma, Mapping) else float(sigma)
+    low = adapter.uses_second_expert(level)
+    if low is None:
+        raise ValueError(f"guidance_scale_2={scale_2}: adapter {adapter.name!r}'s checkpoint has no low-noise expert")
+    return float(scale_2) if low else scale
+
+
 def guided_conditions(
-    adapter: Adapter, condition: Condition, guidance_scale: Guidance, embedded_guidance: float | None
+    adapter: Adapter,
+    condition: Condition,
+    guidance_scale: Guidance,
+    embedded_guidance: float | None,
+    guidance_scale_2: float | None = None,
 ) -> tuple[Condition, Condition | None]:
     """The condition and CFG's negative branch (``None`` without CFG) of one sampling run.
 
@@ -578,8 +605,11 @@ def guided_conditions(
         condition: the prepared condition.
         guidance_scale: CFG scale, one or per latent component (1 everywhere: no negative branch).
         embedded_guidance: distilled-guidance scale; ``None``: the adapter's default (the condition as it is).
+        guidance_scale_2: the low-noise expert's CFG scale (:func:`expert_guidance`): a negative branch is built when
+            either scale guides.
     """
-    negative = adapter.unconditional(condition) if guides(guidance_scale) else None
+    guided = guides(guidance_scale) or (guidance_scale_2 is not None and guides(guidance_scale_2))
+    negative = adapter.unconditional(condition) if guided else None
     if embedded_guidance is not None:
         condition = adapter.with_embedded_guidance(condition, embedded_guidance)
         negative = None if negative is None else adapter.with_embedded_guidance(negative, embedded_guidance)
@@ -605,19 +635,36 @@ def sample_ode(
     shift: float | None = None,
     embedded_guidance: float | None = None,
     guidance_rescale: Guidance = 0.0,
+    guidance_scale_2: float | None = None,
+    scheduler: str = "checkpoint",
 ) -> LatentState:
-    """Deterministic Euler sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does);
+    """Deterministic sampling from ``adapter.initial_noise`` to clean latents (what ``Adapter.sample`` does).
+
+    ``scheduler``: ``checkpoint`` (default) steps with the checkpoint's own scheduler where the adapter gives one that
+    is not Euler (:meth:`Adapter.sampling_schedulers <ff_core.adapter.Adapter.sampling_schedulers>`: released Wan
+    checkpoints' UniPC; :func:`ff_core.scheduler_sampling.sample_with_schedulers`), so the sample is the family
+    pipeline's default output; every other case, and ``euler``, is Euler, as follows. ``guidance_scale_2``: the
+    low-noise expert's CFG scale (:func:`expert_guidance`).
+
+    Euler sampling:
     each component steps on its own schedule (:meth:`Adapter.sampling_schedules
     <ff_core.adapter.Adapter.sampling_schedules>`, which sees the initial noise's geometry), the velocity is evaluated
     with every component at its level (:meth:`Adapter.component_velocity
     <ff_core.adapter.Adapter.component_velocity>`), with the conditions of :func:`guided_conditions` and CFG as
     :func:`guided_velocity` combines it (``guidance_scale``, ``guidance_rescale``: one or per component)."""
+    from ff_core.scheduler_sampling import check_sampling_scheduler, sample_with_schedulers
+
+    check_sampling_scheduler(scheduler)
     state = adapter.initial_noise(condition, generator)
-    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
+    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance, guidance_scale_2)
+    own = adapter.sampling_schedulers(state, num_steps, shift) if scheduler == "checkpoint" else None
+    if own is not None:
+        return sample_with_schedulers(adapter, state, own, condition, negative, guidance_scale, guidance_rescale,
+                                      guidance_scale_2)  # fmt: skip
     levels = schedules(adapter, state, num_steps, shift)
     for i in range(num_steps):
         v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale,
-                            guidance_rescale)  # fmt: skip
+                            guidance_rescale, scale_2=guidance_scale_2)  # fmt: skip
         state = ode_step(state, v, {k: (s[i], s[i + 1]) for k, s in levels.items()})
     return state
 
@@ -636,25 +683,26 @@ def sample_sde(
     frozen_components: Collection[str] = (),
     guidance_rescale: Guidance = 0.0,
     config_key: str = "model.objective.init_args",
+    guidance_scale_2: float | None = None,
 ) -> Trajectory:
     """A GRPO rollout: ODE steps outside ``sampler``'s SDE steps, stochastic steps (stored as transitions) on them;
     each component on its own schedule, as :func:`sample_ode`. Each transition's log-prob reduces over the components
     as ``component_weights`` and ``frozen_components`` say (:func:`component_mean`), and its velocity is CFG's
     (:func:`guided_velocity`, ``guidance_scale`` and ``guidance_rescale`` one or per component): replays must pass the
-    same.
+    same. ``guidance_scale_2``: the low-noise expert's CFG scale on the steps it predicts (:func:`expert_guidance`).
 
     Draw order from ``generator``: the initial noise, the SDE step subset (when ``num_sde_steps`` is set), then each
     SDE step's noise in step order. Call it under ``torch.no_grad()``.
     """
     state = adapter.initial_noise(condition, generator)
     sde = set(sampler.sde_steps(num_steps, generator))
-    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance)
+    condition, negative = guided_conditions(adapter, condition, guidance_scale, embedded_guidance, guidance_scale_2)
     levels = schedules(adapter, state, num_steps, shift)
     primary = levels[next(iter(state.components))]
     trajectory = Trajectory(state, sigma_max={k: s[1] for k, s in levels.items() if len(s) > 1})
     for i in range(num_steps):
         v = guided_velocity(adapter, state, {k: s[i] for k, s in levels.items()}, condition, negative, guidance_scale,
-                            guidance_rescale, config_key)  # fmt: skip
+                            guidance_rescale, config_key, guidance_scale_2)  # fmt: skip
         steps = {k: (s[i], s[i + 1]) for k, s in levels.items()}
         if i in sde:
             out = sde_step(state, v, steps, sampler.kind, sampler.eta, generator, trajectory.sigma_max,

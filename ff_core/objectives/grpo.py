@@ -127,6 +127,9 @@ class GRPOObjective(Objective):
             one per latent component (``{video: 2, audio: 4}``), as ``model.sampling.guidance_scale``.
         guidance_rescale: guidance rescale of rollouts, replays and the KL term (in [0, 1]; 0: off), one or per
             component, as ``model.sampling.guidance_rescale`` (:func:`~ff_core.sampling.guided_velocity`).
+        guidance_scale_2: the CFG scale of the steps a two-expert checkpoint's low-noise expert predicts (Wan2.2 A14B's
+            ``transformer_2``; ``WanPipeline``'s ``guidance_scale_2``), in rollouts, replays and the KL term alike;
+            ``None``: ``guidance_scale`` on every step. Refused for a checkpoint with one denoiser.
         embedded_guidance: distilled-guidance scale of rollouts and replays for a guidance-embedded denoiser
             (FLUX.1-dev), distinct from CFG; ``None``: the adapter's default.
         shift: noise-schedule shift of the rollout sigmas (``None``: the checkpoint scheduler's).
@@ -199,6 +202,7 @@ class GRPOObjective(Objective):
         reference_offload: bool = False,
         component_weights: dict[str, float] | None = None,
         guidance_rescale: float | dict[str, float] = 0.0,
+        guidance_scale_2: float | None = None,
     ) -> None:
         for key, value in (("group_size", group_size), ("prompts_per_step", prompts_per_step),
                            ("num_steps", num_steps), ("num_inner_epochs", num_inner_epochs),
@@ -227,6 +231,8 @@ class GRPOObjective(Objective):
         # against the adapter's latent_components before weights load (FlowModule, check_components).
         self.guidance_scale = check_guidance(f"{GUIDANCE_KEY}.guidance_scale", guidance_scale)
         self.guidance_rescale = check_guidance(f"{GUIDANCE_KEY}.guidance_rescale", guidance_rescale, high=1.0)
+        self.guidance_scale_2 = None if guidance_scale_2 is None else float(
+            check_guidance(f"{GUIDANCE_KEY}.guidance_scale_2", guidance_scale_2))  # fmt: skip
         self.embedded_guidance = embedded_guidance
         self.sampler = sampler or StochasticSampling()
         self.sampler.candidate_steps(num_steps)  # a window outside the schedule fails now
@@ -324,10 +330,10 @@ class GRPOObjective(Objective):
                                         guidance_scale=self.guidance_scale, generator=generator, shift=self.shift,
                                         embedded_guidance=self.embedded_guidance,
                                         guidance_rescale=self.guidance_rescale, config_key=GUIDANCE_KEY,
-                                        **self.reduction(adapter))  # fmt: skip
+                                        guidance_scale_2=self.guidance_scale_2, **self.reduction(adapter))  # fmt: skip
                 # Replays use the very conditions the rollout sampled with (embedded guidance included).
                 condition, negative = guided_conditions(adapter, condition, self.guidance_scale,
-                                                        self.embedded_guidance)  # fmt: skip
+                                                        self.embedded_guidance, self.guidance_scale_2)  # fmt: skip
                 rollouts.append(Rollout(rows, condition, negative, trajectory))
                 if progress is not None:
                     progress(rows.stop, n)
@@ -403,6 +409,7 @@ class GRPOObjective(Objective):
         sigmas = t.levels or (t.sigma, t.sigma_next)
         v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
                             self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY,
+                            self.guidance_scale_2,
                             detach_negative=self.cfg_replay == "detached_uncond")  # the rollout's guidance
         step = step_log_prob(t.state, v, t.next, sigmas, self.sampler.kind, self.sampler.eta, trajectory.sigma_max,
                              **self.reduction(adapter), cps_log_prob=self.sampler.cps_log_prob)  # as the rollout's
@@ -429,7 +436,8 @@ class GRPOObjective(Objective):
         levels (its own ``std`` or ``noise_scale``)."""
         with torch.no_grad(), self.reference.active(adapter):
             v_ref = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
-                                    self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY)  # fmt: skip
+                                    self.guidance_scale, self.guidance_rescale, GUIDANCE_KEY,
+                                    self.guidance_scale_2)  # fmt: skip
             ref = step_log_prob(t.state, v_ref, t.next, t.levels or (t.sigma, t.sigma_next), self.sampler.kind,
                                 self.sampler.eta, rollout.trajectory.sigma_max)  # fmt: skip
         masks = t.state.masks

@@ -416,6 +416,16 @@ class WanT2VAdapter(Adapter):
         mask = mask.expand(b, 1, f, h, w)[:, 0, :, ::p_h, ::p_w]
         return (mask * t.view(b, 1, 1, 1)).flatten(1)
 
+    def uses_second_expert(self, sigma: float) -> bool | None:
+        """Wan2.2 A14B: whether ``transformer_2`` predicts at ``sigma`` (``sigma * num_train_timesteps < boundary_ratio
+        * num_train_timesteps``, in fp32 as :meth:`_forward` decides it), the steps ``WanPipeline`` guides with
+        ``guidance_scale_2``; ``None`` for a checkpoint with one transformer."""
+        if self.transformer_2 is None or self.boundary_ratio is None:
+            return None
+        n = self.scheduler.config.num_train_timesteps
+        t = torch.tensor(float(sigma), dtype=torch.float32) * n
+        return not bool(t >= self.boundary_ratio * n)
+
     def _forward(self, inputs: Tensor, timestep: Tensor, t: Tensor, kwargs: dict[str, Tensor]) -> Tensor:
         """The transformer, or per sample the expert its timestep selects (``t >= boundary``: ``transformer``)."""
         if self.transformer_2 is None or self.boundary_ratio is None:
@@ -467,8 +477,10 @@ class WanT2VAdapter(Adapter):
 
     def sampling_sigmas(self, num_steps: int, shift: float | None = None, state: LatentState | None = None) -> Tensor:
         """The Euler sigmas of ``FlowMatchEulerDiscreteScheduler`` at the checkpoint's shift (``set_timesteps``), or at
-        ``shift``. ff samples with Euler; a checkpoint's UniPC scheduler contributes its ``flow_shift`` only. Wan's
-        shift does not depend on the clip's size (``state`` is not read)."""
+        ``shift``: GRPO rollouts' schedule, and evaluation's with ``model.sampling.scheduler: euler`` (evaluation
+        otherwise steps with the checkpoint's own scheduler, released checkpoints' ``UniPCMultistepScheduler``, as
+        ``WanPipeline``: :meth:`~ff_core.adapter.Adapter.sampling_schedulers`). Of a UniPC scheduler only its
+        ``flow_shift`` is taken. Wan's shift does not depend on the clip's size (``state`` is not read)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         scheduler = self.scheduler
@@ -555,6 +567,38 @@ class WanI2VAdapter(WanT2VAdapter):
             return cls.tensor_columns
         condition = {k: v for k, v in cls.tensor_columns.condition.items() if k != "clip_feature"}
         return dataclasses.replace(cls.tensor_columns, condition=condition)
+
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """Refuse a ``data.buckets`` geometry whose targets the condition latents cannot fit (config files only, before
+        weights load): :meth:`preprocess` encodes each record's condition image(s) once, at ``adapter_kwargs``'
+        canvas and frame count (the pipeline's ``prepare_latents``: ``[mask, latents of first, zeros..., (last)]``
+        over every latent frame), so a bucket with another canvas, or another frame count, would crash at the first
+        forward. Wan2.2 TI2V's condition is the first frame's latent alone: there only the canvas must match.
+        A bucket's ``fps`` and ``start`` change nothing the condition holds and pass.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint (its variant, from ``model_index.json``), or ``None``.
+            adapter_kwargs: ``model.adapter_kwargs`` (``height``, ``width``, ``num_frames``; else the defaults).
+            geometry: the bucket's geometry.
+        """
+        import inspect
+
+        defaults = inspect.signature(WanT2VAdapter.from_pretrained).parameters  # the defaults, in one place
+        kw = {k: (adapter_kwargs or {}).get(k, defaults[k].default) for k in ("height", "width", "num_frames")}
+        frames_matter = cls._variant(pretrained_model_name_or_path) != "ti2v"
+        bucket_frames = geometry.num_frames if geometry.num_frames is not None else kw["num_frames"]
+        if (geometry.height, geometry.width) == (kw["height"], kw["width"]) and (
+                not frames_matter or bucket_frames == kw["num_frames"]):  # fmt: skip
+            return
+        ours = f"{kw['height']}x{kw['width']}" + (f", {kw['num_frames']} frames" if frames_matter else "")
+        got = f"{geometry.height}x{geometry.width}" + (f", {bucket_frames} frames" if frames_matter else "")
+        raise ValueError(f"{cls.name} encodes its condition image(s) once, at model.adapter_kwargs' {ours}, so it "
+                         f"trains on that geometry only, got {got}; leave data.buckets unset or give that "
+                         "geometry")  # fmt: skip
 
     @classmethod
     def _build(cls, path: str, dt: torch.dtype, revision: str | None, **kwargs: Any) -> WanI2VAdapter:

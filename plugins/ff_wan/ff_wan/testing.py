@@ -54,6 +54,7 @@ def build_tiny_wan(
     scheduler_shift: float = 3.0,
     boundary_ratio: float = 0.875,
     image_size: int = 32,
+    scheduler: str = "euler",
 ) -> Path:
     """Write a tiny random-initialised Wan checkpoint of ``variant`` to ``path`` and return it.
 
@@ -68,10 +69,15 @@ def build_tiny_wan(
         boundary_ratio: the two-expert switch of ``a14b`` (Wan2.2 I2V-A14B: 0.9; 0.875 puts the switch between
             the steps of a 4-step test run).
         image_size: the CLIP image encoder's input side (``i2v`` / ``flf2v``).
+        scheduler: ``euler`` (``FlowMatchEulerDiscreteScheduler(shift=scheduler_shift)``) or ``unipc``: the
+            ``UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+            flow_shift=scheduler_shift)`` released Wan2.1 / Wan2.2 checkpoints ship (their scheduler_config.json;
+            diffusers' docs/source/en/api/pipelines/wan.md, "By default, Wan uses ...").
     """
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
         WanImageToVideoPipeline,
         WanPipeline,
         WanTransformer3DModel,
@@ -116,8 +122,12 @@ def build_tiny_wan(
             rope_max_seq_len=32,
         ))  # fmt: skip
 
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=scheduler_shift)
-    common = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+    if scheduler not in ("euler", "unipc"):
+        raise ValueError(f"scheduler must be 'euler' or 'unipc', got {scheduler!r}")
+    sampler = (FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=scheduler_shift) if scheduler == "euler"
+               else UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                            use_flow_sigmas=True, flow_shift=scheduler_shift))  # fmt: skip
+    common = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sampler,
                   transformer=transformer(0))  # fmt: skip
     if variant == "t2v":
         pipe = WanPipeline(**common)

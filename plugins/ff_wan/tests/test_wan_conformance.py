@@ -3,6 +3,7 @@ diffusers' WanPipeline / WanImageToVideoPipeline included: one transformer (Wan2
 boundary noise level (Wan2.2 A14B); image-to-video conditions built from each checkpoint's contract (first_frame,
 last_frame) and passed to the pipeline as its ``image`` / ``last_image``."""
 
+import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from ff_wan import WanI2VAdapter, WanT2VAdapter
@@ -93,3 +94,40 @@ class TestWanA14BConformance(TestWanI2VConformance):
     """Wan2.2 I2V-A14B: two experts, channel-concatenated condition, no image encoder."""
 
     variant = "a14b"
+
+
+
+class _UniPCCheckpoint:
+    """A checkpoint saved with the ``UniPCMultistepScheduler`` released Wan checkpoints ship. The kit's sampling runs
+    (``test_reference_sampling_run*``) hold ff's evaluation sample to the pipeline's default output, UniPC steps and
+    all. Four kit checks compare ff's *Euler* schedule with the pipeline scheduler's table and steps, which a UniPC
+    checkpoint does not share: the Euler sigmas (GRPO rollouts', ``scheduler: euler``'s) and the training table are
+    ``FlowMatchEulerDiscreteScheduler``'s at the UniPC's ``flow_shift`` (as diffusers' Wan training scripts build
+    them), checked on the Euler checkpoints above and in test_wan_t2v.py / test_wan_schedulers.py."""
+
+    def build_checkpoint(self, path):
+        return build_tiny_wan(path, variant=self.variant, scheduler="unipc")
+
+    def _euler_only(self):
+        pytest.skip("compares ff's Euler schedule with the pipeline's scheduler: a UniPC checkpoint's differ by design "
+                    "(checked on the Euler checkpoints)")
+
+    def test_reference_sampling_sigmas(self, *args, **kwargs):
+        self._euler_only()
+
+    def test_reference_training_sigmas(self, *args, **kwargs):
+        self._euler_only()
+
+    def test_reference_denoiser_at_each_sigma(self, *args, **kwargs):
+        self._euler_only()
+
+    def test_reference_lora_loads_through_load_lora_weights(self, *args, **kwargs):
+        self._euler_only()
+
+
+class TestWanT2VUniPCConformance(_UniPCCheckpoint, TestWanT2VConformance):
+    """Wan2.1 T2V with its UniPC: the kit's sampling runs equal ``WanPipeline``'s default output."""
+
+
+class TestWanTI2VUniPCConformance(_UniPCCheckpoint, TestWanTI2VConformance):
+    """Wan2.2 TI2V with its UniPC: the pinned first latent frame kept through the scheduler's steps."""

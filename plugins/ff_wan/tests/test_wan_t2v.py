@@ -237,8 +237,9 @@ def test_sampling_sigmas_follow_the_scheduler_shift(adapter, pipe):
     torch.testing.assert_close(adapter.sampling_sigmas(4), pipe.scheduler.sigmas.float(), rtol=0, atol=0)
 
 
-def test_unipc_checkpoints_sample_with_euler_at_their_flow_shift(adapter):
-    """Released Wan checkpoints ship ``UniPCMultistepScheduler(flow_shift=...)``: ff's Euler sampler takes its shift."""
+def test_unipc_checkpoints_euler_sigmas_take_their_flow_shift(adapter):
+    """Released Wan checkpoints ship ``UniPCMultistepScheduler(flow_shift=...)``: the Euler sigmas (GRPO rollouts',
+    ``model.sampling.scheduler: euler``'s) take its shift; evaluation's UniPC steps: test_wan_schedulers.py."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
     unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
