@@ -22,7 +22,16 @@ import torch
 from PIL import Image
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import DecodedAudio, DecodedVideo, Where, decode_audio, decode_clip, decode_media
+from ff_core.data.media import (
+    FRAME_RULES,
+    DecodedAudio,
+    DecodedVideo,
+    FrameRule,
+    Where,
+    decode_audio,
+    decode_clip,
+    decode_media,
+)
 from ff_core.data.records_base import MediaItem
 
 
@@ -32,8 +41,8 @@ class MediaGeometry:
 
     A video output with ``num_frames`` is a *decode specification*: the workers decode only the clip's time window
     (PyAV seeking, :func:`~ff_core.data.media.decode_clip`) and put its frames on the grid ``t_k = start + k / fps``
-    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the nearest source frame at or before it. A clip
-    too short for the grid is rejected, never stretched. Images ignore the temporal fields.
+    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the source frame ``frame_rule`` picks (default:
+    the nearest one). A clip too short for the grid is rejected, never stretched. Images ignore the temporal fields.
 
     Attributes:
         height: pixel rows of an image, or of each video frame.
@@ -41,6 +50,9 @@ class MediaGeometry:
         num_frames: frames of a video clip (``None``: every frame the file has, as decoded).
         fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
         start: seconds into the clip (on its clock) where the grid starts.
+        frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.clip_source_frames`): ``nearest``
+            (the nearest source frame, ties to the later one), ``fps_filter`` (ffmpeg's ``fps`` filter, MiniMax H3's
+            official decode) or ``floor`` (the frame at or before, ff's rule before issue 23).
     """
 
     height: int
@@ -48,6 +60,7 @@ class MediaGeometry:
     num_frames: int | None = None
     fps: float | None = None
     start: float = 0.0
+    frame_rule: FrameRule = "nearest"
 
     def __post_init__(self) -> None:
         for key in ("height", "width"):
@@ -63,6 +76,8 @@ class MediaGeometry:
             raise ValueError("MediaGeometry.fps needs num_frames (the grid's length)")
         if isinstance(self.start, bool) or not self.start >= 0:
             raise ValueError(f"MediaGeometry.start must be >= 0 seconds, got {self.start!r}")
+        if self.frame_rule not in FRAME_RULES:
+            raise ValueError(f"MediaGeometry.frame_rule must be one of {FRAME_RULES}, got {self.frame_rule!r}")
 
     @property
     def is_clip(self) -> bool:
@@ -169,7 +184,7 @@ def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced
         return fit_media(decode_media(item, referenced_by=referenced_by), geometry)
     field = item.field_of("path")
     clip = decode_clip(item.path, num_frames=geometry.num_frames, fps=geometry.fps, start=geometry.start,
-                       declared_fps=item.fps, referenced_by=referenced_by, field=field)
+                       declared_fps=item.fps, rule=geometry.frame_rule, referenced_by=referenced_by, field=field)
     begin, end = clip.window
     if item.audio_path is not None:
         audio = decode_audio(item.audio_path, start=begin, end=end, declared_sample_rate=item.sample_rate,
