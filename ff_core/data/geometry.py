@@ -9,13 +9,20 @@ examples/text_to_image/train_text_to_image.py): ``transforms.Resize(resolution, 
 then ``transforms.CenterCrop(resolution)``. A non-square frame generalises the same rule: scale (keeping the aspect
 ratio) until the image covers the frame, then crop the centre. Cropping is always central (the scripts' default
 ``RandomCrop`` and ``random_flip`` would make a sample depend on more than its record, and resume inexact).
+
+Condition images (an I2V first frame, a keyframe) are another matter: the family pipelines put them on the canvas
+themselves, and the model was trained on what they give. :func:`fit_condition_image` does it their way by default,
+``stretch``: ``VaeImageProcessor.preprocess(image, height, width)`` with its default ``resize_mode``, i.e. PIL's
+``image.resize((width, height), resample)`` whatever the aspect ratio (``WanImageToVideoPipeline``: LANCZOS,
+``LTX2ImageToVideoPipeline``: BILINEAR, MiniMax H3's first keyframe: LANCZOS); ``cover`` keeps the target rule above
+(ff's rule for condition images before issue 23).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -165,6 +172,59 @@ def fit_media(media: Any, geometry: MediaGeometry | None) -> Any:
     if isinstance(media, DecodedAudio):
         raise ValueError(f"{geometry} describes a picture; an audio output takes no MediaGeometry")
     return fit_image(media, geometry)
+
+
+ConditionResize = Literal["stretch", "cover"]
+#: How a condition image is put on the canvas: ``stretch`` (the family pipelines) or ``cover`` (the target rule).
+CONDITION_RESIZES = ("stretch", "cover")
+#: PIL filters by the names diffusers' ``VaeImageProcessor`` config uses (``resample``; image_processor.py,
+#: ``PIL_INTERPOLATION``).
+RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+            "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
+
+
+def fit_condition_pil(
+    image: Image.Image, geometry: MediaGeometry, resize: ConditionResize = "stretch", resample: str = "lanczos"
+) -> Image.Image:
+    """A condition image on the ``geometry`` canvas: ``stretch`` is ``VaeImageProcessor.resize(image, height, width)``
+    (``resize_mode="default"``: ``image.resize((width, height), resample)``, aspect ratio not kept); ``cover`` is
+    :func:`fit_pil` (bilinear cover + centre crop, ``resample`` unused). An image already at the canvas is kept.
+
+    Args:
+        image: an RGB PIL image at its file's size.
+        geometry: the canvas (``height``, ``width``).
+        resize: ``stretch`` or ``cover``.
+        resample: the stretch's PIL filter by diffusers' name (``lanczos``, ``bilinear``, ``bicubic``, ``nearest``).
+    """
+    if resize not in CONDITION_RESIZES:
+        raise ValueError(f"condition_resize must be one of {CONDITION_RESIZES}, got {resize!r}")
+    if resample not in RESAMPLE:
+        raise ValueError(f"condition resample must be one of {sorted(RESAMPLE)}, got {resample!r}")
+    if image.size == (geometry.width, geometry.height):
+        return image
+    if resize == "cover":
+        return fit_pil(image, geometry)
+    return image.resize((geometry.width, geometry.height), RESAMPLE[resample])
+
+
+def fit_condition_image(
+    image: torch.Tensor, geometry: MediaGeometry, resize: ConditionResize = "stretch", resample: str = "lanczos"
+) -> torch.Tensor:
+    """A ``uint8`` (3, H, W) condition image on the canvas (:func:`fit_condition_pil`).
+
+    Args:
+        image: ``uint8`` (3, H, W), as :func:`~ff_core.data.media.decode_image` returns.
+        geometry: the canvas.
+        resize: ``stretch`` (the pipelines) or ``cover`` (the target rule).
+        resample: the stretch's PIL filter (the family pipeline's ``video_processor.config.resample``).
+    """
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"fit_condition_image expects a uint8 (3, H, W) image, got {image.dtype} {tuple(image.shape)}")
+    pil = Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).numpy()))
+    fitted = fit_condition_pil(pil, geometry, resize, resample)
+    if fitted is pil:
+        return image
+    return torch.from_numpy(np.asarray(fitted).copy()).permute(2, 0, 1).contiguous()
 
 
 def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced_by: Where = None) -> Any:
