@@ -100,7 +100,7 @@ def test_decode_target_fits_the_clip_to_the_frame(mp4, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"num_frames": 0}, "num_frames"), ({"num_frames": 5, "fps": 0}, "fps"), ({"fps": 8.0}, "needs num_frames"),
-     ({"num_frames": 5, "start": -1.0}, "start")],
+     ({"num_frames": 5, "start": -1.0}, "start"), ({"num_frames": 5, "frame_rule": "linear"}, "frame_rule")],
 )
 def test_geometry_rejects_bad_clip_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
