@@ -530,6 +530,8 @@ def check_media(item: MediaItem, *, referenced_by: Where = None, field: str | No
     if item.type is MediaType.IMAGE:
         decode_image(item.path, referenced_by=referenced_by, field=field)
         return MediaCheck(item.type)
+    if item.type is MediaType.VIDEO:
+        require_pyav()
     video = audio = 0.0
     errors: list[DatasetError] = []
     for path, is_video, fld in _files_to_check(item, field):

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ff_core.data.media import MIN_PYAV_FOR_VIDEO, decode_clip, decode_image, decode_video, require_pyav
+from ff_core.contracts import MediaType
+from ff_core.data.media import (
+    MIN_PYAV_FOR_VIDEO,
+    check_media,
+    decode_clip,
+    decode_image,
+    decode_video,
+    require_pyav,
+)
+from ff_core.data.records import MediaItem
 from ff_core.testing.clips import write_grey_mp4
 
 
@@ -23,7 +32,8 @@ def test_the_floor_is_17():
 
 
 @pytest.mark.parametrize("old", ["16.1.0", "14.4.0", "9.2"])
-@pytest.mark.parametrize("decode", [lambda p: decode_clip(p, num_frames=2, fps=4.0), decode_video])
+@pytest.mark.parametrize("decode", [lambda p: decode_clip(p, num_frames=2, fps=4.0), decode_video,
+                                    lambda p: check_media(MediaItem(MediaType.VIDEO, p))])
 def test_an_older_pyav_is_refused_naming_its_version(monkeypatch, mp4, old, decode):
     monkeypatch.setattr(av, "__version__", old)  # the version the check reads; the decoder is untouched
     with pytest.raises(RuntimeError) as err:
