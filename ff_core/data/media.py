@@ -267,9 +267,9 @@ def clip_source_frames(
     * ``fps_filter``: ffmpeg's ``fps`` filter (libavfilter/vf_fps.c, default ``round=near``; MiniMax H3's official
       decode, and diffusers' ``MiniMaxH3Ref2VASetupStep._normalize_video_condition``): every source frame goes to the
       grid slot nearest its own time (half away from zero) and slot ``k`` shows the last frame that went to it or
-      before, ``ceil(x + clock_fps / (2 fps)) - 1``. Equal to ``nearest`` when ``1 <= clock_fps / fps < 2`` (30 -> 24
-      fps); at 60 -> 24 fps it takes the later of the frames a slot collects (1, 3, 6, 8, ... where ``nearest`` takes
-      0, 3, 5, 8, ...).
+      before, ``ceil(x + clock_fps / (2 fps)) - 1``. Equal to ``nearest`` at 30 -> 24 fps (ties included); at 60 -> 24
+      fps it takes the last of the frames a slot collects (1, 3, 6, 8, ... where ``nearest`` takes 0, 3, 5, 8, ...),
+      and other rates can part by a frame too (24 -> 30 fps: grid frame 2 holds source frame 1, the nearest is 2).
     * ``floor``: the frame at or before ``t_k``, ``floor(x)`` (ff before issue 23; torchvision's
       ``_resample_video_idx`` and Flow-Factory's ``load_video_frames``: ``int(i * step)``).
 

@@ -112,3 +112,13 @@ def test_where_ffmpeg_and_the_nearest_frame_part(clip):
         assert [k for k in range(16) if is_half(k, Fraction(0), clock)] == [2, 6, 10, 14]  # where rint differs
     else:
         assert reference[:6] == [1, 3, 6, 8, 11, 13] and nearest[:6] == [0, 3, 5, 8, 10, 13]
+
+
+def test_fps_filter_rule_upsampling_24_to_30(tmp_path):
+    """A grid faster than the clip: ffmpeg repeats frames where each source frame's own slot says (24 -> 30 fps:
+    grid frame 2 still shows source frame 1, whose successor rounds to slot 3), one frame off the nearest there."""
+    path = write_grey_mp4(tmp_path / "c24.mp4", frames=FRAMES, fps=24, step=STEP)
+    reference = ffmpeg_fps(path, 30, 0.0)[:20]
+    ours = clip_source_frames(20, 30.0, 0.0, 24.0, "fps_filter")
+    assert ours == reference and reference[:4] == [0, 1, 1, 2]
+    assert clip_source_frames(4, 30.0, 0.0, 24.0) == [0, 1, 2, 2]
