@@ -66,7 +66,7 @@ def fits(header: MediaHeader, geometry: MediaGeometry, declared_fps: float | Non
     if not clock or header.seconds is None or not header.fps:
         return False
     frames = round(header.seconds * header.fps)  # the header's duration on the file's own clock
-    last = clip_source_frames(geometry.num_frames, geometry.fps, geometry.start, clock)[-1]
+    last = clip_source_frames(geometry.num_frames, geometry.fps, geometry.start, clock, geometry.frame_rule)[-1]
     return last < frames
 
 

@@ -9,20 +9,36 @@ examples/text_to_image/train_text_to_image.py): ``transforms.Resize(resolution, 
 then ``transforms.CenterCrop(resolution)``. A non-square frame generalises the same rule: scale (keeping the aspect
 ratio) until the image covers the frame, then crop the centre. Cropping is always central (the scripts' default
 ``RandomCrop`` and ``random_flip`` would make a sample depend on more than its record, and resume inexact).
+
+Condition images (an I2V first frame, a keyframe) are another matter: the family pipelines put them on the canvas
+themselves, and the model was trained on what they give. :func:`fit_condition_image` does it their way by default,
+``stretch``: ``VaeImageProcessor.preprocess(image, height, width)`` with its default ``resize_mode``, i.e. PIL's
+``image.resize((width, height), resample)`` whatever the aspect ratio (``WanImageToVideoPipeline``: LANCZOS,
+``LTX2ImageToVideoPipeline``: BILINEAR, MiniMax H3's first keyframe: LANCZOS); ``cover`` keeps the target rule above
+(ff's rule for condition images before issue 23).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import DecodedAudio, DecodedVideo, Where, decode_audio, decode_clip, decode_media
+from ff_core.data.media import (
+    FRAME_RULES,
+    DecodedAudio,
+    DecodedVideo,
+    FrameRule,
+    Where,
+    decode_audio,
+    decode_clip,
+    decode_media,
+)
 from ff_core.data.records_base import MediaItem
 
 
@@ -32,8 +48,8 @@ class MediaGeometry:
 
     A video output with ``num_frames`` is a *decode specification*: the workers decode only the clip's time window
     (PyAV seeking, :func:`~ff_core.data.media.decode_clip`) and put its frames on the grid ``t_k = start + k / fps``
-    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the nearest source frame at or before it. A clip
-    too short for the grid is rejected, never stretched. Images ignore the temporal fields.
+    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the source frame ``frame_rule`` picks (default:
+    the nearest one). A clip too short for the grid is rejected, never stretched. Images ignore the temporal fields.
 
     Attributes:
         height: pixel rows of an image, or of each video frame.
@@ -41,6 +57,9 @@ class MediaGeometry:
         num_frames: frames of a video clip (``None``: every frame the file has, as decoded).
         fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
         start: seconds into the clip (on its clock) where the grid starts.
+        frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.clip_source_frames`): ``nearest``
+            (the nearest source frame, ties to the later one), ``fps_filter`` (ffmpeg's ``fps`` filter, MiniMax H3's
+            official decode) or ``floor`` (the frame at or before, ff's rule before issue 23).
     """
 
     height: int
@@ -48,6 +67,7 @@ class MediaGeometry:
     num_frames: int | None = None
     fps: float | None = None
     start: float = 0.0
+    frame_rule: FrameRule = "nearest"
 
     def __post_init__(self) -> None:
         for key in ("height", "width"):
@@ -63,6 +83,8 @@ class MediaGeometry:
             raise ValueError("MediaGeometry.fps needs num_frames (the grid's length)")
         if isinstance(self.start, bool) or not self.start >= 0:
             raise ValueError(f"MediaGeometry.start must be >= 0 seconds, got {self.start!r}")
+        if self.frame_rule not in FRAME_RULES:
+            raise ValueError(f"MediaGeometry.frame_rule must be one of {FRAME_RULES}, got {self.frame_rule!r}")
 
     @property
     def is_clip(self) -> bool:
@@ -152,6 +174,59 @@ def fit_media(media: Any, geometry: MediaGeometry | None) -> Any:
     return fit_image(media, geometry)
 
 
+ConditionResize = Literal["stretch", "cover"]
+#: How a condition image is put on the canvas: ``stretch`` (the family pipelines) or ``cover`` (the target rule).
+CONDITION_RESIZES = ("stretch", "cover")
+#: PIL filters by the names diffusers' ``VaeImageProcessor`` config uses (``resample``; image_processor.py,
+#: ``PIL_INTERPOLATION``).
+RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+            "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
+
+
+def fit_condition_pil(
+    image: Image.Image, geometry: MediaGeometry, resize: ConditionResize = "stretch", resample: str = "lanczos"
+) -> Image.Image:
+    """A condition image on the ``geometry`` canvas: ``stretch`` is ``VaeImageProcessor.resize(image, height, width)``
+    (``resize_mode="default"``: ``image.resize((width, height), resample)``, aspect ratio not kept); ``cover`` is
+    :func:`fit_pil` (bilinear cover + centre crop, ``resample`` unused). An image already at the canvas is kept.
+
+    Args:
+        image: an RGB PIL image at its file's size.
+        geometry: the canvas (``height``, ``width``).
+        resize: ``stretch`` or ``cover``.
+        resample: the stretch's PIL filter by diffusers' name (``lanczos``, ``bilinear``, ``bicubic``, ``nearest``).
+    """
+    if resize not in CONDITION_RESIZES:
+        raise ValueError(f"condition_resize must be one of {CONDITION_RESIZES}, got {resize!r}")
+    if resample not in RESAMPLE:
+        raise ValueError(f"condition resample must be one of {sorted(RESAMPLE)}, got {resample!r}")
+    if image.size == (geometry.width, geometry.height):
+        return image
+    if resize == "cover":
+        return fit_pil(image, geometry)
+    return image.resize((geometry.width, geometry.height), RESAMPLE[resample])
+
+
+def fit_condition_image(
+    image: torch.Tensor, geometry: MediaGeometry, resize: ConditionResize = "stretch", resample: str = "lanczos"
+) -> torch.Tensor:
+    """A ``uint8`` (3, H, W) condition image on the canvas (:func:`fit_condition_pil`).
+
+    Args:
+        image: ``uint8`` (3, H, W), as :func:`~ff_core.data.media.decode_image` returns.
+        geometry: the canvas.
+        resize: ``stretch`` (the pipelines) or ``cover`` (the target rule).
+        resample: the stretch's PIL filter (the family pipeline's ``video_processor.config.resample``).
+    """
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"fit_condition_image expects a uint8 (3, H, W) image, got {image.dtype} {tuple(image.shape)}")
+    pil = Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).numpy()))
+    fitted = fit_condition_pil(pil, geometry, resize, resample)
+    if fitted is pil:
+        return image
+    return torch.from_numpy(np.asarray(fitted).copy()).permute(2, 0, 1).contiguous()
+
+
 def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced_by: Where = None) -> Any:
     """Decode one target item as its output's ``geometry`` asks, then fit it (:func:`fit_media`).
 
@@ -169,7 +244,7 @@ def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced
         return fit_media(decode_media(item, referenced_by=referenced_by), geometry)
     field = item.field_of("path")
     clip = decode_clip(item.path, num_frames=geometry.num_frames, fps=geometry.fps, start=geometry.start,
-                       declared_fps=item.fps, referenced_by=referenced_by, field=field)
+                       declared_fps=item.fps, rule=geometry.frame_rule, referenced_by=referenced_by, field=field)
     begin, end = clip.window
     if item.audio_path is not None:
         audio = decode_audio(item.audio_path, start=begin, end=end, declared_sample_rate=item.sample_rate,

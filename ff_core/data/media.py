@@ -16,10 +16,11 @@ A missing, truncated or undecodable file raises :class:`~ff_core.errors.DatasetE
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import av
 import numpy as np
@@ -31,6 +32,10 @@ from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:  # torch is imported where tensors are built, so `ff data validate` starts without it
     import torch
+
+#: The oldest PyAV that decodes video targets (spec dataset-guide, "Offline V2 records": "Video targets require PyAV 17
+#: or newer"); checked where a video is decoded (:func:`require_pyav`), so an image- or audio-only run is unaffected.
+MIN_PYAV_FOR_VIDEO = (17, 0)
 
 Where = tuple[Path, int] | None
 """``(source, line)`` of the record that referenced a file (``Record.where``), or ``None``."""
@@ -140,6 +145,32 @@ def decode_image(path: str | Path, *, referenced_by: Where = None, field: str | 
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
+def pyav_version() -> str:
+    """The installed PyAV's version string (``av.__version__``), read at call time."""
+    return str(getattr(av, "__version__", "0"))
+
+
+def require_pyav() -> None:
+    """Raise one :class:`RuntimeError` naming the installed PyAV when it is older than :data:`MIN_PYAV_FOR_VIDEO`
+    (spec dataset-guide: "Video targets require PyAV 17 or newer")."""
+    installed = pyav_version()
+    if _version_tuple(installed) < MIN_PYAV_FOR_VIDEO:
+        need = ".".join(map(str, MIN_PYAV_FOR_VIDEO))
+        raise RuntimeError(f"decoding video needs PyAV >= {need}, but PyAV {installed} is installed; "
+                           f"upgrade it: pip install 'av>={need}'")  # fmt: skip
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"17.0.1"`` -> ``(17, 0, 1)``; a non-numeric tail (``"17.0.0rc1"``) is cut at its first non-digit."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 def _stream_offset(stream: av.stream.Stream) -> float:
     return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
 
@@ -199,6 +230,7 @@ def decode_video(
         field: the record field that held the path.
     """
     path = Path(path)
+    require_pyav()
     _check_file(path, referenced_by, field)
     try:
         arrays, times, fps, count = _video_frames(path, start, end, convert=True)
@@ -213,22 +245,60 @@ def decode_video(
     return DecodedVideo(frames, fps, torch.tensor(times, dtype=torch.float64), declared_fps)
 
 
-def clip_source_frames(num_frames: int, fps: float | None, start: float, clock_fps: float) -> list[int]:
-    """The source frame index at each grid time ``t_k = start + k / fps`` (``k < num_frames``) of a clip whose frame
-    ``i`` is shown at ``i / clock_fps``: the nearest frame at or before ``t_k`` (``floor(t_k * clock_fps)``, with a
-    1e-6 tolerance so a grid time that lands on a frame takes it). ``fps=None``: consecutive frames from ``start``.
+#: How a clip's frame grid picks source frames (:func:`clip_source_frames`).
+FRAME_RULES = ("nearest", "fps_filter", "floor")
+FrameRule = Literal["nearest", "fps_filter", "floor"]
+# Grid arithmetic is in floats (24.0 fps, a 30000/1001 clock): a value within this many frames of a whole or half
+# frame counts as on it, so exact ties are decided by the rule, never by rounding noise.
+_EPS = 1e-6
 
-    A grid faster than the clip repeats frames, a slower one skips them; the mapping depends on these four numbers
-    only, so every epoch and every worker takes the same frames.
+
+def clip_source_frames(
+    num_frames: int, fps: float | None, start: float, clock_fps: float, rule: FrameRule = "nearest"
+) -> list[int]:
+    """The source frame index at each grid time ``t_k = start + k / fps`` (``k < num_frames``) of a clip whose frame
+    ``i`` is shown at ``i / clock_fps``. ``fps=None``: the clip's own rate (consecutive frames).
+
+    Rules (``x = t_k * clock_fps``, the grid time in source frames):
+
+    * ``nearest`` (default): the source frame nearest to ``t_k``, ``floor(x + 1/2)``; an exact half-frame tie goes to
+      the later frame. It is ``np.rint(x)`` (the "nearest source frame" rule of issue 23) except at such ties, where
+      ``np.rint`` rounds to the even frame.
+    * ``fps_filter``: ffmpeg's ``fps`` filter (libavfilter/vf_fps.c, default ``round=near``; MiniMax H3's official
+      decode, and diffusers' ``MiniMaxH3Ref2VASetupStep._normalize_video_condition``): every source frame goes to the
+      grid slot nearest its own time (half away from zero) and slot ``k`` shows the last frame that went to it or
+      before, ``ceil(x + clock_fps / (2 fps)) - 1``. Equal to ``nearest`` at 30 -> 24 fps (ties included); at 60 -> 24
+      fps it takes the last of the frames a slot collects (1, 3, 6, 8, ... where ``nearest`` takes 0, 3, 5, 8, ...),
+      and other rates can part by a frame too (24 -> 30 fps: grid frame 2 holds source frame 1, the nearest is 2).
+    * ``floor``: the frame at or before ``t_k``, ``floor(x)`` (ff before issue 23; torchvision's
+      ``_resample_video_idx`` and Flow-Factory's ``load_video_frames``: ``int(i * step)``).
+
+    The mapping depends on these five values only, so every epoch and every worker takes the same frames.
+
+    Args:
+        num_frames: frames of the grid.
+        fps: the grid's rate, or ``None`` for the clip's own.
+        start: seconds on the clip's clock where the grid starts.
+        clock_fps: the clip's clock (frame ``i`` at ``i / clock_fps``).
+        rule: ``nearest``, ``fps_filter`` or ``floor``.
     """
-    first = int(np.floor(start * clock_fps + 1e-6))
-    if fps is None:
-        return list(range(first, first + num_frames))
-    return [int(np.floor((start + k / fps) * clock_fps + 1e-6)) for k in range(num_frames)]
+    if rule not in FRAME_RULES:
+        raise ValueError(f"frame rule must be one of {FRAME_RULES}, got {rule!r}")
+    rate = clock_fps if fps is None else fps
+    out = []
+    for k in range(num_frames):
+        x = (start + k / rate) * clock_fps
+        if rule == "nearest":
+            out.append(int(np.floor(x + 0.5 + _EPS)))
+        elif rule == "fps_filter":
+            out.append(int(np.ceil(x + clock_fps / (2 * rate) - _EPS)) - 1)
+        else:
+            out.append(int(np.floor(x + _EPS)))
+    return out
 
 
 def _clip_frames(
-    path: Path, num_frames: int, fps: float | None, start: float, declared_fps: float | None
+    path: Path, num_frames: int, fps: float | None, start: float, declared_fps: float | None, rule: FrameRule
 ) -> tuple[dict[int, np.ndarray], list[int], float, float, int, int]:
     """Decode the source frames a clip needs, seeking to the window; returns (frames by source index, the grid's
     source indices, file fps, clock fps, frames decoded, source frames seen (the clip's length when it ended early)).
@@ -243,7 +313,7 @@ def _clip_frames(
             raise ValueError("the stream states no frame rate: a clip cannot be put on a frame grid")
         file_fps = float(rate)
         clock = declared_fps or file_fps
-        indices = clip_source_frames(num_frames, fps, start, clock)
+        indices = clip_source_frames(num_frames, fps, start, clock, rule)
         wanted, first, last = set(indices), indices[0], indices[-1]
         if stream.frames and stream.frames <= last:  # the header's frame count already says it is too short
             return {}, indices, file_fps, clock, 0, stream.frames
@@ -270,14 +340,16 @@ def decode_clip(
     fps: float | None = None,
     start: float = 0.0,
     declared_fps: float | None = None,
+    rule: FrameRule = "nearest",
     referenced_by: Where = None,
     field: str | None = None,
 ) -> DecodedVideo:
     """Decode the clip a video target is trained on: ``num_frames`` frames on the grid ``t_k = start + k / fps`` of
-    the clip's clock (the manifest's ``fps`` when declared, else the file's; frame ``i`` at ``i / clock``), each the
-    nearest source frame at or before ``t_k`` (:func:`clip_source_frames`). Only the window is decoded: PyAV seeks to
-    the keyframe before its first frame and stops after its last. A clip too short for the grid is an error naming
-    the file, its duration and what the grid needs; it is never stretched. No soundtrack (:func:`decode_media`).
+    the clip's clock (the manifest's ``fps`` when declared, else the file's; frame ``i`` at ``i / clock``), each picked
+    by ``rule`` (:func:`clip_source_frames`; default: the nearest source frame). Only the window is decoded: PyAV
+    seeks to the keyframe before its first frame and stops after its last. A clip too short for the grid is an error
+    naming the file, its duration and what the grid needs; it is never stretched. No soundtrack
+    (:func:`decode_media`).
 
     Args:
         path: the video file.
@@ -285,13 +357,15 @@ def decode_clip(
         fps: the grid's rate (``None``: consecutive source frames, the clip's own rate).
         start: seconds on the clip's clock where the grid starts.
         declared_fps: the manifest's ``fps``: the clip's clock when it differs from the file's rate.
+        rule: how grid times pick source frames: ``nearest``, ``fps_filter`` or ``floor`` (:func:`clip_source_frames`).
         referenced_by: ``(source, line)`` of the record that referenced it, for the error message.
         field: the record field that held the path.
     """
     path = Path(path)
+    require_pyav()
     _check_file(path, referenced_by, field)
     try:
-        frames, indices, file_fps, clock, decoded, seen = _clip_frames(path, num_frames, fps, start, declared_fps)
+        frames, indices, file_fps, clock, decoded, seen = _clip_frames(path, num_frames, fps, start, declared_fps, rule)
     except _DECODE_ERRORS as exc:
         raise media_error(path, referenced_by, field, f"cannot decode video: {exc}") from None
     if indices[-1] not in frames:
@@ -456,6 +530,8 @@ def check_media(item: MediaItem, *, referenced_by: Where = None, field: str | No
     if item.type is MediaType.IMAGE:
         decode_image(item.path, referenced_by=referenced_by, field=field)
         return MediaCheck(item.type)
+    if item.type is MediaType.VIDEO:
+        require_pyav()
     video = audio = 0.0
     errors: list[DatasetError] = []
     for path, is_video, fld in _files_to_check(item, field):

@@ -144,3 +144,31 @@ def test_mixed_size_dataset_trains_through_ff_fit(tiny_sd3, tmp_path):
         wh = sizes[i]
         size, box = HAND.get(wh, ((80, 32), (24, 0, 56, 32)))  # 100x40: 32 * 100 / 40 = 80; (80 - 32) / 2 = 24
         assert torch.equal(target, reference(data / "images" / f"{i}.png", size, box)), wh
+
+
+# -- condition images (issue 23, item 3) -------------------------------------------------------------
+@pytest.mark.parametrize("resample", ["lanczos", "bilinear"])
+@pytest.mark.parametrize(("h", "w"), [(48, 64), (40, 24), (32, 32)])
+def test_condition_stretch_is_the_vae_image_processors_resize(resample, h, w):
+    """``stretch`` is diffusers' ``VaeImageProcessor.preprocess(image, height, width)`` (``resize_mode="default"``)
+    with the pipeline's ``resample`` (Wan I2V: lanczos, LTX-2 I2V: bilinear), compared in [-1, 1] as the VAE gets it."""
+    from diffusers.video_processor import VideoProcessor
+
+    from ff_core.data.geometry import fit_condition_image
+
+    image = torch.randint(0, 256, (3, h, w), generator=torch.Generator().manual_seed(h * w), dtype=torch.uint8)
+    ours = fit_condition_image(image, G32, "stretch", resample)
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+    theirs = VideoProcessor(vae_scale_factor=8, resample=resample).preprocess(pil, height=32, width=32)[0]
+    torch.testing.assert_close(ours.float() / 127.5 - 1, theirs, rtol=0, atol=1e-6)
+
+
+def test_condition_cover_is_the_target_rule_and_bad_names_are_refused():
+    from ff_core.data.geometry import fit_condition_image
+
+    image = torch.randint(0, 256, (3, 48, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    assert torch.equal(fit_condition_image(image, G32, "cover"), fit_image(image, G32))
+    with pytest.raises(ValueError, match="condition_resize must be one of"):
+        fit_condition_image(image, G32, "crop")
+    with pytest.raises(ValueError, match="resample must be one of"):
+        fit_condition_image(image, G32, "stretch", "box")

@@ -14,16 +14,17 @@ from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput, LatentState
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.geometry import MediaGeometry
+from ff_core.data.geometry import ConditionResize, MediaGeometry, fit_condition_image
 from ff_ltx2.adapter import I2AV_CONTRACT, LTX2T2AVAdapter
 
 
 class LTX2I2AVAdapter(LTX2T2AVAdapter):
     """LTX-2 image-to-audio+video (``LTX2ImageToVideoPipeline``): the prompt and the required ``first_frame`` image.
 
-    The image is fitted to the canvas, optionally H.264 re-compressed first (the pipeline's ``image_crf``: the
-    compression LTX-2 was trained with), VAE-encoded with the posterior *mode* and normalised, once, in
-    :meth:`preprocess` (``first_frame_latent``, cached with the text). Every video state (training targets, initial
+    The image is optionally H.264 re-compressed (the pipeline's ``image_crf``: the compression LTX-2 was trained with),
+    put on the canvas as the pipeline puts it (:attr:`condition_resize`: ``video_processor.preprocess(image, height,
+    width)``, a BILINEAR stretch, aspect ratio not kept), VAE-encoded with the posterior *mode* and normalised, once,
+    in :meth:`preprocess` (``first_frame_latent``, cached with the text). Every video state (training targets, initial
     noise) carries it as its first latent frame with mask 0 there: the pinned tokens are never noised, not in the
     loss, not stepped by the sampler, and the transformer sees them at timestep 0 (per-token video timesteps
     ``t * mask``, the pipeline's ``timestep * (1 - conditioning_mask)``); the audio stream is generated whole.
@@ -31,6 +32,13 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
 
     name: ClassVar[str] = "ltx2_i2av"
     io_contract: ClassVar[PipelineIOContract] = I2AV_CONTRACT
+    #: ``stretch``: ``LTX2ImageToVideoPipeline``'s ``video_processor.preprocess`` (aspect ratio not kept); ``cover``:
+    #: ff's rule before issue 23 (bilinear cover + centre crop). A subclass (``model.adapter: my_pkg.mod:Class``) may
+    #: pick ``cover``.
+    condition_resize: ClassVar[ConditionResize] = "stretch"
+    #: The stretch's filter: the pipeline's ``VideoProcessor(..., resample="bilinear")``
+    #: (pipelines/ltx2/pipeline_ltx2_image2video.py).
+    condition_resample: ClassVar[str] = "bilinear"
 
     def __init__(self, *, image_crf: int | None = None, **kwargs: Any) -> None:
         """
@@ -55,9 +63,11 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
         return {"image_crf": image_crf}
 
     def preprocess_identity(self) -> dict[str, Any]:
-        """Besides the text settings, the canvas and the re-compression: the condition latent is encoded at them."""
+        """Besides the text settings, the canvas, the re-compression and how the image reaches the canvas: the
+        condition latent is encoded at them (a change of rule never reuses cached conditions)."""
         return {**super().preprocess_identity(), "height": self.height, "width": self.width,
-                "image_crf": self.image_crf}  # fmt: skip
+                "image_crf": self.image_crf,
+                "condition_images": f"{self.condition_resize}:{self.condition_resample}"}  # fmt: skip
 
     def _first_frame(self, item: ConditionInput, index: int) -> Tensor:
         """The ``first_frame`` image (uint8 (3, H, W) at the file's size), checked against the contract."""
@@ -78,15 +88,14 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
     @torch.no_grad()
     def condition_latent(self, image: Tensor) -> Tensor:
         """``LTX2ImageToVideoPipeline``'s first-frame latent of one image, (C, 1, h, w): CRF re-compression at the
-        file's size, fitted to the canvas, [-1, 1], VAE posterior mode, normalised."""
+        file's size, put on the canvas (:attr:`condition_resize`), [-1, 1], VAE posterior mode, normalised."""
         from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
-
-        from ff_core.data.geometry import fit_image
 
         if self.image_crf:
             array = apply_image_conditioning_crf(image.permute(1, 2, 0).contiguous().numpy(), self.image_crf)
             image = torch.from_numpy(array).permute(2, 0, 1)
-        image = fit_image(image, MediaGeometry(self.height, self.width))
+        image = fit_condition_image(image, MediaGeometry(self.height, self.width), self.condition_resize,
+                                    self.condition_resample)  # fmt: skip
         x = (image.float() / 127.5 - 1)[None, :, None].to(self.vae.device, self.vae.dtype)  # (1, 3, 1, H, W)
         z = self.vae.encode(x).latent_dist.mode()
         return self.normalize_video(z.float())[0]

@@ -82,6 +82,42 @@ def test_first_frame_latent_is_the_pipeline_condition(i2av, pipe, images, crf):
     assert not torch.equal(rows[0]["first_frame_latent"], rows[1]["first_frame_latent"])
 
 
+@pytest.mark.parametrize(("height", "width"), [(48, 64), (40, 24)])
+@pytest.mark.parametrize("crf", [None, 0])
+def test_off_canvas_images_are_prepared_as_the_pipeline_prepares_them(i2av, pipe, height, width, crf):
+    """A 48x64 (and a 40x24) image onto the 32x32 canvas (issue 23, item 3): the pipeline's own preprocessing, CRF
+    re-compression at the image's size then ``video_processor.preprocess(image, height, width)`` (a BILINEAR stretch,
+    no crop), then ``prepare_latents``' first latent frame."""
+    from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+
+    adapter = LTX2I2AVAdapter.from_pretrained(i2av, **ADAPTER_KWARGS, image_crf=crf)
+    image = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    media = [{"type": "image", "data": image, "slot": "first_frame"}]
+    (row,) = adapter.preprocess([ConditionInput(PROMPTS[0], negative_prompt="", media=media)])
+    pil = Image.fromarray(apply_image_conditioning_crf(np.array(_pil(image)), adapter.image_crf))
+    x = pipe.video_processor.preprocess(pil, height=SIZE, width=SIZE)
+    with torch.no_grad():
+        latents, _ = pipe.prepare_latents(x, 1, 4, SIZE, SIZE, FRAMES, 0.0, torch.float32, "cpu",
+                                          torch.Generator().manual_seed(0), None)  # fmt: skip
+    reference = LTX2ImageToVideoPipeline._unpack_latents(latents, LATENT_FRAMES, SIZE // 8, SIZE // 8)[:, :, :1]
+    torch.testing.assert_close(row["first_frame_latent"], reference[0], rtol=0, atol=1e-6)
+    assert adapter.preprocess_identity()["condition_images"] == "stretch:bilinear"
+
+
+def test_cover_keeps_the_old_rule(adapter, monkeypatch):
+    """``condition_resize = "cover"``: the target rule (ff's condition rule before issue 23), keyed apart."""
+    from ff_core.data.geometry import MediaGeometry, fit_image
+
+    monkeypatch.setattr(adapter, "image_crf", 0)
+    image = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    stretched = adapter.condition_latent(image)
+    monkeypatch.setattr(adapter, "condition_resize", "cover")
+    assert adapter.preprocess_identity()["condition_images"] == "cover:bilinear"
+    torch.testing.assert_close(adapter.condition_latent(image),
+                               adapter.condition_latent(fit_image(image, MediaGeometry(SIZE, SIZE))))  # fmt: skip
+    assert not torch.allclose(adapter.condition_latent(image), stretched)
+
+
 def test_the_first_frame_slot_is_required(adapter):
     with pytest.raises(ValueError, match=r"inputs\[0\]: ltx2_i2av requires the 'first_frame' image slot"):
         adapter.preprocess([ConditionInput("a red square")])

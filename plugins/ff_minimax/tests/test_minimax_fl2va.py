@@ -18,6 +18,7 @@ from ff_minimax.fl2va import MiniMaxH3FL2VAAdapter, to_pil
 from ff_minimax.prefix import keyframe_layout, row_timesteps
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
 from ff_minimax.text import load_processor
+from PIL import Image
 
 from ff_core.adapter import ConditionInput, LatentState
 from ff_core.data.condition_collation import collate_conditions
@@ -120,6 +121,32 @@ def test_parity_with_the_modular_pipeline(adapter, pipe, which):
     torch.testing.assert_close(ours.components["video"], theirs_v, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ours.components["audio"], unrow(-raw_a[0], like.components["audio"]), rtol=1e-4,
                                atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("which", list(KEYFRAMES))
+@pytest.mark.parametrize(("first", "last"), [((48, 64), (40, 24)), ((40, 24), (48, 64))])
+def test_off_canvas_keyframes_are_put_on_the_canvas_as_the_resize_step_does(adapter, which, first, last):
+    """48x64 and 40x24 keyframes onto the 32x32 canvas (issue 23, item 3) against diffusers' ``MiniMaxH3ResizeStep``
+    run on its own: the first keyframe stretched with PIL LANCZOS, a follower cover-cropped with H3's rounding; the
+    pixels ff presents to Qwen3-VL and VAE-encodes are the step's, bit for bit."""
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+
+    g = torch.Generator().manual_seed(5)
+    imgs = {"first_frame": torch.randint(0, 256, (3, *first), generator=g, dtype=torch.uint8),
+            "last_frame": torch.randint(0, 256, (3, *last), generator=g, dtype=torch.uint8)}  # fmt: skip
+    slots = KEYFRAMES[which]
+    item = ConditionInput("p", None, [{"type": "image", "data": imgs[s], "slot": s} for s in slots])
+    anchors, ours = adapter.fitted_keyframes(item)
+    step = MiniMaxH3ResizeStep().init_pipeline()
+    theirs = step(height=TINY_SIZE, width=TINY_SIZE, output=["keyframes", "keyframe_anchors"],
+                  **{PIPE_ARG[s]: to_pil(imgs[s]) for s in slots})  # fmt: skip
+    assert tuple(anchors) == theirs["keyframe_anchors"]
+    for mine, ref in zip(ours, theirs["keyframes"], strict=True):
+        assert mine.size == ref.size == (TINY_SIZE, TINY_SIZE)
+        assert np.array_equal(np.asarray(mine), np.asarray(ref))
+    # The first keyframe is stretched, never cropped: PIL LANCZOS onto the canvas.
+    stretched = to_pil(imgs[slots[0]]).resize((TINY_SIZE, TINY_SIZE), Image.Resampling.LANCZOS)
+    assert np.array_equal(np.asarray(ours[0]), np.asarray(stretched))
 
 
 def unpatchify(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

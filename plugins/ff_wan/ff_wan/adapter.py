@@ -37,7 +37,7 @@ from ff_core.adapter import (
     resolve_dtype,
 )
 from ff_core.contracts import VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.geometry import MediaGeometry
+from ff_core.data.geometry import ConditionResize, MediaGeometry, fit_condition_image
 from ff_core.data.tensor_rows import TensorColumns
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 
@@ -497,14 +497,24 @@ class WanI2VAdapter(WanT2VAdapter):
     """Wan image-to-video: Wan2.1 I2V and FLF2V (CLIP image features), Wan2.2 TI2V (pinned first frame) and Wan2.2
     I2V-A14B (two experts). The input contract is the checkpoint's (:meth:`resolve_contract`), offline B=1.
 
-    Conditions: the prompt and the condition image(s), fitted to the canvas and VAE-encoded with the posterior
+    Conditions: the prompt and the condition image(s), put on the canvas and VAE-encoded with the posterior
     *mode* once, in :meth:`preprocess` (deterministic, so cached with the text embeddings): ``first_frame_latent``
     is the pipeline's channel condition ``[mask, latents of first, zeros..., (last)]``, or for TI2V the first frame's
     latent alone; ``clip_feature`` the CLIP vision encoder's penultimate hidden states (Wan2.1 I2V / FLF2V).
+
+    Condition images are prepared as ``WanImageToVideoPipeline`` prepares them (:attr:`condition_resize`): the VAE's
+    input is ``video_processor.preprocess(image, height, width)``, a LANCZOS stretch onto the canvas, and CLIP's
+    image processor gets the image as it is (its own resize and centre crop), not the canvas image.
     """
 
     name: ClassVar[str] = "wan2_i2v"
     io_contract: ClassVar[PipelineIOContract] = I2V_CONTRACTS["i2v"]
+    #: ``stretch``: ``WanImageToVideoPipeline``'s ``video_processor.preprocess`` (LANCZOS, aspect not kept) for the
+    #: VAE and the raw image for CLIP; ``cover``: ff's rule before issue 23 (bilinear cover + centre crop, the same
+    #: canvas image for CLIP). A subclass (``model.adapter: my_pkg.mod:Class``) may pick ``cover``.
+    condition_resize: ClassVar[ConditionResize] = "stretch"
+    #: The stretch's filter: ``VideoProcessor``'s default ``resample`` (pipelines/wan/pipeline_wan_i2v.py).
+    condition_resample: ClassVar[str] = "lanczos"
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "image_encoder")
     tensor_columns: ClassVar[TensorColumns] = TensorColumns(
         condition={"text_embedding": "prompt_embeds", "negative_text_embedding": "negative_prompt_embeds",
@@ -614,15 +624,15 @@ class WanI2VAdapter(WanT2VAdapter):
         return cls(**components, variant=variant, **kwargs)
 
     def preprocess_identity(self) -> dict[str, Any]:
-        """Besides the text settings, the canvas and frame count: the condition latents are encoded at them."""
+        """Besides the text settings, the canvas and frame count (the condition latents are encoded at them) and how
+        condition images reach the canvas and CLIP (a change of rule never reuses cached conditions)."""
         return {**super().preprocess_identity(), "height": self.height, "width": self.width,
-                "num_frames": self.num_frames}  # fmt: skip
+                "num_frames": self.num_frames,
+                "condition_images": f"{self.condition_resize}:{self.condition_resample}"}  # fmt: skip
 
     # -- condition side --------------------------------------------------------------------------
     def _bind(self, item: ConditionInput, index: int) -> dict[str, Tensor]:
-        """The condition images by slot, fitted to the canvas (uint8 (3, H, W)), checked against the contract."""
-        from ff_core.data.geometry import fit_image
-
+        """The condition images by slot as given (uint8 (3, H, W) at the file's size), checked against the contract."""
         bound: dict[str, Tensor] = {}
         free = [s.name for s in self.io_contract.slots]
         for k, media in enumerate(item.media):
@@ -635,11 +645,17 @@ class WanI2VAdapter(WanT2VAdapter):
                                  f"(slots: {free})")  # fmt: skip
             if slot in bound:
                 raise ValueError(f"{where}: slot {slot!r} bound twice")
-            bound[slot] = fit_image(media["data"], MediaGeometry(self.height, self.width))
+            bound[slot] = media["data"]
         missing = [s.name for s in self.io_contract.slots if s.required and s.name not in bound]
         if missing:
             raise ValueError(f"inputs[{index}]: this {self.variant} checkpoint requires {missing}, got {sorted(bound)}")
         return bound
+
+    def canvas_image(self, image: Tensor) -> Tensor:
+        """A condition image on the canvas (uint8 (3, height, width)): :attr:`condition_resize` with
+        :attr:`condition_resample` (:func:`ff_core.data.geometry.fit_condition_image`)."""
+        return fit_condition_image(image, MediaGeometry(self.height, self.width), self.condition_resize,
+                                   self.condition_resample)  # fmt: skip
 
     @torch.no_grad()
     def encode_image(self, images: list[Tensor]) -> Tensor:
@@ -681,10 +697,13 @@ class WanI2VAdapter(WanT2VAdapter):
         bound = [self._bind(item, i) for i, item in enumerate(inputs)]
         rows = self._text_rows(inputs)
         for row, images in zip(rows, bound):
-            first, last = images["first_frame"], images.get("last_frame")
-            row["first_frame_latent"] = self.condition_latents(first, last).cpu().clone()
-            if self.image_encoder is not None:
-                row["clip_feature"] = self.encode_image([first] if last is None else [first, last]).cpu().clone()
+            raw = [images["first_frame"]] + ([images["last_frame"]] if "last_frame" in images else [])
+            canvas = [self.canvas_image(image) for image in raw]
+            row["first_frame_latent"] = self.condition_latents(canvas[0], canvas[1] if len(canvas) > 1 else None
+                                                               ).cpu().clone()  # fmt: skip
+            if self.image_encoder is not None:  # the pipeline's encode_image(image): CLIP sizes the raw image itself
+                row["clip_feature"] = self.encode_image(raw if self.condition_resize == "stretch" else canvas
+                                                        ).cpu().clone()  # fmt: skip
         return rows
 
     def _image_embeds(self, condition: Condition) -> Tensor | None:

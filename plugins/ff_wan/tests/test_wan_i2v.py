@@ -129,6 +129,58 @@ def test_condition_images_are_fitted_to_the_canvas(adapters):
     assert row["first_frame_latent"].shape == (4, 1, 4, 4)
 
 
+def _off_canvas(height: int, width: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (3, height, width), generator=g, dtype=torch.uint8)
+
+
+# -- off-canvas condition images against the pipeline's own preprocessing (issue 23, item 3) ---------
+@pytest.mark.parametrize("variant", ["i2v", "flf2v", "ti2v"])
+@pytest.mark.parametrize(("height", "width"), [(48, 64), (40, 24)])
+def test_off_canvas_condition_images_are_prepared_as_the_pipeline_prepares_them(adapters, tiny_wan, variant, height,
+                                                                                width):  # fmt: skip
+    """A 48x64 (and a 40x24) image onto the 32x32 canvas: ``first_frame_latent`` is ``prepare_latents`` of
+    ``video_processor.preprocess(image, height, width)`` (a LANCZOS stretch, no crop), and ``clip_feature`` is
+    ``encode_image`` of the image as given (CLIP's processor sizes it), not of the canvas image."""
+    from diffusers import WanImageToVideoPipeline
+
+    adapter, last = adapters[variant], _uses_last(variant)
+    first, final = _off_canvas(height, width, 3), _off_canvas(width, height, 4)  # the last one: the other aspect
+    media = [{"type": "image", "data": first, "slot": "first_frame"}]
+    media += [{"type": "image", "data": final, "slot": "last_frame"}] if last else []
+    (row,) = adapter.preprocess([ConditionInput(PROMPT, media=media)])
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny_wan(variant))
+    image = pipe.video_processor.preprocess(_pil(first), height=SIZE, width=SIZE)
+    last_image = pipe.video_processor.preprocess(_pil(final), height=SIZE, width=SIZE) if last else None
+    with torch.no_grad():
+        out = pipe.prepare_latents(image, 1, 4, SIZE, SIZE, FRAMES, torch.float32, "cpu",
+                                   torch.Generator().manual_seed(0), None, last_image)  # fmt: skip
+    torch.testing.assert_close(row["first_frame_latent"], out[1][0])
+    if variant in ("i2v", "flf2v"):
+        with torch.no_grad():
+            clip = pipe.encode_image([_pil(first), _pil(final)] if last else _pil(first), "cpu")
+        torch.testing.assert_close(row["clip_feature"], clip)
+
+
+def test_cover_keeps_the_old_rule_and_keys_another_cache(adapters, monkeypatch):
+    """``condition_resize = "cover"`` (a subclass's class attribute) puts the image on the canvas by the target rule
+    (ff before issue 23) and hands CLIP that canvas image; the rule is part of the condition cache's identity."""
+    from ff_core.data.geometry import MediaGeometry, fit_image
+
+    adapter = adapters["i2v"]
+    image = _off_canvas(48, 64, 3)
+    old = fit_image(image, MediaGeometry(SIZE, SIZE))
+    stretched = adapter.canvas_image(image)
+    assert adapter.preprocess_identity()["condition_images"] == "stretch:lanczos"
+    (new_row,) = adapter.preprocess([ConditionInput(PROMPT, media=[{"type": "image", "data": image}])])
+    monkeypatch.setattr(adapter, "condition_resize", "cover")
+    assert torch.equal(adapter.canvas_image(image), old) and not torch.equal(stretched, old)
+    assert adapter.preprocess_identity()["condition_images"] == "cover:lanczos"
+    (row,) = adapter.preprocess([ConditionInput(PROMPT, media=[{"type": "image", "data": image}])])
+    torch.testing.assert_close(row["clip_feature"], adapter.encode_image([old]))
+    assert not torch.allclose(row["first_frame_latent"], new_row["first_frame_latent"])
+
+
 # -- condition encodings against the pipeline --------------------------------------------------------
 @pytest.mark.parametrize("variant", I2V_VARIANTS)
 def test_condition_encodings_match_the_pipeline(adapters, tiny_wan, variant):
