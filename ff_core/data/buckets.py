@@ -15,6 +15,7 @@ loads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -41,10 +42,18 @@ class Bucket:
 
     geometry: MediaGeometry
     batch_size: int | None = None
+    frame_rule_given: bool = False
+
+    def adopt_frame_rule(self, rule: str) -> Bucket:
+        """This bucket with the adapter's frame rule (MiniMax H3: ffmpeg's ``fps`` filter), unless its entry named
+        its own ``frame_rule``: a bucket changes the clip's size, never how its frames are picked."""
+        if self.frame_rule_given or self.geometry.frame_rule == rule:
+            return self
+        return dataclasses.replace(self, geometry=dataclasses.replace(self.geometry, frame_rule=rule))
 
     @classmethod
     def from_config(cls, entry: dict, key: str) -> Bucket:
-        """A ``data.buckets`` entry: ``{height, width, num_frames?, fps?, start?, batch_size?}``."""
+        """A ``data.buckets`` entry: ``{height, width, num_frames?, fps?, start?, frame_rule?, batch_size?}``."""
         if not isinstance(entry, dict):
             raise ValueError(f"{key}: expected a mapping {{height, width, num_frames?, fps?, batch_size?}}")
         fields = dict(entry)
@@ -53,7 +62,7 @@ class Bucket:
                                        or batch_size < 1):
             raise ValueError(f"{key}.batch_size must be an integer >= 1, got {batch_size!r}")
         try:
-            return cls(MediaGeometry(**fields), batch_size)
+            return cls(MediaGeometry(**fields), batch_size, "frame_rule" in fields)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{key}: {exc}") from None
 

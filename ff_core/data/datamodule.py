@@ -49,6 +49,7 @@ from ff_core.data.dataflow import (
     SamplerDistributor,
     check_grouping,
 )
+from ff_core.data.geometry import MediaGeometry
 from ff_core.data.identity import MediaDigests, records_identity
 from ff_core.data.media import check_files_exist
 from ff_core.data.processors import (
@@ -343,7 +344,12 @@ class FlowDataModule(L.LightningDataModule):
 
     def _check_buckets(self, cls: type[Adapter]) -> None:
         """Each bucket against the adapter (:meth:`~ff_core.adapter.Adapter.check_bucket`: config files only), before
-        any target header is read or weight loads; one ConfigError naming the first bucket it refuses."""
+        any target header is read or weight loads; one ConfigError naming the first bucket it refuses. A bucket that
+        names no ``frame_rule`` takes the adapter's (its first output's geometry's)."""
+        check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        if geometry and isinstance(geometry[0], MediaGeometry):
+            self.buckets = [b.adopt_frame_rule(geometry[0].frame_rule) for b in self.buckets]
         for i, bucket in enumerate(self.buckets):
             try:
                 cls.check_bucket(self.pretrained_model_name_or_path, self.adapter_kwargs, bucket.geometry)

@@ -31,6 +31,39 @@ def write_grey_mp4(
     return path
 
 
+def fps_filter_frames(path: Path, fps: float, start: float = 0.0) -> list[np.ndarray]:
+    """The RGB frames ffmpeg's ``fps`` filter outputs for the first video stream of ``path``, ``start`` seconds cut
+    off first (``trim``, then ``setpts=PTS-STARTPTS`` so the grid starts there, as ``ffmpeg -ss start -vf fps=...``
+    does): a real filter graph run by PyAV (``buffer -> [trim -> setpts ->] fps -> buffersink``), the independent
+    reference of :func:`ff_core.data.media.clip_source_frames`'s ``fps_filter`` rule (MiniMax H3's decode)."""
+    out: list[np.ndarray] = []
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        graph = av.filter.Graph()
+        chain = [graph.add_buffer(template=stream)]
+        if start:
+            chain += [graph.add("trim", f"start={start}"), graph.add("setpts", "PTS-STARTPTS")]
+        chain += [graph.add("fps", f"fps={fps}"), graph.add("buffersink")]
+        for a, b in zip(chain, chain[1:]):
+            a.link_to(b)
+        graph.configure()
+
+        def drain() -> None:
+            while True:
+                try:
+                    frame = chain[-1].pull()
+                except (av.BlockingIOError, av.EOFError):
+                    return
+                out.append(frame.to_ndarray(format="rgb24"))
+
+        for frame in container.decode(stream):
+            chain[0].push(frame)
+            drain()
+        chain[0].push(None)
+        drain()
+    return out
+
+
 def write_offset_streams(root: Path, size: int, video_fps: int, frames: int, audio_rate: int,
                          samples: np.ndarray) -> tuple[Path, Path]:  # fmt: skip
     """A Matroska H.264 video (``size`` x ``size``, grey levels rising frame by frame) whose stream starts at 0.5 s,

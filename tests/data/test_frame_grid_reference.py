@@ -16,12 +16,11 @@ from __future__ import annotations
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 
 from ff_core.data.media import clip_source_frames, decode_clip
-from ff_core.testing.clips import write_grey_mp4
+from ff_core.testing.clips import fps_filter_frames, write_grey_mp4
 
 STEP, FRAMES, GRID = 5, 48, 24  # grey level of frame k: 5 k (48 frames, up to 235); the grid: 24 fps
 
@@ -37,34 +36,9 @@ def clip(request, tmp_path_factory) -> tuple[Path, int]:
 
 
 def ffmpeg_fps(path: Path, fps: int, start: float) -> list[int]:
-    """The source index of every frame ffmpeg's ``fps`` filter outputs, ``start`` seconds cut off first (``trim``,
-    then ``setpts=PTS-STARTPTS`` so the grid starts there, as ``-ss start -vf fps=...`` does)."""
-    out: list[int] = []
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        graph = av.filter.Graph()
-        chain = [graph.add_buffer(template=stream)]
-        if start:
-            chain += [graph.add("trim", f"start={start}"), graph.add("setpts", "PTS-STARTPTS")]
-        chain += [graph.add("fps", f"fps={fps}"), graph.add("buffersink")]
-        for a, b in zip(chain, chain[1:]):
-            a.link_to(b)
-        graph.configure()
-
-        def drain() -> None:
-            while True:
-                try:
-                    frame = chain[-1].pull()
-                except (av.BlockingIOError, av.EOFError):
-                    return
-                out.append(index_of(frame.to_ndarray(format="rgb24")))
-
-        for frame in container.decode(stream):
-            chain[0].push(frame)
-            drain()
-        chain[0].push(None)
-        drain()
-    return out
+    """The source index of every frame ffmpeg's ``fps`` filter outputs (:func:`ff_core.testing.clips.fps_filter_frames`,
+    a real filter graph), ``start`` seconds cut off first."""
+    return [index_of(frame) for frame in fps_filter_frames(path, fps, start)]
 
 
 def rint_frames(n: int, start: float, clock: int) -> list[int]:

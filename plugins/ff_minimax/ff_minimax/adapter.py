@@ -53,7 +53,15 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.geometry import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
-from ff_minimax.rules import AV_OUTPUTS, FPS, H3_CONTRACT_LIMITS, LATENTS_PER_CHUNK, aligned_num_frames, check_clip
+from ff_minimax.rules import (
+    AV_OUTPUTS,
+    FPS,
+    FRAME_RULE,
+    H3_CONTRACT_LIMITS,
+    LATENTS_PER_CHUNK,
+    aligned_num_frames,
+    check_clip,
+)
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +328,7 @@ class MiniMaxH3Adapter(Adapter):
         "H3 audio")."""
         num_frames, height, width = cls._clip(adapter_kwargs)
         aligned = check_clip(num_frames, height, width)
-        return (MediaGeometry(height, width, num_frames=aligned, fps=float(FPS)), None)
+        return (MediaGeometry(height, width, num_frames=aligned, fps=float(FPS), frame_rule=FRAME_RULE), None)
 
     @property
     def denoiser(self) -> nn.Module:
@@ -430,7 +438,8 @@ class MiniMaxH3Adapter(Adapter):
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
         """The video's decode specification (``num_frames`` on the 24-fps grid, fitted to the canvas); the audio is
         decoded whole and cut to the aligned duration in :meth:`encode_output`."""
-        return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=float(FPS)), None)
+        return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=float(FPS),
+                              frame_rule=FRAME_RULE), None)  # fmt: skip
 
     def denoiser_tokens(self, geometry: MediaGeometry) -> int | None:
         """Target rows of one clip: video ``F' h' w' / (p_h p_w)`` plus ``2 L`` audio rows (text rows vary)."""

@@ -120,3 +120,38 @@ def test_target_video_is_the_posterior_mode_unless_sample_is_asked(adapter, tiny
     torch.testing.assert_close(a.components["audio"], mode.components["audio"], rtol=0, atol=0)
     with pytest.raises(ConfigError, match=r"model\.adapter_kwargs\.target_posterior: must be one of mode, sample"):
         check_adapter_kwargs(MiniMaxH3T2VAAdapter, None, {"target_posterior": "mean"})
+
+
+def test_target_frames_are_put_on_the_grid_as_ffmpegs_fps_filter_does(adapter, tmp_path):
+    """H3's released SFT data flow decodes its target clips through ffmpeg's ``fps`` filter, so the adapter's clip
+    geometry asks for that rule (``frame_rule: fps_filter``; the other families take the nearest source frame), from the
+    loaded adapter and from its config-only geometry alike, and a ``data.buckets`` entry that names no rule takes it.
+    Reference: a real ``fps=24`` filter graph (:func:`ff_core.testing.clips.fps_filter_frames`) over a 60-fps clip
+    whose frame ``k`` is the grey level ``3 k``; the training path's decode (:func:`decode_target` on the adapter's
+    geometry) must give the same source frames. At 60 -> 24 fps ffmpeg's slots show frames 1, 3, 6, 8, ... where the
+    nearest rule takes 0, 3, 5, 8, ...: the test fails under any other rule. The grey levels wrap after frame 85 (the
+    clip has 316), so the first 32 grid frames (source frames up to 78) are compared by index."""
+    import numpy as np
+
+    from ff_core.contracts import MediaType
+    from ff_core.data.buckets import Bucket
+    from ff_core.data.geometry import decode_target
+    from ff_core.data.records_base import MediaItem
+    from ff_core.testing.clips import fps_filter_frames, write_grey_mp4
+
+    step, compared = 3, 32
+    frames = math.ceil(TINY_FRAMES * 60 / 24) + 6
+    path = write_grey_mp4(tmp_path / "c60.mp4", frames=frames, fps=60, size=(TINY_SIZE, TINY_SIZE), step=step)
+    geometry = adapter.output_geometry()[0]
+    config_only = type(adapter).resolve_output_geometry(None, {"num_frames": 124, "height": 32, "width": 32})[0]
+    assert geometry.frame_rule == config_only.frame_rule == "fps_filter"
+    reference = [round(float(f.mean()) / step) for f in fps_filter_frames(path, 24)][:TINY_FRAMES]
+    clip = decode_target(MediaItem(MediaType.VIDEO, path), geometry)
+    got = [round(float(np.asarray(f, dtype=np.float64).mean()) / step) for f in clip.frames]
+    assert len(got) == TINY_FRAMES and len(reference) == TINY_FRAMES
+    assert got[:compared] == reference[:compared] and max(reference[:compared]) * step < 256
+    assert got[:4] == [1, 3, 6, 8]  # not the nearest frames (0, 3, 5, 8)
+    bucket = Bucket.from_config({"height": 32, "width": 32, "num_frames": 124, "fps": 24.0}, "data.buckets[0]")
+    assert bucket.adopt_frame_rule("fps_filter").geometry.frame_rule == "fps_filter"
+    own = Bucket.from_config({"height": 32, "width": 32, "frame_rule": "floor"}, "data.buckets[1]")
+    assert own.adopt_frame_rule("fps_filter").geometry.frame_rule == "floor"
