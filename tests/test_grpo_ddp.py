@@ -96,3 +96,52 @@ def test_two_process_grpo_keeps_the_ranks_in_step(tiny_sd3, tmp_path):
         assert torch.equal(w, ranks[1]["weights"][name]), name
     lora_b = [n for n in base if "lora_B" in n]
     assert any(ranks[0]["weights"][n].abs().sum() > 0 for n in lora_b)  # peft starts B at zero: training moved it
+
+
+def _average_on_two_ranks(rank: int, init_file: str, out: str) -> None:
+    """One of 2 gloo ranks running :func:`ff_core.objectives.grpo._average_gradients` on a module of three
+    parameters: ``a`` has a gradient on rank 0 only (its samples kept, rank 1's all filtered out), ``b`` on both,
+    ``c`` on neither (Wan2.2 A14B's idle expert), then one AdamW step with weight decay."""
+    import types
+
+    import torch.distributed as dist
+
+    from ff_core.objectives.grpo import _average_gradients
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        module = torch.nn.Module()
+        for name in "abc":
+            module.register_parameter(name, torch.nn.Parameter(torch.ones(3)))
+        module._trainer = types.SimpleNamespace(world_size=2)
+        if rank == 0:
+            module.a.grad = torch.tensor([2.0, 4.0, 6.0])
+        module.b.grad = torch.full((3,), float(rank + 1))
+        total = _average_gradients(module, terms=3 if rank == 0 else 0)
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+        torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.5).step()
+        weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        torch.save({"total": total, "grads": grads, "weights": weights}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_average_over_the_parameters_some_rank_trained(tmp_path):
+    """Ranks that kept different numbers of samples (``filter_zero_std``: rank 1 none) or trained different
+    parameters: each parameter's gradient is the sum over the ranks that have one divided by the world size (DDP's
+    mean, a missing one counting as zero), the same on both ranks; a parameter no rank trained keeps no gradient, so
+    AdamW's weight decay leaves it exactly as it was (a zero gradient would have decayed it, 1 -> 0.95); the returned
+    count is both ranks' terms. By hand: a = (2, 4, 6) / 2, b = (1 + 2) / 2."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_average_on_two_ranks, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["total"] == 3
+        torch.testing.assert_close(r["grads"]["a"], torch.tensor([1.0, 2.0, 3.0]), rtol=0, atol=0)
+        torch.testing.assert_close(r["grads"]["b"], torch.full((3,), 1.5), rtol=0, atol=0)
+        assert r["grads"]["c"] is None
+        assert torch.equal(r["weights"]["c"], torch.ones(3))
+        assert not torch.equal(r["weights"]["a"], torch.ones(3))
+    for name in "abc":
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name

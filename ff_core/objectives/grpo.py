@@ -393,11 +393,13 @@ class GRPOObjective(Objective):
                     for t in r.trajectory.transitions:
                         loss = self.transition_loss(adapter, r, t, stats)
                         module.manual_backward(loss * r.kept / terms)
-                _average_gradients(module, terms)
-                if self.max_grad_norm is not None:
-                    module.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
-                                          gradient_clip_algorithm="norm")  # fmt: skip
-                optimizer.step()
+                if _average_gradients(module, terms) == 0:  # no rank kept a sample (filter_zero_std)
+                    _count_step_without_stepping(optimizer)
+                else:
+                    if self.max_grad_norm is not None:
+                        module.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
+                                              gradient_clip_algorithm="norm")  # fmt: skip
+                    optimizer.step()
                 optimizer.zero_grad()
                 if scheduler is not None:
                     scheduler.step()
@@ -518,35 +520,48 @@ def _take_over_gradient_sync(module: Any) -> None:
     wrapper.require_backward_grad_sync = False
 
 
-def _average_gradients(module: Any, terms: int = 1) -> None:
-    """Average the trainable parameters' gradients over the data-parallel ranks (one flat all-reduce).
+def _average_gradients(module: Any, terms: int) -> int:
+    """Average the trainable parameters' gradients over the data-parallel ranks; returns the (sample, transition)
+    terms back-propagated for the step on all ranks together (``terms`` on one process).
 
-    ``terms``: the (sample, transition) terms this rank back-propagated for the step. A rank that had none (its samples
-    all filtered out, ``filter_zero_std``) contributes zeros; when no rank had any, the gradients are left unset
-    (``None``), so the optimiser step changes neither the weights nor its state (torch optimisers skip parameters
-    without a gradient), as on one process.
+    ``terms``: this rank's. With ``filter_zero_std`` ranks may have trained on different numbers of samples, none at
+    all, or (Wan2.2 A14B, LoRA on both experts) on different experts, so the set of parameters holding a gradient can
+    differ between ranks. One small all-reduce first sums, per parameter, whether a rank has its gradient (and the
+    terms); the gradients are then averaged over exactly the parameters some rank trained (a rank without one adds
+    zeros), in one flat all-reduce of the same tensors on every rank. A parameter no rank trained keeps no gradient
+    (``None``), so the optimiser leaves it and its state alone, as on one process: a zero gradient would not (AdamW's
+    weight decay and momentum still move it).
     """
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
-        return
+        return terms
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:  # every rank all-reduces the same tensors
+    flags = torch.tensor([float(p.grad is not None) for p in params] + [float(terms)], device=params[0].device)
+    dist.all_reduce(flags)
+    trained = [p for p, had in zip(params, flags[:-1].tolist()) if had > 0]
+    for p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    count = torch.tensor([float(terms)], device=grads[0].device, dtype=grads[0].dtype)
-    flat = _flatten_dense_tensors([*grads, count])
-    dist.all_reduce(flat)
-    if flat[-1] == 0:  # no rank trained on anything this step
-        for p in params:
-            p.grad = None
-        return
-    flat /= trainer.world_size
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, [*grads, count])):
-        g.copy_(synced)
+    if trained:
+        grads = [p.grad for p in trained]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= trainer.world_size
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+    return int(flags[-1].item())
+
+
+def _count_step_without_stepping(optimizer: Any) -> None:
+    """Count an optimiser step in Lightning's loop (``trainer.global_step``, hence ``max_steps`` and the schedules)
+    without calling the optimiser: nothing was back-propagated on any rank, and a step with no gradient would trip a
+    ``GradScaler`` (``trainer.precision: 16-mixed``: "No inf checks were recorded"). These are the two hooks
+    ``LightningOptimizer.step`` runs around the strategy's step under manual optimisation."""
+    optimizer._on_before_step()
+    optimizer._on_after_step()
 
 
 def _progress(module: Any, done: int, total: int) -> None:
