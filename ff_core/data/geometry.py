@@ -58,8 +58,8 @@ class MediaGeometry:
         fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
         start: seconds into the clip (on its clock) where the grid starts.
         frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.clip_source_frames`): ``nearest``
-            (the nearest source frame, ties to the later one), ``fps_filter`` (ffmpeg's ``fps`` filter, MiniMax H3's
-            official decode) or ``floor`` (the frame at or before, ff's rule before issue 23).
+            (the nearest source frame, ``np.rint``: ties to the even one), ``fps_filter`` (ffmpeg's ``fps`` filter,
+            MiniMax H3's official decode) or ``floor`` (the frame at or before, ff's rule before issue 23).
     """
 
     height: int

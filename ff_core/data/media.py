@@ -261,14 +261,16 @@ def clip_source_frames(
 
     Rules (``x = t_k * clock_fps``, the grid time in source frames):
 
-    * ``nearest`` (default): the source frame nearest to ``t_k``, ``floor(x + 1/2)``; an exact half-frame tie goes to
-      the later frame. It is ``np.rint(x)`` (the "nearest source frame" rule of issue 23) except at such ties, where
-      ``np.rint`` rounds to the even frame.
+    * ``nearest`` (default): the source frame nearest to ``t_k``, ``np.rint(x)``: an exact half-frame tie goes to the
+      even frame, as Flow-Factory's LTX-2 codec (``prepare_ltx2_target_video``: ``np.rint(arange(n) * src_fps /
+      frame_rate)``) takes it. Ties are found on the exact grid position (within 1e-6 of a frame), so float noise in
+      ``start + k / fps`` never decides them.
     * ``fps_filter``: ffmpeg's ``fps`` filter (libavfilter/vf_fps.c, default ``round=near``; MiniMax H3's official
       decode, and diffusers' ``MiniMaxH3Ref2VASetupStep._normalize_video_condition``): every source frame goes to the
       grid slot nearest its own time (half away from zero) and slot ``k`` shows the last frame that went to it or
-      before, ``ceil(x + clock_fps / (2 fps)) - 1``. Equal to ``nearest`` at 30 -> 24 fps (ties included); at 60 -> 24
-      fps it takes the last of the frames a slot collects (1, 3, 6, 8, ... where ``nearest`` takes 0, 3, 5, 8, ...),
+      before, ``ceil(x + clock_fps / (2 fps)) - 1``. Equal to ``nearest`` at 30 -> 24 fps but at the ties whose
+      earlier frame is the even one (grid frames 2, 10, 18, ...: ffmpeg rounds half away from zero); at 60 -> 24
+      fps it takes the last of the frames a slot collects (1, 3, 6, 8, ... where ``nearest`` takes 0, 2, 5, 8, ...),
       and other rates can part by a frame too (24 -> 30 fps: grid frame 2 holds source frame 1, the nearest is 2).
     * ``floor``: the frame at or before ``t_k``, ``floor(x)`` (ff before issue 23; torchvision's
       ``_resample_video_idx`` and Flow-Factory's ``load_video_frames``: ``int(i * step)``).
@@ -289,7 +291,9 @@ def clip_source_frames(
     for k in range(num_frames):
         x = (start + k / rate) * clock_fps
         if rule == "nearest":
-            out.append(int(np.floor(x + 0.5 + _EPS)))
+            below = int(np.floor(x + _EPS))
+            tie = abs(x - below - 0.5) <= _EPS
+            out.append(below + (below % 2) if tie else int(np.floor(x + 0.5)))
         elif rule == "fps_filter":
             out.append(int(np.ceil(x + clock_fps / (2 * rate) - _EPS)) - 1)
         else:

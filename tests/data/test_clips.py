@@ -33,8 +33,8 @@ def mp4(tmp_path_factory) -> Path:
     ("num_frames", "fps", "start", "clock", "expected"),
     [
         (5, 12.0, 0.0, 24.0, [0, 2, 4, 6, 8]),  # half rate: every other frame
-        (5, 16.0, 0.0, 24.0, [0, 2, 3, 5, 6]),  # t_k = k/16 -> 1.5 k: nearest frame, a half-frame tie to the later
-        (5, 48.0, 0.0, 24.0, [0, 1, 1, 2, 2]),  # double rate: frames repeat (0.5 -> 1, 1.5 -> 2: ties)
+        (5, 16.0, 0.0, 24.0, [0, 2, 3, 4, 6]),  # t_k = k/16 -> 1.5 k: np.rint, a half-frame tie to the even frame
+        (5, 48.0, 0.0, 24.0, [0, 0, 1, 2, 2]),  # double rate: frames repeat (ties 0.5 -> 0, 1.5 -> 2: even)
         (3, 10.0, 0.25, 24.0, [6, 8, 11]),  # t = 0.25, 0.35, 0.45 -> 6, 8.4, 10.8
         (4, None, 0.5, 24.0, [12, 13, 14, 15]),  # the clip's own rate
         (3, 6.0, 0.0, 12.0, [0, 2, 4]),  # a declared 12 fps clock on any file
@@ -56,10 +56,10 @@ def test_floor_rule_keeps_the_frame_at_or_before(num_frames, fps, start, clock, 
 
 
 def test_clip_decodes_the_grid_frames_and_only_the_window(mp4):
-    # t_k = 0.5 + k/16 at 24 fps: 12 + 1.5 k, to the nearest frame (half-frame ties to the later)
+    # t_k = 0.5 + k/16 at 24 fps: 12 + 1.5 k, to the nearest frame (np.rint: half-frame ties to the even one)
     clip = decode_clip(mp4, num_frames=5, fps=16.0, start=0.5)
     assert clip.frames.shape == (5, 16, 16, 3) and clip.frames.dtype == torch.uint8
-    assert source_of(clip.frames) == [12, 14, 15, 17, 18] == clip.source_frames.tolist()
+    assert source_of(clip.frames) == [12, 14, 15, 16, 18] == clip.source_frames.tolist()
     assert clip.fps == 16.0 and clip.timestamps.tolist() == pytest.approx([0.5 + k / 16 for k in range(5)])
     # Seeks to the keyframe at 12 and stops after 18: 7 frames, not the file's 30 (a few more if the seek lands on
     # an earlier keyframe).

@@ -62,30 +62,33 @@ def test_fps_filter_rule_is_ffmpegs_fps_filter(clip, start):
 
 
 @pytest.mark.parametrize("start", [0.0, 0.5])
-def test_nearest_rule_is_rint_except_that_ties_go_to_the_later_frame(clip, start):
+def test_nearest_rule_is_rint(clip, start):
+    """``nearest`` is ``np.rint`` of the grid position, ties to the even frame (Flow-Factory's LTX-2 codec,
+    ``np.rint(arange(n) * src_fps / frame_rate)``, transcribed with the start offset); the decoded frames carry
+    those indices."""
     path, clock = clip
     n = 16 if start == 0 else 6
     decoded = decode_clip(path, num_frames=n, fps=float(GRID), start=start)  # the default rule: nearest
     ours = decoded.source_frames.tolist()
-    assert [index_of(f) for f in decoded.frames.numpy()] == ours
-    for k, (mine, rint) in enumerate(zip(ours, rint_frames(n, start, clock))):
-        if is_half(k, Fraction(start), clock):
-            assert mine == int(np.floor((start + k / GRID) * clock)) + 1, k  # the later of the two
-        else:
-            assert mine == rint, k
+    assert [index_of(f) for f in decoded.frames.numpy()] == ours == rint_frames(n, start, clock)
+    if start == 0:
+        assert ours == [int(i) for i in np.rint(np.arange(n) * clock / GRID)]  # Flow-Factory's expression
 
 
 def test_where_ffmpeg_and_the_nearest_frame_part(clip):
-    """30 -> 24: ffmpeg equals ff's nearest (ties to the later frame) everywhere; 60 -> 24: ffmpeg takes the last
-    frame rounding into each slot, ``ceil((k + 1/2) * 60/24) - 1``, one or two frames after the nearest."""
+    """30 -> 24: ffmpeg equals the nearest frame except at the half-frame ties whose earlier frame is even (grid
+    frames 2, 10: ffmpeg rounds half away from zero, rint to even); 60 -> 24: ffmpeg takes the last frame rounding
+    into each slot, ``ceil((k + 1/2) * 60/24) - 1``, one or two frames after the nearest."""
     path, clock = clip
     reference = ffmpeg_fps(path, GRID, 0.0)[:16]
     nearest = clip_source_frames(16, float(GRID), 0.0, float(clock))
     if clock == 30:
-        assert reference == nearest
-        assert [k for k in range(16) if is_half(k, Fraction(0), clock)] == [2, 6, 10, 14]  # where rint differs
+        ties = [k for k in range(16) if is_half(k, Fraction(0), clock)]
+        assert ties == [2, 6, 10, 14]
+        assert [k for k in range(16) if reference[k] != nearest[k]] == [2, 10]
+        assert all(reference[k] == nearest[k] + 1 for k in (2, 10))
     else:
-        assert reference[:6] == [1, 3, 6, 8, 11, 13] and nearest[:6] == [0, 3, 5, 8, 10, 13]
+        assert reference[:6] == [1, 3, 6, 8, 11, 13] and nearest[:6] == [0, 2, 5, 8, 10, 12]
 
 
 def test_fps_filter_rule_upsampling_24_to_30(tmp_path):

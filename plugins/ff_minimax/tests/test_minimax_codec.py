@@ -129,7 +129,7 @@ def test_target_frames_are_put_on_the_grid_as_ffmpegs_fps_filter_does(adapter, t
     Reference: a real ``fps=24`` filter graph (:func:`ff_core.testing.clips.fps_filter_frames`) over a 60-fps clip
     whose frame ``k`` is the grey level ``3 k``; the training path's decode (:func:`decode_target` on the adapter's
     geometry) must give the same source frames. At 60 -> 24 fps ffmpeg's slots show frames 1, 3, 6, 8, ... where the
-    nearest rule takes 0, 3, 5, 8, ...: the test fails under any other rule. The grey levels wrap after frame 85 (the
+    nearest rule takes 0, 2, 5, 8, ...: the test fails under any other rule. The grey levels wrap after frame 85 (the
     clip has 316), so the first 32 grid frames (source frames up to 78) are compared by index."""
     import numpy as np
 
@@ -150,7 +150,7 @@ def test_target_frames_are_put_on_the_grid_as_ffmpegs_fps_filter_does(adapter, t
     got = [round(float(np.asarray(f, dtype=np.float64).mean()) / step) for f in clip.frames]
     assert len(got) == TINY_FRAMES and len(reference) == TINY_FRAMES
     assert got[:compared] == reference[:compared] and max(reference[:compared]) * step < 256
-    assert got[:4] == [1, 3, 6, 8]  # not the nearest frames (0, 3, 5, 8)
+    assert got[:4] == [1, 3, 6, 8]  # not the nearest frames (0, 2, 5, 8)
     bucket = Bucket.from_config({"height": 32, "width": 32, "num_frames": 124, "fps": 24.0}, "data.buckets[0]")
     assert bucket.adopt_frame_rule("fps_filter").geometry.frame_rule == "fps_filter"
     own = Bucket.from_config({"height": 32, "width": 32, "frame_rule": "floor"}, "data.buckets[1]")
