@@ -644,9 +644,13 @@ class Adapter(nn.Module):
         steps on :meth:`sampling_schedules` (the pipeline's sampler where the checkpoint's scheduler is Euler).
 
         Default: :func:`ff_core.scheduler_sampling.checkpoint_schedulers` of the adapter's ``scheduler`` attribute, a
-        fresh copy per component, unless it is an Euler one (:data:`~ff_core.scheduler_sampling.EULER_SCHEDULERS`):
-        released Wan checkpoints' ``UniPCMultistepScheduler`` samples as ``WanPipeline`` does. A family whose
-        components have schedulers of their own returns one per component; one whose pipeline samples otherwise
+        fresh copy per component, unless it is an Euler one (:data:`~ff_core.scheduler_sampling.EULER_SCHEDULERS`)
+        or not a flow one (:func:`~ff_core.scheduler_sampling.is_flow_scheduler`: ``prediction_type`` other than
+        ``flow_prediction`` and no ``FlowMatch*`` class; an epsilon / v-prediction scheduler would misread the
+        velocity, so Euler it is, logged): released Wan checkpoints' ``UniPCMultistepScheduler`` samples as
+        ``WanPipeline`` does. Every component gets a copy of the ONE scheduler, so the same schedule: a family whose
+        components need schedules of their own (another shift per stream) overrides this method and returns one
+        scheduler per component; one whose pipeline samples otherwise
         than ``scheduler.step`` per timestep (or that cannot honour its masks with it) returns ``None`` and documents
         it. GRPO rollouts never call it (their steps are ff's SDE / ODE steps).
 

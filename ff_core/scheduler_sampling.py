@@ -21,6 +21,14 @@ that acts element by element (every diffusers flow scheduler without ``threshold
 see exactly the pipeline's inputs (the pipelines feed the pinned values to the denoiser and overwrite them at the
 end); a thresholding scheduler on a masked state is refused.
 
+Only a *flow* scheduler is taken (:func:`is_flow_scheduler`: ``config.prediction_type == "flow_prediction"``, as
+UniPC / DPM-Solver / DEIS with flow sigmas, or a ``FlowMatch*`` class such as ``FlowMatchHeunDiscreteScheduler``): the
+loop feeds it velocities. A checkpoint whose scheduler predicts ``epsilon``, ``v_prediction`` or ``sample`` (a
+third-party adapter carrying a DDPM-era scheduler) would turn them into garbage silently, so it keeps ff's Euler path
+(one info line names the class and why). The default gives every latent component a copy of the ONE checkpoint
+scheduler (same shift); an adapter whose components need schedules of their own (another shift for an audio stream)
+overrides :meth:`~ff_core.adapter.Adapter.sampling_schedulers` and builds one per component.
+
 GRPO rollouts keep ff's Euler / SDE steps (:func:`ff_core.sampling.sample_sde`): their log-probabilities are those
 steps' Gaussians. ``model.sampling.scheduler: euler`` keeps Euler for evaluation too (at the checkpoint scheduler's
 shift, :meth:`~ff_core.adapter.Adapter.sampling_sigmas`).
@@ -28,6 +36,8 @@ shift, :meth:`~ff_core.adapter.Adapter.sampling_sigmas`).
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, Condition, LatentState
     from ff_core.sampling import Guidance
+
+log = logging.getLogger(__name__)
 
 SamplingScheduler = Literal["checkpoint", "euler"]
 SAMPLING_SCHEDULERS: tuple[str, ...] = ("checkpoint", "euler")
@@ -49,12 +61,33 @@ def is_euler_scheduler(scheduler: Any) -> bool:
     return any(cls.__name__ in EULER_SCHEDULERS for cls in type(scheduler).__mro__)
 
 
+def is_flow_scheduler(scheduler: Any) -> bool:
+    """Whether ``scheduler`` takes a velocity in ``step``: its config's ``prediction_type`` is ``flow_prediction``
+    (UniPC, DPM-Solver, DEIS, SA-Solver with flow sigmas: Wan's), or its class or a base is a ``FlowMatch*`` one
+    (``FlowMatchHeunDiscreteScheduler``, ``FlowMatchLCMScheduler``: no ``prediction_type``, velocity by design)."""
+    config = getattr(scheduler, "config", None) or {}
+    if config.get("prediction_type") == "flow_prediction":
+        return True
+    return any(cls.__name__.startswith("FlowMatch") for cls in type(scheduler).__mro__)
+
+
+@functools.lru_cache(maxsize=None)
+def _note_not_flow(name: str, prediction_type: str | None) -> None:
+    """One info line per scheduler class that the checkpoint path leaves to ff's Euler steps."""
+    log.info("model.sampling.scheduler: checkpoint: the checkpoint's %s (prediction_type %r) is not a flow scheduler "
+             "(its step takes no velocity); evaluation samples with ff's Euler steps", name, prediction_type)
+
+
 def checkpoint_schedulers(
     scheduler: Any, state: LatentState, num_steps: int, shift: float | None = None
 ) -> dict[str, Any] | None:
     """Per latent component of ``state``, a fresh copy of the checkpoint's ``scheduler`` with its timesteps set for
     ``num_steps`` steps on ``state``'s device; ``None`` when ff's Euler path is the pipeline's sampler already (no
-    scheduler, an Euler one, or an object without diffusers' ``set_timesteps`` / ``step``).
+    scheduler, an Euler one, or an object without diffusers' ``set_timesteps`` / ``step``) or the only one that fits
+    (a scheduler that is not a flow one, :func:`is_flow_scheduler`: its ``step`` would misread the velocity; logged).
+
+    Every component gets a copy of the same scheduler, so the same schedule (shift): an adapter whose components need
+    their own (another shift per stream) overrides :meth:`~ff_core.adapter.Adapter.sampling_schedulers`.
 
     Args:
         scheduler: the adapter's checkpoint scheduler (a diffusers ``SchedulerMixin``).
@@ -66,6 +99,9 @@ def checkpoint_schedulers(
     if scheduler is None or is_euler_scheduler(scheduler):
         return None
     if not all(callable(getattr(scheduler, name, None)) for name in ("set_timesteps", "step", "from_config")):
+        return None
+    if not is_flow_scheduler(scheduler):
+        _note_not_flow(type(scheduler).__name__, (getattr(scheduler, "config", None) or {}).get("prediction_type"))
         return None
     overrides: dict[str, Any] = {}
     if shift is not None:

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, MiniMaxH3Scheduler, UniPCMultistepScheduler
+from diffusers import (
+    DPMSolverMultistepScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FlowMatchHeunDiscreteScheduler,
+    MiniMaxH3Scheduler,
+    UniPCMultistepScheduler,
+)
 from torch import nn
 from torch.testing import assert_close
 
 from ff_core.adapter import Adapter, LatentState
 from ff_core.sampling import sample_ode
-from ff_core.scheduler_sampling import checkpoint_schedulers, is_euler_scheduler
+from ff_core.scheduler_sampling import _note_not_flow, checkpoint_schedulers, is_euler_scheduler
 
 
 def unipc(**kwargs) -> UniPCMultistepScheduler:
@@ -119,6 +125,81 @@ def test_what_the_checkpoint_path_cannot_honour_is_refused():
                                          r"UniPCMultistepScheduler thresholds whole samples.*scheduler: euler"):
         checkpoint_schedulers(unipc(thresholding=True), state, 4)
     with pytest.raises(ValueError, match=r"model\.sampling\.shift: the checkpoint's DDIMScheduler has no shift"):
-        checkpoint_schedulers(DDIMScheduler(), state, 4, shift=2.0)
+        checkpoint_schedulers(DDIMScheduler(prediction_type="flow_prediction"), state, 4, shift=2.0)
     with pytest.raises(ValueError, match=r"model\.sampling\.scheduler must be one of"):
         sample_ode(VideoAudio(None), {"c": torch.ones(1, 1)}, num_steps=2, scheduler="heun")
+
+
+@pytest.mark.parametrize("scheduler", [
+    UniPCMultistepScheduler(prediction_type="epsilon"),
+    UniPCMultistepScheduler(prediction_type="v_prediction", use_flow_sigmas=True, flow_shift=3.0),
+    DPMSolverMultistepScheduler(prediction_type="epsilon"),
+    DPMSolverMultistepScheduler(prediction_type="v_prediction"),
+])  # fmt: skip
+def test_a_scheduler_that_takes_no_velocity_keeps_ffs_euler_path(scheduler, caplog):
+    """An epsilon / v-prediction scheduler's ``step`` reads its model output as noise (or v): fed ff's velocity it
+    would give garbage silently. It keeps ff's Euler steps, bit for bit, and one info line says why."""
+    _note_not_flow.cache_clear()
+    adapter, cond = VideoAudio(scheduler), {"c": torch.tensor([[1.0], [-0.5]])}
+    with caplog.at_level("INFO", logger="ff_core.scheduler_sampling"):
+        assert adapter.sampling_schedulers(adapter.initial_noise(cond), 4) is None
+        assert adapter.sampling_schedulers(adapter.initial_noise(cond), 4, shift=2.0) is None  # Euler takes the shift
+    lines = [r.getMessage() for r in caplog.records if r.name == "ff_core.scheduler_sampling"]
+    assert len(lines) == 1 and type(scheduler).__name__ in lines[0] and "not a flow scheduler" in lines[0]
+    assert scheduler.config.prediction_type in lines[0]
+    a = sample_ode(adapter, cond, num_steps=4, generator=torch.Generator().manual_seed(1))
+    b = sample_ode(adapter, cond, num_steps=4, generator=torch.Generator().manual_seed(1), scheduler="euler")
+    for name in a.components:
+        assert torch.equal(a.components[name], b.components[name])
+
+
+@pytest.mark.parametrize("scheduler", [
+    unipc(),
+    DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+    FlowMatchHeunDiscreteScheduler(shift=3.0),
+])  # fmt: skip
+def test_flow_schedulers_sample_as_the_pipelines_loop(scheduler):
+    """``flow_prediction`` UniPC / DPM-Solver (Wan's) and a ``FlowMatch*`` class (Heun: two evaluations a step,
+    timesteps interleaved, its second-order stage keeping the first stage's sample) step as diffusers' loop does."""
+    adapter, cond = VideoAudio(scheduler), {"c": torch.tensor([[1.0], [-0.5]])}
+    copies = adapter.sampling_schedulers(adapter.initial_noise(cond), 3)
+    assert copies is not None and list(copies) == ["video", "audio"]
+    ours = sample_ode(adapter, cond, num_steps=3, generator=torch.Generator().manual_seed(4))
+    theirs = pipeline_loop(adapter, cond, 3, 4)
+    for name in ("video", "audio"):
+        assert_close(ours.components[name], theirs[name], rtol=0, atol=1e-6)
+    euler = sample_ode(adapter, cond, num_steps=3, generator=torch.Generator().manual_seed(4), scheduler="euler")
+    assert (euler.components["audio"] - theirs["audio"]).abs().max() > 1e-4
+
+
+def test_heun_is_heuns_method():
+    """FlowMatchHeunDiscreteScheduler through the loop is Heun's method on dx/dsigma = v (hand transcription: Euler
+    predictor to sigma_next, corrector with the mean of both slopes; the last step, to sigma 0, Euler) on the grid
+    diffusers' scheduling_flow_match_heun_discrete.py ``set_timesteps`` builds: ``linspace(1, sigma_min, N)`` shifted,
+    ``sigma_min`` the training table's last level ``shift(1/1000)``, then 0."""
+    steps, shift = 3, 3.0
+    adapter, cond = VideoAudio(FlowMatchHeunDiscreteScheduler(shift=shift)), {"c": torch.tensor([[1.0], [-0.5]])}
+    ours = sample_ode(adapter, cond, num_steps=steps, generator=torch.Generator().manual_seed(2))
+    state = adapter.initial_noise(cond, torch.Generator().manual_seed(2))
+    pinned, keep = state.components["video"].clone(), state.masks["video"].bool()
+    x = dict(state.components)
+    def shifted(s):
+        return shift * s / (1 + (shift - 1) * s)
+
+    sig = [float(shifted(s)) for s in torch.linspace(1.0, shifted(1e-3), steps).double()] + [0.0]
+
+    def vel(x, sigma):
+        inp = {"video": torch.where(keep, x["video"], pinned), "audio": x["audio"]}
+        return adapter.velocity(LatentState(inp), torch.full((2,), sigma), cond).components
+
+    for i in range(steps):
+        d1 = vel(x, sig[i])
+        pred = {k: x[k] + (sig[i + 1] - sig[i]) * d1[k] for k in x}
+        if sig[i + 1] == 0:
+            x = pred
+            continue
+        d2 = vel(pred, sig[i + 1])
+        x = {k: x[k] + (sig[i + 1] - sig[i]) * (d1[k] + d2[k]) / 2 for k in x}
+    x["video"] = torch.where(keep, x["video"], pinned)
+    for name in ("video", "audio"):
+        assert_close(ours.components[name], x[name], rtol=0, atol=1e-5)

@@ -9,10 +9,12 @@ tensors under the adapter's :attr:`~ff_core.adapter.Adapter.tensor_columns` name
 ``source`` (``file:line`` of the record). A recipe with ``data.datasets: [{tensor_parquet_dir: ROOT}]`` then trains
 without text encoders or VAE encodes (docs/datasets.md, "Training from tensor-parquet shards").
 
-The latents are a posterior sample of the VAE, as ``encode_output`` takes in training (diffusers' SD3 training
-scripts sample ``latent_dist`` too), drawn from a generator seeded by ``(--seed, first row of the batch)``: the
-same command writes the same shards. A stored sample is one fixed draw per record, reused every epoch; the VAE
-posteriors of the families ff supports are narrow, so this is close to the mode.
+The latents are what the adapter's ``encode_output`` returns in training, given a generator seeded by ``(--seed,
+first row of the batch)``: the same command writes the same shards. LTX-2 and MiniMax H3 take the VAE posterior's
+mode by default (adapter kwarg ``target_posterior: mode``, their reference trainers'), so ``--seed`` changes nothing
+for them; SD3 and Wan take a seeded posterior sample, as their training scripts do (diffusers'
+``train_dreambooth_sd3.py``: ``latent_dist.sample()``), one fixed draw per record reused every epoch (their VAE
+posteriors are narrow, so it is close to the mode).
 
 The shards are written into a hidden folder beside ``ROOT`` and published by one rename when every row is written:
 an interrupted run leaves no partial dataset, and an existing non-empty ``ROOT`` is refused unless ``--overwrite``.

@@ -20,6 +20,11 @@ epsilon-prediction errors, and a velocity error is ``(1 - sigma)^-2`` times the 
 Flow-DPO keeps beta constant across sigma rather than rescaling it per draw, which the authors found avoids
 over-optimising high noise levels; ff does the same.
 
+ff's default beta = 5000 acts on velocity errors: it is 50x flow_grpo's SD3 value (100) and 2.5x Flow-Factory's
+default (2000), and corresponds to Diffusion-DPO's ``beta_eps = 5000 / (1 - sigma)^2 = 80000`` at sigma 0.75, 16x
+Wallace et al.'s 5000 (much stronger). It is kept because the toy benchmark saturates alike for every beta >= 500
+(benchmarks/RESULTS.md, "Offline DPO"); take 100-2000 when porting a flow_grpo or Flow-Factory recipe.
+
 Spec ("Condition cache and target lifecycle"): one prepared condition serves both arms' encodes and all four
 forwards, so a stochastic condition cannot drift between the arms. The reference is the base with the LoRA disabled,
 or a frozen copy for full fine-tuning (:mod:`ff_core.objectives.reference`).
@@ -154,9 +159,11 @@ class DPOObjective(Objective):
         beta: KL-regularisation strength: the implicit rewards are ``-beta/2`` times the policy-minus-reference
             velocity error of each arm (errors as element means): flow_grpo's and Flow-Factory's beta, unchanged
             (flow_grpo SD3: 100). Diffusion-DPO's (5000 for SD1.5/SDXL, on epsilon errors) maps to
-            ``beta (1 - sigma)^2`` (:func:`velocity_beta`; ~1/16 at SD3.5's median sigma). The default 5000 is kept
-            from before issue 23 (the toy benchmark behaved alike for every beta >= 500). Larger keeps the policy
-            closer to the reference.
+            ``beta (1 - sigma)^2`` (:func:`velocity_beta`; ~1/16 at SD3.5's median sigma). The default 5000, on
+            velocity errors, is 50x flow_grpo's SD3 value (100) and 2.5x Flow-Factory's default (2000), i.e.
+            Diffusion-DPO's beta_eps = 5000 / (1 - 0.75)^2 = 80000 at sigma 0.75 (16x Wallace et al.'s 5000); it is
+            kept because the toy benchmark saturates alike for every beta >= 500. Take 100-2000 when porting a
+            flow_grpo or Flow-Factory recipe. Larger keeps the policy closer to the reference.
         timesteps: how noise levels are drawn per pair (logit-normal with the adapter's shift, or uniform).
         num_train_timesteps: independent Monte-Carlo (sigma, noise) draws averaged per microbatch.
         reference_offload: full fine-tuning only: keep the frozen reference denoiser in CPU memory and stream its
