@@ -243,3 +243,41 @@ def test_kill_during_overwrite_of_latent_shards_never_loses_the_root(exchange, t
                  "--data.datasets", datasets]) != 0  # fmt: skip  # refused: ROOT exists (again) and is not empty
     assert len(TensorParquetDataset(root)) == rows
     assert hidden(root.parent) == []
+
+
+def test_an_interrupted_two_rename_swap_is_recovered_and_leftovers_go(tmp_path):
+    """The states a kill leaves in a two-rename swap (POSIX rename(2) semantics, built by hand): the published folder
+    missing with the old one parked, or both present; the next writer's start restores or removes."""
+    from ff_core.atomic import remove_leftovers
+
+    out = tmp_path / "shards"
+    (tmp_path / ".shards.old").mkdir()
+    (tmp_path / ".shards.old" / "a.parquet").write_bytes(b"old")
+    (tmp_path / ".shards.k3j2x9").mkdir()  # a half-written new version
+    (tmp_path / ".last.ckpt.q1w2e3").write_bytes(b"partial")  # another output's temporary stays
+    remove_leftovers(out)
+    assert (out / "a.parquet").read_bytes() == b"old"
+    assert hidden(tmp_path) == [".last.ckpt.q1w2e3"]
+
+    (tmp_path / ".shards.old").mkdir()  # swap completed, the old one not yet removed
+    remove_leftovers(out)
+    assert (out / "a.parquet").read_bytes() == b"old" and hidden(tmp_path) == [".last.ckpt.q1w2e3"]
+
+
+def test_a_failed_checkpoint_write_keeps_the_old_file(tmp_path):
+    """AtomicCheckpointIO: an error while serialising leaves the previous file byte for byte and no temporary."""
+    from ff_core.callbacks.checkpoint import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 2}, path)
+    before = path.read_bytes()
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"global_step": 4, "x": Unpicklable()}, path)
+    assert path.read_bytes() == before and hidden(tmp_path) == []
+    assert torch.load(path, weights_only=False)["global_step"] == 2
