@@ -74,7 +74,7 @@ def check_lora_export(checkpoint_path: str | Path | None, checkpoint: dict[str, 
     record = checkpoint.get(EXPORT_KEY)
     if checkpoint_path is None or record is None or not Path(checkpoint_path).is_file():
         return
-    folder = lora_dir_for(checkpoint_path)
+    folder = lora_dir_for(Path(checkpoint_path).resolve())  # `last.ckpt` may link to the step's file (save_last="link")
     exported = read_export(folder)
     if folder.is_dir() and (exported is None or exported.get("id") != record["id"]):
         found = f"step {exported['step']}" if exported else "no export record"
@@ -140,7 +140,7 @@ class FlowCheckpoint(ModelCheckpoint):
         record, path = checkpoint.get(EXPORT_KEY), trainer.ckpt_path
         if record is None or path is None or trainer.state.fn != "fit":
             return
-        folder = lora_dir_for(path)
+        folder = lora_dir_for(Path(path).resolve())
         exported = read_export(folder)
         if exported is None or exported.get("id") != record["id"]:
             self._reexport = (folder, {**record, "checkpoint": Path(path).name})
