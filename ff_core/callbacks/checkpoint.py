@@ -65,14 +65,14 @@ def read_export(folder: Path) -> dict[str, Any] | None:
 def check_lora_export(checkpoint_path: str | Path | None, checkpoint: dict[str, Any]) -> None:
     """Refuse a checkpoint whose LoRA folder beside it holds another save's export (a run killed between the two
     writes): ``ConfigError`` on ``ckpt_path`` naming both steps. A checkpoint without a record or without a folder
-    (never exported, removed, or a file from before records) passes.
+    (never exported, removed, or written before records) passes. A sharded folder checkpoint is checked alike.
 
     Args:
         checkpoint_path: the loaded file (``trainer.ckpt_path``).
         checkpoint: its content.
     """
     record = checkpoint.get(EXPORT_KEY)
-    if checkpoint_path is None or record is None or not Path(checkpoint_path).is_file():
+    if checkpoint_path is None or record is None or not Path(checkpoint_path).exists():
         return
     folder = lora_dir_for(Path(checkpoint_path).resolve())  # `last.ckpt` may link to the step's file (save_last="link")
     exported = read_export(folder)
