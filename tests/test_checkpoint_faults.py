@@ -187,7 +187,8 @@ def test_kill_while_last_ckpt_is_written_leaves_the_previous_one_loadable(tiny_s
     assert hidden(ckpts) == [], "leftovers of the killed save"
 
 
-def test_kill_between_checkpoint_and_lora_export_is_caught_and_repaired(tiny_sd3, shapes_dir, tmp_path, capsys):
+def test_kill_between_checkpoint_and_lora_export_is_caught_and_repaired(tiny_sd3, shapes_dir, tmp_path, capsys,
+                                                                      caplog):
     """Item 3: SIGKILL between the two publications of the step-4 save (``last.ckpt`` and ``last.lora``). `ff predict`
     refuses the pair with one line naming both steps; the resume exports the checkpoint's LoRA again, and every later
     pair records one step (the checkpoint's LoRA tensors are the folder's)."""
@@ -207,7 +208,10 @@ def test_kill_between_checkpoint_and_lora_export_is_caught_and_repaired(tiny_sd3
     assert f"step {step}" in err and f"step {folder_step}" in err and str(lora) in err
     print(err)
 
-    assert main([*args, "--ckpt_path", str(last)]) == 0
+    with caplog.at_level("WARNING", logger="ff_core.callbacks.checkpoint"):
+        assert main([*args, "--ckpt_path", str(last)]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if "exported again" in r.getMessage()]
+    assert f"step {folder_step}, not step {step}" in warning  # re-exported before the first step
     checkpoint = torch.load(last, weights_only=False)
     assert checkpoint["global_step"] == 4 == export_step(lora)
     state = {k: v for k, v in checkpoint["state_dict"].items() if "lora_" in k}
