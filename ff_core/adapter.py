@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -741,7 +742,11 @@ class Adapter(nn.Module):
         return f"{Path(LORA_WEIGHT_NAME).stem}_{network}.safetensors", self.lora_prefix
 
     def save_loras(
-        self, directory: str | os.PathLike, state_dicts: dict[str, dict[str, Tensor]], configs: dict[str, LoraConfig]
+        self,
+        directory: str | os.PathLike,
+        state_dicts: dict[str, dict[str, Tensor]],
+        configs: dict[str, LoraConfig],
+        extra_files: dict[str, bytes] | None = None,
     ) -> dict[str, Path]:
         """Write every trained network's diffusers-loadable LoRA into one folder, published atomically (replaced
         whole if it exists); returns each network's file. See :meth:`save_lora` for one file's format and
@@ -751,6 +756,7 @@ class Adapter(nn.Module):
             directory: the folder to publish.
             state_dicts: per network (a key of :meth:`denoisers`), peft's state dict of its LoRA layers.
             configs: per network, the peft ``LoraConfig`` it was trained with.
+            extra_files: more files published in the same folder, by name (``FlowCheckpoint``'s ``ff_export.json``).
         """
         # diffusers' own writer, so the header is byte for byte what its loaders parse (loaders/lora_base.py).
         from diffusers.loaders.lora_base import LoraBaseMixin
@@ -759,22 +765,28 @@ class Adapter(nn.Module):
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         tmp.chmod(0o755)  # mkdtemp creates 0700; the published folder is an ordinary one
-        files = {}
-        for network, state_dict in state_dicts.items():
-            weight_name, prefix = self.lora_file(network)
-            tensors = {f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
-            metadata = {f"{prefix}.{k}": v for k, v in configs[network].to_dict().items()}
-            LoraBaseMixin.write_lora_layers(
-                state_dict=tensors,
-                save_directory=str(tmp),
-                is_main_process=True,
-                weight_name=weight_name,
-                save_function=None,
-                safe_serialization=True,
-                lora_adapter_metadata=metadata,
-            )
-            files[network] = directory / weight_name
-        replace_dir(tmp, directory)
+        try:
+            files = {}
+            for network, state_dict in state_dicts.items():
+                weight_name, prefix = self.lora_file(network)
+                tensors = {f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in state_dict.items()}
+                metadata = {f"{prefix}.{k}": v for k, v in configs[network].to_dict().items()}
+                LoraBaseMixin.write_lora_layers(
+                    state_dict=tensors,
+                    save_directory=str(tmp),
+                    is_main_process=True,
+                    weight_name=weight_name,
+                    save_function=None,
+                    safe_serialization=True,
+                    lora_adapter_metadata=metadata,
+                )
+                files[network] = directory / weight_name
+            for name, data in (extra_files or {}).items():
+                (tmp / name).write_bytes(data)
+            replace_dir(tmp, directory)  # fsyncs, then one atomic exchange (ff_core.atomic)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return files
 
     def save_lora(self, directory: str | os.PathLike, state_dict: dict[str, Tensor], config: LoraConfig) -> Path:

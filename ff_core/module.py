@@ -532,6 +532,10 @@ class FlowModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
+        if self._trainer is not None and self._trainer.state.fn != "fit":  # a resume exports the LoRA again
+            from ff_core.callbacks.checkpoint import check_lora_export
+
+            check_lora_export(self._trainer.ckpt_path, checkpoint)  # the LoRA folder beside it is the same save
         self._check_optimizer_numbering(checkpoint)
         if "state_dict" not in checkpoint:
             # FSDP1, FSDP2 and DeepSpeed load the tensors themselves and drop "state_dict" before this hook: compare

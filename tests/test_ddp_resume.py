@@ -105,7 +105,7 @@ def runs(tiny_sd3, shapes_dir, tmp_path_factory):
     timings["uninterrupted"] = time.monotonic() - start
 
     # A runs towards a far-away max_steps and is SIGKILLed once its step-2 checkpoint is complete (FlowCheckpoint
-    # publishes the .lora folder after the .ckpt file is written), whatever step it has reached by then.
+    # exports the .lora folder first, then renames the whole .ckpt file into place), whatever step it has reached.
     start = time.monotonic()
     proc = ff_fit(tiny_sd3, shapes_dir, killed, 1000)
     ckpt = None

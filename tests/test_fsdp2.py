@@ -165,8 +165,11 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
         while ckpt is None:
             assert all(proc.poll() is None for proc in procs), log_tail(killed)
             assert time.monotonic() - begin < 300, "no step-2 checkpoint within 300 s"
-            done = [p for p in (killed / "ckpt").glob(f"*step={KILL_AT}.ckpt") if p.with_suffix(".lora").is_dir()]
-            ckpt = done[0] if done else None
+            # The step's file is complete once `last.lora` holds that step: FlowCheckpoint exports each LoRA before
+            # its checkpoint, and the last.* pair after the step's own pair.
+            export = killed / "ckpt" / "last.lora" / "ff_export.json"
+            done = export.is_file() and json.loads(export.read_text())["step"] == KILL_AT
+            ckpt = next((killed / "ckpt").glob(f"*step={KILL_AT}.ckpt")) if done else None
             time.sleep(0.05)
     finally:
         kill(procs)

@@ -4,19 +4,48 @@
 family's diffusers pipeline (``pipe.load_lora_weights(folder)``) at the trained scale ``alpha / rank``: the file's
 ``lora_adapter_metadata`` holds the peft config the run applied. An adapter with several trained networks
 (``Adapter.denoisers()``) gets one file per network in the same folder (``Adapter.lora_file``: Wan2.2's second expert
-is ``pytorch_lora_weights_transformer_2.safetensors``). Both are published atomically.
+is ``pytorch_lora_weights_transformer_2.safetensors``).
+
+What a kill leaves (docs/scaling.md, "Checkpoints and LoRA exports"):
+
+* **A checkpoint file is never half written**: :class:`AtomicCheckpointIO` writes it to a temporary beside it, fsyncs
+  and renames it (:func:`ff_core.atomic.open_atomic`), where Lightning's writer goes through ``$TMPDIR`` and
+  ``shutil.move``, which copies in place across filesystems. The LoRA folder is published by one atomic exchange
+  (:func:`ff_core.atomic.replace_dir`).
+* **A pair is checked**: the LoRA is exported first, then the checkpoint, each recording the same export (step and a
+  random id: ``ff_export.json`` in the folder, :data:`EXPORT_KEY` in the checkpoint). A kill between the two leaves the
+  folder one save ahead: resuming from the checkpoint re-exports its LoRA; ``ff predict|validate|test`` refuse the
+  mismatched pair with one line naming both steps (:func:`check_lora_export`).
+* **Leftovers are removed** when a run starts: hidden temporaries of checkpoints and exports, and an interrupted
+  folder swap is recovered (:func:`ff_core.atomic.remove_leftovers`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ff_core.atomic import open_atomic, remove_leftovers
+from ff_core.errors import ConfigError
 from ff_core.module import lora_configs, lora_state_dicts
 from ff_core.sharding import summoned
+
+log = logging.getLogger(__name__)
+
+EXPORT_KEY = "ff_lora_export"
+"""The checkpoint entry naming the LoRA export written with it: ``{"step": int, "id": str}``."""
+EXPORT_FILE = "ff_export.json"
+"""The file in a LoRA folder naming its export, as :data:`EXPORT_KEY` does (plus the checkpoint's file name)."""
 
 
 def lora_dir_for(checkpoint_path: str | Path) -> Path:
@@ -24,21 +53,118 @@ def lora_dir_for(checkpoint_path: str | Path) -> Path:
     return path.with_name(path.stem + ".lora")
 
 
+def read_export(folder: Path) -> dict[str, Any] | None:
+    """The export record of a LoRA folder, ``None`` for a folder without one (missing, or written before ff recorded
+    them)."""
+    try:
+        return json.loads((Path(folder) / EXPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_lora_export(checkpoint_path: str | Path | None, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose LoRA folder beside it holds another save's export (a run killed between the two
+    writes): ``ConfigError`` on ``ckpt_path`` naming both steps. A checkpoint without a record or without a folder
+    (never exported, removed, or written before records) passes. A sharded folder checkpoint is checked alike.
+
+    Args:
+        checkpoint_path: the loaded file (``trainer.ckpt_path``).
+        checkpoint: its content.
+    """
+    record = checkpoint.get(EXPORT_KEY)
+    if checkpoint_path is None or record is None or not Path(checkpoint_path).exists():
+        return
+    folder = lora_dir_for(Path(checkpoint_path).resolve())  # `last.ckpt` may link to the step's file (save_last="link")
+    exported = read_export(folder)
+    if folder.is_dir() and (exported is None or exported.get("id") != record["id"]):
+        found = f"step {exported['step']}" if exported else "no export record"
+        raise ConfigError("ckpt_path", f"{checkpoint_path} holds step {record['step']} but the LoRA folder {folder} "
+                          f"beside it holds {found} (a run stopped between the two writes): resume from the "
+                          f"checkpoint (ff fit --ckpt_path) to export its LoRA again, or remove {folder}")  # fmt: skip
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` writing a local checkpoint through a temporary file beside it, fsynced and
+    renamed over it (:func:`ff_core.atomic.open_atomic`): a kill leaves the old file or the new one. Remote paths
+    (``s3://``...) keep Lightning's writer. :class:`FlowCheckpoint` installs it in place of the default one; name it
+    in ``trainer.plugins`` to use it without that callback."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        with open_atomic(path) as f:
+            torch.save(checkpoint, f)
+
+
 class FlowCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that also exports the LoRA of a FlowModule trained with ``model.lora``.
+    """``ModelCheckpoint`` that also exports the LoRA of a FlowModule trained with ``model.lora``, writes every file
+    atomically and keeps each checkpoint and its export in step (see the module docstring).
 
     Accepts every argument of :class:`lightning.pytorch.callbacks.ModelCheckpoint`.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._export: dict[str, Any] | None = None  # the record of the export being paired with a checkpoint
+        self._reexport: tuple[Path, dict[str, Any]] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a user's plugin stays
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if stage == "fit" and trainer.is_global_zero and self.dirpath and Path(self.dirpath).is_dir():
+            # `.NAME.XXXXXXXX` (a temporary) or `.NAME.old` (a parked folder) of a checkpoint or an export
+            hidden = (re.fullmatch(r"\.(.+\.(?:ckpt|lora))\.[^.]+", e.name) for e in Path(self.dirpath).iterdir())
+            for name in sorted({m.group(1) for m in hidden if m}):
+                for removed in remove_leftovers(Path(self.dirpath) / name):
+                    log.info("removed %s (left by an interrupted save)", removed)
+        trainer.strategy.barrier("ff_checkpoint_leftovers")
+
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
         module = trainer.lightning_module
         if getattr(module, "lora", None) is None or module.adapter is None:
+            return super()._save_checkpoint(trainer, filepath)
+        record = {"step": trainer.global_step, "id": uuid.uuid4().hex}
+        self._write_lora(trainer, lora_dir_for(filepath), record, Path(filepath).name)  # the export first, then
+        self._export = record  # the checkpoint recording it (on_save_checkpoint)
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        finally:
+            self._export = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._export is not None:
+            checkpoint[EXPORT_KEY] = dict(self._export)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        record, path = checkpoint.get(EXPORT_KEY), trainer.ckpt_path
+        if record is None or path is None or trainer.state.fn != "fit":
             return
+        folder = lora_dir_for(Path(path).resolve())
+        exported = read_export(folder)
+        if exported is None or exported.get("id") != record["id"]:
+            self._reexport = (folder, {**record, "checkpoint": Path(path).name})
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Resuming from a checkpoint whose LoRA folder is missing or holds another save: export its LoRA again,
+        from the weights just restored."""
+        if self._reexport is None:
+            return
+        (folder, record), self._reexport = self._reexport, None
+        if getattr(pl_module, "lora", None) is not None and pl_module.adapter is not None:
+            if trainer.is_global_zero:
+                found = read_export(folder)
+                log.warning("%s: the LoRA export beside the checkpoint holds %s, not step %d: exported again",
+                            folder, f"step {found['step']}" if found else "nothing", record["step"])
+            self._write_lora(trainer, folder, record, record["checkpoint"])
+
+    def _write_lora(self, trainer: L.Trainer, folder: Path, record: dict[str, Any], checkpoint_name: str) -> None:
+        module = trainer.lightning_module
         with summoned(trainer.strategy.model):  # FSDP1: full parameters; FSDP2's shards are gathered per tensor
             states = lora_state_dicts(module.adapter)  # every rank takes part in the gathering
         if trainer.is_global_zero:  # one file per trained network (Adapter.lora_file)
-            module.adapter.save_loras(lora_dir_for(filepath), states, lora_configs(module.adapter))
+            meta = json.dumps({"step": record["step"], "id": record["id"], "checkpoint": checkpoint_name}).encode()
+            module.adapter.save_loras(folder, states, lora_configs(module.adapter), extra_files={EXPORT_FILE: meta})
         trainer.strategy.barrier("ff_lora_export")
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:

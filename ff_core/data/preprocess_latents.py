@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
+from ff_core.atomic import remove_leftovers, replace_dir
 from ff_core.data.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         print(f"ff data preprocess-latents: --rows-per-file must be >= 1, got {args.rows_per_file}", file=out)
         return EXIT_INVALID
     output = Path(args.output).expanduser()
+    remove_leftovers(output)  # an interrupted run's temporaries; a swap it left half done is put back first
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
         print(f"ff data preprocess-latents: --output {output}: exists and is not empty; pass --overwrite to replace "
               "it", file=out)
@@ -143,8 +145,6 @@ def write_latent_shards(
         progress: show a progress bar (``None``: only on a terminal).
     """
     from tqdm.auto import tqdm
-
-    from ff_core.atomic import replace_dir
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
