@@ -155,7 +155,7 @@ def main() -> None:
 
     rows = []
     for label, module in (("reference (demo SFT model)", base), (f"offline DPO, {args.steps} steps", trained)):
-        samples = generate(module, prompts, args.seeds, args.sample_steps)
+        samples = generate(module, prompts, args.seeds, args.sample_steps, encoder=base)  # the trained one's released
         counts = shares(samples, pair)
         rows.append((label, counts, sum(counts.values())))
     grid = args.out / "dpo_samples.png"  # the DPO model's first seed, one image per test prompt

@@ -34,11 +34,15 @@ def load_trained_and_base(ckpt: Path) -> tuple[FlowModule, FlowModule]:
 
 
 @torch.no_grad()
-def generate(module: FlowModule, prompts: list[str], seeds: int, steps: int) -> list[tuple[str, torch.Tensor]]:
+def generate(module: FlowModule, prompts: list[str], seeds: int, steps: int,
+             encoder: FlowModule | None = None) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(prompt, first output media)`` for every seed and prompt, seed-major (seed ``s`` samples with
-    ``torch.Generator().manual_seed(s)``)."""
+    ``torch.Generator().manual_seed(s)``). ``encoder``: a module whose adapter encodes the prompts, for a ``module``
+    that trained from the condition cache (``ff fit`` released its frozen text encoders); its encoders must be
+    ``module``'s (the same base)."""
     adapter = module.adapter.eval()
-    conditions = adapter.preprocess([ConditionInput(p) for p in prompts])
+    source = (encoder or module).adapter.eval()
+    conditions = source.preprocess([ConditionInput(p) for p in prompts])
     batch = torch.utils.data.default_collate(conditions)
     out = []
     for seed in range(seeds):
