@@ -1,0 +1,63 @@
+"""One line, at once, instead of a traceback or a long wait (issue 24 item 11, in part): a missing local checkpoint
+path, GRPO with DataLoader workers, a manifest that is not UTF-8."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ff_core.errors import ConfigError
+from ff_core.pretrained import checkpoint_problem, load_pretrained
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
+KEY = "model.pretrained_model_name_or_path"
+
+
+def online_env(**extra) -> dict[str, str]:
+    """The environment of a user with the hub switched on but unreachable (a closed local port, no DNS wait): where
+    huggingface_hub retries five times (1 + 2 + 4 + 8 + 8 s) before giving up."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    return {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "1", **extra}
+
+
+class SchedulerOnly:
+    name = "scheduler-only"
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        raise AssertionError("the hub must not be asked")
+
+
+def test_a_missing_folder_under_an_existing_one_is_a_local_path(tmp_path, monkeypatch):
+    """``build/tiny-sd3`` with ``build/`` here: a local folder that was not built, refused without asking the hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()
+    problem = ("'build/tiny-sd3' is not a folder (no such directory: {}/build/tiny-sd3; 'build/' is a folder here, so "
+               "this names a local path, not a hub id; the hub was not asked)").format(tmp_path)
+    assert checkpoint_problem("build/tiny-sd3") == problem
+    with pytest.raises(ConfigError) as err:
+        load_pretrained(SchedulerOnly, "build/tiny-sd3", {})
+    assert str(err.value) == f"{KEY}: {problem}"
+    # Without the local folder it may be a hub id (org 'ff-tests'): left to the hub, as before.
+    assert checkpoint_problem("ff-tests/tiny-sd3") is None
+
+
+def test_ff_fit_with_a_missing_local_checkpoint_fails_at_once_online(shapes_dir, tmp_path):
+    """A real ``ff fit`` with the hub switched on: today ~30 s of hub retries, then 'nor a reachable hub id'."""
+    (tmp_path / "build").mkdir()
+    datasets = json.dumps([{"name": "s", "dataset_dir": str(shapes_dir)}])
+    args = ["fit", "--config", str(RECIPE), "--data.datasets", datasets,
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false", "--trainer.max_steps",
+            "1", "--model.pretrained_model_name_or_path", "build/tiny-sd3"]
+    result = subprocess.run([sys.executable, "-m", "ff_core.cli", *args], capture_output=True, text=True,
+                            env=online_env(), cwd=tmp_path, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        f"ff fit: {KEY}: 'build/tiny-sd3' is not a folder (no such directory: {tmp_path}/build/tiny-sd3; 'build/' is "
+        "a folder here, so this names a local path, not a hub id; the hub was not asked)")
+    # Today: "Retrying in 1s [Retry 1/5]" ... (1 + 2 + 4 + 8 + 8 s of back-off) before the error.
+    assert "Retrying" not in result.stderr and "127.0.0.1:9" not in result.stderr
