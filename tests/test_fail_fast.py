@@ -61,3 +61,43 @@ def test_ff_fit_with_a_missing_local_checkpoint_fails_at_once_online(shapes_dir,
         "a folder here, so this names a local path, not a hub id; the hub was not asked)")
     # Today: "Retrying in 1s [Retry 1/5]" ... (1 + 2 + 4 + 8 + 8 s of back-off) before the error.
     assert "Retrying" not in result.stderr and "127.0.0.1:9" not in result.stderr
+
+
+def latin1_line(path: Path, line: int, old: str, new: str) -> bytes:
+    """Replace ``old`` by ``new`` on 1-based ``line`` of ``path``, that line encoded as Latin-1 (what an editor set to
+    cp1252 writes); return the line's bytes."""
+    lines = path.read_bytes().split(b"\n")
+    lines[line - 1] = lines[line - 1].decode("utf-8").replace(old, new).encode("latin-1")
+    path.write_bytes(b"\n".join(lines))
+    return lines[line - 1]
+
+
+def test_a_latin1_line_of_train_jsonl_is_named_by_ff_fit(shapes_dir, tmp_path, capsys):
+    import shutil
+
+    from ff_core.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dir, data)
+    raw = latin1_line(data / "train.jsonl", 3, "a ", "un café ")
+    # The reference: Python's own UTF-8 decoder on the line alone (0xe9 'é' followed by a space: not a continuation).
+    with pytest.raises(UnicodeDecodeError) as ref:
+        raw.decode("utf-8")
+    args = ["fit", "--config", str(RECIPE), "--data.datasets", json.dumps([{"name": "s", "dataset_dir": str(data)}]),
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{data / 'train.jsonl'}:3: not UTF-8 text: {ref.value.reason} (byte 0xe9 at column {ref.value.start + 1}); "
+        "save the file as UTF-8")
+
+
+def test_every_cp1252_line_of_train_txt_is_named(tmp_path, capsys):
+    from ff_core.cli import main
+
+    (tmp_path / "train.txt").write_bytes("a red circle\nun café noir\n\nune crème\na square\n".encode("cp1252"))
+    assert main(["data", "validate", str(tmp_path), "--trainer", "grpo"]) != 0
+    out = capsys.readouterr().out
+    path = tmp_path / "train.txt"
+    assert f"{path}:2: not UTF-8 text: invalid continuation byte (byte 0xe9 at column 7); save the file as UTF-8" in out
+    assert f"{path}:4: not UTF-8 text: invalid continuation byte (byte 0xe8 at column 7); save the file as UTF-8" in out
+    assert ":1:" not in out and ":5:" not in out
