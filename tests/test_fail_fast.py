@@ -101,3 +101,19 @@ def test_every_cp1252_line_of_train_txt_is_named(tmp_path, capsys):
     assert f"{path}:2: not UTF-8 text: invalid continuation byte (byte 0xe9 at column 7); save the file as UTF-8" in out
     assert f"{path}:4: not UTF-8 text: invalid continuation byte (byte 0xe8 at column 7); save the file as UTF-8" in out
     assert ":1:" not in out and ":5:" not in out
+
+
+def test_grpo_with_two_workers_is_one_line_before_weights_load(tmp_path):
+    """Today a ValueError traceback from the data module's constructor; now ``ff fit: data.num_workers: ...``. That it
+    comes before any weight loads: the checkpoint named does not exist, and its error would come first otherwise."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = ["fit", "--config", str(REPO / "configs" / "sd3" / "grpo_tiny.yaml"), "--data.num_workers", "2",
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
+            "--model.pretrained_model_name_or_path", str(tmp_path / "weights-never-read")]
+    result = subprocess.run([sys.executable, "-m", "ff_core.cli", *args], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "ff fit: data.num_workers: 2 with GRPO: a GRPO step holds whole prompt groups, served by one stream per rank, "
+        "and workers would split them; use 0 or 1 (prompts need no decoding)")

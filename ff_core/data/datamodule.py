@@ -213,8 +213,10 @@ class FlowDataModule(L.LightningDataModule):
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
         if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
-            raise ValueError(f"data.num_workers={num_workers}: GRPO steps hold whole prompt groups, served by one "
-                             "stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
+            # A ConfigError: `ff fit` prints it as one line, before any weight loads (not a ValueError traceback).
+            raise ConfigError("data.num_workers", f"{num_workers} with GRPO: a GRPO step holds whole prompt groups, "
+                              "served by one stream per rank, and workers would split them; use 0 or 1 (prompts need "
+                              "no decoding)")  # fmt: skip
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
         check_dataset_configs(self.datasets, trainer_type)
         self.per_device_batch_size = per_device_batch_size
