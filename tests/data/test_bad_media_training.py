@@ -127,12 +127,13 @@ def av_dir(tmp_path_factory) -> Path:
     return root
 
 
-def av_loader(root: Path, policy: str, workers: int = 2, on_bad=None) -> DataflowLoader:
+def av_loader(root: Path, policy: str, workers: int = 2, on_bad=None, batch_size: int = 3) -> DataflowLoader:
     records = load_split(DatasetConfig(name="av", dataset_dir=str(root)), "train", "sft")
     table = ConditionedRecords(records, [{"x": torch.zeros(1)} for _ in records])
     geometry = (MediaGeometry(height=32, width=32, num_frames=16, fps=8), None)
     return DataflowLoader(MapDistributor(table, shuffle=False), RecordProcessor(geometry), collator=SampleCollator(),
-                          batch_size=3, num_workers=workers, steps_per_epoch=2, bad_samples=policy,
+                          batch_size=batch_size, num_workers=workers, steps_per_epoch=6 // batch_size,
+                          bad_samples=policy,
                           on_bad_samples=on_bad)  # fmt: skip
 
 
@@ -166,3 +167,13 @@ def test_the_skipped_count_resumes(av_dir):
     resumed.load_state_dict(state)
     assert [b["index"].tolist() for b in resumed] == [[3, 5]]
     assert resumed.skipped_samples == 2
+
+
+def test_skip_cannot_leave_out_a_whole_batch(av_dir):
+    """One sample per batch (MiniMax H3 trains so): leaving the bad one out would drop a batch on this rank only."""
+    loader = av_loader(av_dir, "skip", batch_size=1)
+    it = iter(loader)
+    assert next(it)["index"].tolist() == [0]
+    with pytest.raises(DatasetError) as err:
+        next(it)
+    assert (err.value.line, err.value.field) == (2, "supervision.target.media[0].path")

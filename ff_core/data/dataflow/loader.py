@@ -250,14 +250,12 @@ class DataflowLoader(DataLoader):
             self._history.record(st["step"], st)
 
     def _bad_error(self, bad: list[Any], empty: bool) -> Exception:
-        """The error to raise for a delivered batch's bad samples: the first one's own (one line), or, under
-        ``"skip"``, for a batch none of whose samples is left, the same with why it cannot be skipped."""
-        first = bad[0]
-        if empty and self.bad_samples == "skip" and hasattr(first, "reason"):
-            return type(first)(first.path, first.line, first.field, f"{first.reason} (every sample of this batch "
-                               f"is bad, {len(bad)} of them: bad_samples='skip' keeps the number of batches, so it "
-                               "cannot leave the whole batch out)")  # fmt: skip
-        return first
+        """The error to raise for a delivered batch's bad samples: the first one's own (its one line); under
+        ``"skip"`` a batch none of whose samples is left is also said to be why (on the log, before it)."""
+        if empty and self.bad_samples == "skip":
+            log.error("every sample of this batch is bad (%d of them): bad_samples='skip' keeps the number of batches, "
+                      "so it cannot leave the whole batch out", len(bad))
+        return bad[0]
 
     def _skip(self, bad: list[Any]) -> None:
         self._state["skipped"] += len(bad)
