@@ -177,3 +177,18 @@ def test_skip_cannot_leave_out_a_whole_batch(av_dir):
     with pytest.raises(DatasetError) as err:
         next(it)
     assert (err.value.line, err.value.field) == (2, "supervision.target.media[0].path")
+
+
+def test_validate_check_media_finds_the_cut_faststart_mp4_and_the_header_only_wav(av_dir, capsys):
+    """Before a run: the cut MP4 used to decode without an error to its first 4 frames (frame threading drops the
+    frames whose data is missing) and passed ``--check-media``; a single-threaded decode reports the broken packet."""
+    from ff_core.cli import main
+
+    assert main(["data", "validate", str(av_dir), "--check-media"]) != 0
+    out = capsys.readouterr().out
+    manifest = av_dir / "train.jsonl"
+    assert (f"{manifest}:2: supervision.target.media[0].path: {av_dir / 'videos' / '1.mp4'}: cannot decode video: "
+            "truncated or damaged: its index lists 16 frames but ") in out, out
+    assert (f"{manifest}:5: supervision.target.media[1].path: {av_dir / 'audios' / '4.wav'}: no audio samples "
+            "decoded (empty or truncated file?)") in out, out
+    assert f"{manifest}:1:" not in out and f"{manifest}:3:" not in out
