@@ -198,6 +198,11 @@ class Adapter(nn.Module):
             (``("video", "audio")``), read without weights: ``model.frozen_components`` and the objective's
             ``component_weights`` keys are checked against them before any weight loads. ``None`` (default):
             undeclared; they are checked once the model runs, as before.
+        checkpoint_classes: what the adapter loads, as ``model_index.json`` names it: ``_class_name`` -> the accepted
+            pipeline classes, a component (``transformer``) -> its accepted classes. Checked before any weight loads
+            (:func:`ff_core.pretrained.check_checkpoint_classes`): a checkpoint of another family is one line naming
+            ``model.pretrained_model_name_or_path``. A component the file does not name (or names ``null``) is not
+            checked. ``{}`` (default): no check.
     """
 
     name: ClassVar[str]
@@ -212,6 +217,7 @@ class Adapter(nn.Module):
     full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "guidance")
     default_component_weights: ClassVar[dict[str, float] | None] = None
     latent_components: ClassVar[tuple[str, ...] | None] = None
+    checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None

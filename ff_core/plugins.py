@@ -117,10 +117,12 @@ class PluginRegistry:
             adapters = [c for r in self.manager.subset_hook_caller("ff_adapters", remove_plugins=others)() for c in r]
             rewards = [c for r in self.manager.subset_hook_caller("ff_rewards", remove_plugins=others)() for c in r]
             target = self.manager.subset_hook_caller("ff_adapter_interface_version", remove_plugins=others)()
-        except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported, not raised
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported
+            # SystemExit too: a plugin calling sys.exit() at import (or in a hook) would otherwise end `ff plugins`,
+            # `ff fit` and `ff data validate --model` for every family; KeyboardInterrupt still stops ff.
             if self.manager.has_plugin(name):
                 self.manager.unregister(name=name)
-            self.failures.append(PluginFailure(name, dist, f"{type(exc).__name__}: {exc}"))
+            self.failures.append(PluginFailure(name, dist, _describe_failure(exc)))
             return
         self._add_adapters(adapters, name, dist, version, target)
         self._add_rewards(rewards, name, dist, version)
@@ -190,6 +192,14 @@ class PluginRegistry:
         known = ", ".join(sorted(self._adapters)) or "none (is a plugin such as ff-sd3 installed?)"
         hint = "".join(f"\n  plugin {f.plugin} ({f.distribution}) failed: {f.error}" for f in self.failures)
         raise KeyError(f"unknown adapter {name!r}{why}{guess} (registered adapters: {known}){hint}")
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """``Type: message`` of a plugin's failure; a ``SystemExit`` says that the plugin called ``sys.exit`` and with what
+    code (its ``str`` alone is the bare code, ``'3'``)."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: the plugin called sys.exit({exc.code!r}) while loading"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def closest_name(name: str, names: Iterable[str]) -> str | None:

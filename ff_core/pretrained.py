@@ -5,6 +5,11 @@ a diffusers ``OSError`` traceback. Nothing here reaches the network: a folder is
 its syntax before loading; whether a well-formed hub id can be reached (online, or from the local hub cache
 under ``HF_HUB_OFFLINE=1``) is only known once the adapter's ``from_pretrained`` has tried, so its ``OSError``
 is translated afterwards. A cached hub id therefore loads exactly as before, online or offline.
+
+Two more checks before any weight loads: a relative ``dir/name`` whose ``dir`` is a folder here but whose ``name`` is
+not there is a missing local folder, not a hub id (refused at once, not after the hub's retries); and a checkpoint of
+another family (``model_index.json``'s ``_class_name`` and component classes against the adapter's
+:attr:`~ff_core.adapter.Adapter.checkpoint_classes`) is refused naming what was found and what was expected.
 """
 
 from __future__ import annotations
@@ -42,7 +47,83 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
         validate_repo_id(os.fspath(path))
     except HFValidationError:
         return f"{os.fspath(path)!r} is neither a folder ({_no_folder(local)}) nor a hub id ('name' or 'org/name')"
-    return None
+    return _missing_local_folder(os.fspath(path), local)
+
+
+def _missing_local_folder(repo_id: str, local: Path) -> str | None:
+    """Why ``repo_id``, hub-id-shaped (``dir/name``), is a local folder that does not exist, or ``None``.
+
+    ``build/tiny-sd3`` where ``build/`` is a folder here and ``tiny-sd3`` is not in it names a local folder (a recipe
+    run before ``scripts/setup.sh`` built it, or from another directory): asking the hub for it would fail only
+    after huggingface_hub's five retries (~30 s without a network). A hub id of that name already in the local hub
+    cache still loads.
+    """
+    head, sep, _ = repo_id.partition("/")
+    if not sep or not Path(head).expanduser().is_dir():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str):
+            return None
+    except Exception:  # noqa: BLE001 - a cache the library cannot read is no cached hub id
+        pass
+    return (f"{repo_id!r} is not a folder ({_no_folder(local)}; {head + '/'!r} is a folder here, so this names a "
+            f"local path, not a hub id; the hub was not asked)")
+
+
+def check_checkpoint_classes(adapter_cls: type, path: str | os.PathLike | None, key: str = KEY) -> None:
+    """Refuse a checkpoint of another family before any weight loads: ``model_index.json``'s ``_class_name`` and the
+    component classes it names against the adapter's :attr:`~ff_core.adapter.Adapter.checkpoint_classes`, one
+    :class:`ConfigError` naming ``key``, the found class and the expected ones.
+
+    Nothing is checked for an adapter that declares no classes, a path that is not a checkpoint (reported where
+    the weights load, as before), a folder without ``model_index.json``, or a hub id whose ``model_index.json``
+    cannot be fetched (the loader then says why).
+
+    Args:
+        adapter_cls: the adapter class (``model.adapter``).
+        path: ``model.pretrained_model_name_or_path``; ``None``: nothing to check.
+        key: the config key named in the error.
+    """
+    expected = getattr(adapter_cls, "checkpoint_classes", None) or {}
+    if not expected or path is None or checkpoint_problem(path):
+        return
+    index = _model_index(path)
+    if index is None:
+        return
+    for entry, accepted in expected.items():
+        found = index.get(entry)
+        if entry == "_class_name":
+            what = "pipeline class (_class_name)"
+        else:  # "transformer": ["diffusers", "SD3Transformer2DModel"]; null or absent: not loaded from here
+            found = found[1] if isinstance(found, (list, tuple)) and len(found) == 2 else None
+            what = f"{entry} class"
+            if found is None:
+                continue
+        if found not in accepted:
+            names = " or ".join(repr(a) for a in accepted)
+            raise ConfigError(key, f"{os.fspath(path)!r} is not a {_name(adapter_cls)} checkpoint: its "
+                                   f"model_index.json names the {what} {found!r}, expected {names} "
+                                   "(is model.adapter the right family?)")
+
+
+def _model_index(path: str | os.PathLike) -> dict[str, Any] | None:
+    """``model_index.json`` of a folder, or of a hub id (from the hub cache, else fetched when online), or ``None``."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        from huggingface_hub import is_offline_mode, try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(os.fspath(path), "model_index.json")
+        except Exception:  # noqa: BLE001 - an unreadable hub cache: fetch or skip below
+            cached = None
+        if not isinstance(cached, str) and is_offline_mode():
+            return None
+    try:
+        return read_config(path, "model_index.json")
+    except Exception:  # noqa: BLE001 - missing, unreachable or not JSON: the loader's own error says why
+        return None
 
 
 def load_pretrained(
@@ -59,6 +140,7 @@ def load_pretrained(
     problem = checkpoint_problem(path)
     if problem:
         raise ConfigError(key, problem)
+    check_checkpoint_classes(adapter_cls, path, key)
     local = Path(path).expanduser()
     source = str(local) if local.is_dir() else os.fspath(path)
     # The checkpoint's contract, what the data were validated against (a bare loader class without one: skipped).
@@ -163,9 +245,11 @@ def check_adapter_kwargs(
                                       f"it takes {', '.join(accepted) or 'none'}")  # fmt: skip
     check = getattr(adapter_cls, "check_adapter_kwargs", None)
     if check is None:
+        check_checkpoint_classes(adapter_cls, path, key)
         return
     try:
         check(None, kwargs)  # what needs no checkpoint first: reported even when the path is wrong too
+        check_checkpoint_classes(adapter_cls, path, key)
         if path is not None and _overridden(adapter_cls, "check_adapter_kwargs"):
             problem = checkpoint_problem(path)
             if problem:
@@ -180,6 +264,7 @@ def check_adapter_kwargs(
 
 def _resolve(method: Any, adapter_cls: type[Adapter], path: str | os.PathLike | None,
              kwargs: dict[str, Any] | None, key: str, what: str = "contract") -> Any:
+    check_checkpoint_classes(adapter_cls, path, key)
     if path is None or not _overridden(adapter_cls, method.__name__):
         # The class-level default needs no checkpoint: a bad path is reported where the weights load, as before.
         return method(None, dict(kwargs or {}))

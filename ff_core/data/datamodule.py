@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.bad_samples import BadSampleLog
 from ff_core.data.buckets import Bucket, assign_buckets
 from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.cache_group import BuildGroup
@@ -156,6 +157,13 @@ class FlowDataModule(L.LightningDataModule):
             its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
             target is decoded and fitted to that bucket, and batches never mix buckets (``BucketBatcher``), so nothing
             is padded. ``None``: every target fitted to the adapter's ``output_geometry()``, fixed batches.
+        bad_samples: a training sample whose target cannot be decoded (a truncated PNG or MP4, a header-only WAV),
+            found when its batch is drawn: ``error`` stops the run with its one line ``file:line: field: reason``
+            (with workers too); ``skip`` forms the batch without it (a smaller batch: every rank keeps its number
+            of batches, so DDP and exact resume are unchanged), warns, counts it in the loader state and lists it in
+            ``<run dir>/bad_samples.jsonl`` (:mod:`ff_core.data.bad_samples`). A batch of bad samples only stops
+            the run either way (with ``per_device_batch_size: 1`` every bad sample does). ``ff data validate
+            --check-media`` finds them all before a run.
         max_tokens: with ``buckets``: the token budget of a batch; a bucket without ``batch_size`` takes
             ``max_tokens // adapter.denoiser_tokens(geometry)`` samples (``None``: ``per_device_batch_size``).
         adapter: the adapter name (linked from ``model.adapter``; not set by hand).
@@ -189,6 +197,7 @@ class FlowDataModule(L.LightningDataModule):
         hand_off: bool = True,
         buckets: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
+        bad_samples: Literal["error", "skip"] = "error",
         adapter: str | None = None,
         pretrained_model_name_or_path: str | None = None,
         adapter_kwargs: dict[str, Any] | None = None,
@@ -212,9 +221,14 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.hand_off must be true or false, got {hand_off!r}")
         if sampler_type != "auto":
             raise ValueError(f"data.sampler_type: only 'auto' is supported so far, got {sampler_type!r}")
+        if bad_samples not in ("error", "skip"):
+            raise ConfigError("data.bad_samples", f"must be 'error' or 'skip', got {bad_samples!r}")
+        self.bad_samples = bad_samples
         if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
-            raise ValueError(f"data.num_workers={num_workers}: GRPO steps hold whole prompt groups, served by one "
-                             "stream per rank; use 0 or 1 (prompts need no decoding)")  # fmt: skip
+            # A ConfigError: `ff fit` prints it as one line, before any weight loads (not a ValueError traceback).
+            raise ConfigError("data.num_workers", f"{num_workers} with GRPO: a GRPO step holds whole prompt groups, "
+                              "served by one stream per rank, and workers would split them; use 0 or 1 (prompts need "
+                              "no decoding)")  # fmt: skip
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
         check_dataset_configs(self.datasets, trainer_type)
         self.per_device_batch_size = per_device_batch_size
@@ -498,11 +512,21 @@ class FlowDataModule(L.LightningDataModule):
                 num_workers=self.num_workers,
                 coords=coords,
                 stamp_key=STAMP_KEY,
+                bad_samples=self.bad_samples,
+                on_bad_samples=self._bad_sample_log(),
                 **batching,
             )
             self._train_loader_key = key
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    def _bad_sample_log(self) -> BadSampleLog | None:
+        """``data.bad_samples: skip``: the list in the run folder (``trainer.log_dir``, else the working directory)."""
+        if self.bad_samples != "skip":
+            return None
+        trainer = self.trainer
+        folder = (trainer.log_dir or trainer.default_root_dir) if trainer is not None else os.getcwd()
+        return BadSampleLog(folder, trainer.global_rank if trainer is not None else 0)
 
     def bucket_batch_sizes(self, adapter: Adapter) -> list[int]:
         """Samples per batch of each bucket: its ``batch_size``, else ``max_tokens // adapter.denoiser_tokens``, else

@@ -205,9 +205,28 @@ def _video_frames(
             times.append(t)
             if convert:
                 arrays.append(frame.to_ndarray(format="rgb24"))
+        if start is None and end is None and stream.frames and count < stream.frames:
+            _check_not_truncated(path, stream.frames, count)
     if not fps and len(times) > 1:
         fps = (len(times) - 1) / (times[-1] - times[0])
     return arrays, times, fps, count
+
+
+def _check_not_truncated(path: Path, listed: int, decoded: int) -> None:
+    """A whole-file decode gave fewer frames than the file's index lists: tell a cut file from a trimmed one.
+
+    A faststart MP4 (index first) cut short keeps an index of every frame; with frame threading the decoder drops
+    the frames whose data is missing without an error, so the file would train as a shorter clip. A single-threaded
+    decode reports the broken packet (``InvalidDataError``); a file whose edit list legitimately hides frames
+    decodes cleanly and is accepted.
+    """
+    with av.open(str(path)) as container:
+        try:
+            for _ in container.decode(container.streams.video[0]):
+                pass
+        except av.FFmpegError as exc:
+            raise ValueError(f"truncated or damaged: its index lists {listed} frames but {decoded} decode ({exc})"
+                             ) from None
 
 
 def decode_video(

@@ -20,6 +20,7 @@ from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.condition_collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
+from ff_core.data.dataflow.loader import BAD_SAMPLES_KEY
 from ff_core.data.geometry import MediaGeometry, decode_target
 from ff_core.data.media import decode_media
 from ff_core.data.records import CANDIDATE_FIELDS, Record
@@ -112,7 +113,10 @@ class RecordProcessor(RawItemProcessor):
 
     Runs inside DataLoader workers; candidates are decoded fresh on every access, fitted to ``geometry`` (a video
     output with a frame count: only its clip's window decoded, on its frame grid; so a batch never mixes sizes, and
-    both arms of a preference pair share one latent shape) and never cached.
+    both arms of a preference pair share one latent shape) and never cached. A candidate that cannot be decoded (a
+    truncated PNG or MP4, a header-only WAV: a :class:`~ff_core.errors.DatasetError` naming ``file:line: field``)
+    does not raise in the worker: the sample carries the error under ``"bad_sample"`` and no candidates, and
+    :class:`SampleCollator` lists it under ``bad_samples`` for the loader's policy (``data.bad_samples``).
 
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
@@ -144,10 +148,13 @@ class RecordProcessor(RawItemProcessor):
         if bucket is not None:
             sample["bucket"] = bucket
         candidates = record.candidates or ((),)  # a generation row: an empty target
-        for key, candidate in zip(candidate_keys(record.supervision), candidates):
-            sample[key] = [decode_target(m, self._geometry(i, bucket), referenced_by=record.where)
-                           for i, m in enumerate(candidate)]  # fmt: skip
-        return sample
+        try:
+            decoded = {key: [decode_target(m, self._geometry(i, bucket), referenced_by=record.where)
+                             for i, m in enumerate(candidate)]
+                       for key, candidate in zip(candidate_keys(record.supervision), candidates)}  # fmt: skip
+        except DatasetError as exc:  # carried to the main process as data: see DataflowLoader's bad_samples
+            return sample | {"bad_sample": exc}
+        return sample | decoded
 
     def _geometry(self, output: int, bucket: int | None = None) -> MediaGeometry | None:
         if bucket is not None and output == 0:
@@ -166,6 +173,9 @@ class SampleCollator(BatchCollator):
     ``metadata``), as Flow-Factory hands every sample's non-model columns to its rewards; ``group`` (GRPO batches
     only): each sample's prompt-group id, a tensor.
 
+    Samples that carry a ``"bad_sample"`` error (:class:`RecordProcessor`) are left out of the batch and their errors
+    listed under ``bad_samples`` (a batch of bad samples only is that key alone), for the loader to raise or skip.
+
     Args:
         condition_collation: the adapter's ``condition_collation`` (condition key -> ``stack`` | ``pad`` | ``list``).
     """
@@ -175,6 +185,10 @@ class SampleCollator(BatchCollator):
         check_rules(self.condition_collation, "SampleCollator")
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        bad = [s["bad_sample"] for s in samples if "bad_sample" in s]
+        if bad:
+            good = [s for s in samples if "bad_sample" not in s]
+            return {**(self.collate(good) if good else {}), BAD_SAMPLES_KEY: bad}
         keys = [k for k in CANDIDATE_KEYS if k in samples[0]]
         for s in samples[1:]:
             found = [k for k in CANDIDATE_KEYS if k in s]
@@ -204,4 +218,8 @@ def process_and_collate(
         condition_collation: the adapter's ``condition_collation``.
     """
     processor = RecordProcessor()
-    return SampleCollator(condition_collation).collate([processor.process(item) for item in items])
+    batch = SampleCollator(condition_collation).collate([processor.process(item) for item in items])
+    bad = batch.pop(BAD_SAMPLES_KEY, None)
+    if bad:  # evaluation has no skip policy: the file is named, as before
+        raise bad[0]
+    return batch

@@ -134,13 +134,28 @@ def supervision_errors(records: list[Record], wanted: Supervision | None = None)
 
 def _lines(path: Path) -> list[str]:
     try:
-        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
-    except UnicodeDecodeError as exc:
-        raise DatasetError(path, None, None, f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        data = path.read_bytes()
     except OSError as exc:
         raise DatasetError(path, None, None, f"cannot read: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")  # tolerate a byte-order mark
+    except UnicodeDecodeError:
+        raise DatasetErrors(_undecodable_lines(path, data)) from None
     if not text.strip():
         raise DatasetErrors([DatasetError(path, 1, None, "file is empty (expected one row per line)")])
     # Split on "\n" only: str.splitlines would also break inside JSON strings holding U+2028 and friends.
     lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
     return lines[:-1] if lines[-1] == "" else lines
+
+
+def _undecodable_lines(path: Path, data: bytes) -> list[DatasetError]:
+    """One error per line of ``data`` that is not UTF-8, naming the line and the byte within it (a manifest saved
+    as Latin-1 or cp1252 by an editor has one such byte in a few lines, not a broken file)."""
+    errors = []
+    for line_no, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), start=1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            why = f"not UTF-8 text: {exc.reason} (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+            errors.append(DatasetError(path, line_no, None, f"{why}; save the file as UTF-8"))
+    return errors

@@ -14,6 +14,13 @@ Resume modes (chosen at construction, see docs/dataflow.md):
   ``DistributedSampler`` (the offline trainers' epochs); the state is (epoch, batches delivered in it), the same on
   every rank; exact under the same world size and batch size (both are in the fingerprint), any worker count.
 * ``"none"`` — streaming source, or ``resumable=False``: a resumed run restarts the source.
+
+Bad samples (issue 24): a processor that cannot build a sample (a truncated image) marks it instead of raising in the
+worker (whose exception would reach the main process as a ``RuntimeError`` wrapping a worker traceback); the collator
+lists the marked ones under :data:`BAD_SAMPLES_KEY` and forms the batch without them. The main process then, when the
+batch is delivered (the step that draws the row, whatever the worker count), either raises the first one's own
+one-line error (``bad_samples="error"``) or counts and reports them and yields the smaller batch (``"skip"``): the
+number of batches per rank, their order and the resume position are those of a run without bad samples.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -36,6 +43,10 @@ from .pipeline import DataflowStream, Plan
 from .state import FORMAT, StateHistory, check_state, merge_rank_states
 
 log = logging.getLogger(__name__)
+
+BAD_SAMPLES_KEY = "bad_samples"
+"""Batch key (a dict batch) under which a collator lists the errors of the samples it left out."""
+BAD_SAMPLE_POLICIES = ("error", "skip")
 
 
 def _passthrough(item: Any) -> Any:
@@ -67,6 +78,12 @@ class DataflowLoader(DataLoader):
         timeout: As for DataLoader.
         multiprocessing_context: As for DataLoader; roles must be picklable under ``spawn``.
         worker_init_fn: As for DataLoader.
+        bad_samples: what a delivered batch listing bad samples (:data:`BAD_SAMPLES_KEY`) does: ``"error"`` raises
+            the first one's error (a :class:`~ff_core.errors.DatasetError` names ``file:line: field: reason``);
+            ``"skip"`` yields the batch without them, counts them (``skipped_samples``, kept in the resume state)
+            and passes them to ``on_bad_samples``. A batch with no sample left raises either way.
+        on_bad_samples: called as ``on_bad_samples(errors, step)`` with the skipped samples' errors and the delivery
+            number of their batch (``"skip"`` only).
     """
 
     def __init__(
@@ -89,7 +106,11 @@ class DataflowLoader(DataLoader):
         timeout: float = 0,
         multiprocessing_context: Any = None,
         worker_init_fn: Any = None,
+        bad_samples: str = "error",
+        on_bad_samples: Callable[[list[Any], int], None] | None = None,
     ) -> None:
+        if bad_samples not in BAD_SAMPLE_POLICIES:
+            raise ValueError(f"DataflowLoader: bad_samples must be one of {BAD_SAMPLE_POLICIES}, found {bad_samples!r}")
         if (batcher is None) == (batch_size is None):
             raise ValueError("DataflowLoader: provide either a batcher= or a batch_size= (exactly one), found "
                              f"batcher={type(batcher).__name__ if batcher else None}, batch_size={batch_size}")
@@ -108,9 +129,11 @@ class DataflowLoader(DataLoader):
         self.coords, self.parallel_dims = coords, parallel_dims
         self.steps_per_epoch, self.stamp_key = steps_per_epoch, stamp_key
         self.dropped_samples = 0
+        self.bad_samples, self.on_bad_samples, self.skipped_samples = bad_samples, on_bad_samples, 0
         self._stream = DataflowStream(distributor, processor, batcher, self.collator)
         self._state: dict[str, Any] = {"format": FORMAT, "mode": self.mode, "step": 0, "epoch": 0,
-                                       "epoch_step": 0, "cursor": None, "origin": 0, "streams": {}, "dropped": 0}
+                                       "epoch_step": 0, "cursor": None, "origin": 0, "streams": {}, "dropped": 0,
+                                       "skipped": 0}
         self._history = StateHistory()
         super().__init__(self._stream, batch_size=None, collate_fn=_passthrough, num_workers=num_workers,
                          pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
@@ -190,8 +213,13 @@ class DataflowLoader(DataLoader):
         try:
             for stamp, batch in self._worker_batches():
                 batch = materialize(batch)  # values a worker only described are read here, in the main process
+                bad = batch.pop(BAD_SAMPLES_KEY, None) if isinstance(batch, dict) else None
+                if bad and (self.bad_samples == "error" or not batch):
+                    raise self._bad_error(bad, empty=not batch)
                 delivered += 1
                 self._record(stamp, plan, last=plan.steps is not None and delivered == plan.steps)
+                if bad:
+                    self._skip(bad)
                 if self.stamp_key is not None:
                     batch[self.stamp_key] = self._state["step"]
                 yield batch
@@ -220,6 +248,22 @@ class DataflowLoader(DataLoader):
             st["epoch_step"] = 0
         if self.stamp_key is not None:
             self._history.record(st["step"], st)
+
+    def _bad_error(self, bad: list[Any], empty: bool) -> Exception:
+        """The error to raise for a delivered batch's bad samples: the first one's own (its one line); under
+        ``"skip"`` a batch none of whose samples is left is also said to be why (on the log, before it)."""
+        if empty and self.bad_samples == "skip":
+            log.error("every sample of this batch is bad (%d of them): bad_samples='skip' keeps the number of batches, "
+                      "so it cannot leave the whole batch out", len(bad))
+        return bad[0]
+
+    def _skip(self, bad: list[Any]) -> None:
+        self._state["skipped"] += len(bad)
+        self.skipped_samples += len(bad)
+        if self.stamp_key is not None:  # the committed history holds the count as of each delivery
+            self._history.record(self._state["step"], self._state)
+        if self.on_bad_samples is not None:
+            self.on_bad_samples(list(bad), self._state["step"])
 
     def commit(self, seq: int) -> None:
         """Mark the batch stamped ``seq`` (under ``stamp_key``) as consumed; ``state_dict`` then returns the position
@@ -279,4 +323,6 @@ class DataflowLoader(DataLoader):
         self._state = copy.deepcopy(dict(state))
         self._state.pop("fingerprint", None)
         self.dropped_samples = self._state.get("dropped", 0)
+        self._state.setdefault("skipped", 0)  # a state saved before bad samples were counted
+        self.skipped_samples = self._state["skipped"]
         self._history = StateHistory()

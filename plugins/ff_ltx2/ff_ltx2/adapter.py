@@ -168,6 +168,11 @@ class LTX2T2AVAdapter(Adapter):
     # in, which the recipes' lr / DPO beta and the benchmark figures were set at. A config's component_weights wins.
     default_component_weights: ClassVar[dict[str, float] | None] = {"video": 0.5, "audio": 0.5}
     latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
+    # The diffusers pipelines of LTX-2 checkpoints (diffusers/pipelines/__init__.py): refused before weights load.
+    checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "_class_name": ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline", "LTX2InContextPipeline",
+                        "LTX2ModularPipeline", "LTX25ModularPipeline"),
+        "transformer": ("LTX2VideoTransformer3DModel",)}
 
     def __init__(
         self,

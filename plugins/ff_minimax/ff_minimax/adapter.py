@@ -144,6 +144,10 @@ class MiniMaxH3Adapter(Adapter):
     # The LatentState components of every H3 workflow (T2VA, FL2VA, Ref2VA): per-component config maps
     # (guidance, component_weights, frozen_components) are checked before weights load.
     latent_components: ClassVar[tuple[str, ...] | None] = ("video", "audio")
+    # The diffusers pipeline of MiniMax H3 checkpoints (modular_pipelines/minimax_h3): refused before weights load.
+    checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "_class_name": ("MiniMaxH3ModularPipeline",),
+        "transformer": ("MiniMaxH3Transformer3DModel",), "transformer_ref": ("MiniMaxH3Transformer3DModel",)}
     # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
 

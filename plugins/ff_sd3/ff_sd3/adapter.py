@@ -53,6 +53,12 @@ class SD3Adapter(Adapter):
     preprocessing_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
     # The one LatentState component its stages produce: per-component config maps are checked before weights load.
     latent_components: ClassVar[tuple[str, ...] | None] = ("latent",)
+    # The diffusers pipelines of SD3 / SD3.5 checkpoints (diffusers/pipelines/__init__.py); others refused unloaded.
+    checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "_class_name": ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
+                        "StableDiffusion3InpaintPipeline", "StableDiffusion3PAGPipeline",
+                        "StableDiffusion3ModularPipeline"),
+        "transformer": ("SD3Transformer2DModel",)}
     # Shards hold preprocess's keys under their own names and the scaled VAE latent; the negative prompt's
     # embeddings only serve CFG at sampling time, so shards may leave them out.
     tensor_columns: ClassVar[TensorColumns] = TensorColumns(

@@ -116,6 +116,11 @@ class WanT2VAdapter(Adapter):
     # The one LatentState component its stages produce (I2V too): per-component config maps are checked before
     # weights load.
     latent_components: ClassVar[tuple[str, ...] | None] = ("latent",)
+    # The diffusers pipelines of Wan2.1 / Wan2.2 checkpoints (diffusers/pipelines/__init__.py); others refused unloaded.
+    checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "_class_name": ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanModularPipeline",
+                        "Wan22ModularPipeline", "WanImage2VideoModularPipeline", "Wan22Image2VideoModularPipeline"),
+        "transformer": ("WanTransformer3DModel",), "transformer_2": ("WanTransformer3DModel",)}
     # The tensor-parquet card's column names (spec tensor-parquet-dataset-card, Wan): text_embedding, vae_latent.
     tensor_columns: ClassVar[TensorColumns] = TensorColumns(
         condition={"text_embedding": "prompt_embeds", "negative_text_embedding": "negative_prompt_embeds"},
