@@ -129,8 +129,10 @@ class NonFiniteGuard:
             return False
         step = trainer.global_step + 1  # 1-based: the step that would have been taken
         samples = self._gather(module, world)
-        report = {"step": step, "what": _what(flags), "ranks": [r for r, f in enumerate(flags) if f],
-                  "samples": {str(r): samples[r] for r, f in enumerate(flags) if f}}
+        # The ranks whose loss was non-finite, if any: DDP averages gradients before this check, so one rank's NaN
+        # gradient shows on every rank; only a loss says where it came from.
+        ranks = [r for r, f in enumerate(flags) if f & LOSS] or [r for r, f in enumerate(flags) if f]
+        report = {"step": step, "what": _what(flags), "ranks": ranks, "samples": {str(r): samples[r] for r in ranks}}
         if self.policy == "stop":
             raise NonFiniteError(_message(report, world))
         for p in params:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -176,3 +177,91 @@ def test_bad_rows_are_refused_at_fit_start(tiny_sd3, shapes_latents_dir, tmp_pat
     assert line.startswith(f"{shards}/worker_0/data_chunk_1.parquet: {column}: row 3 (dataset row {BAD_ROW})")
     assert reason in line
     assert not list((tmp_path / "run").rglob("*.ckpt")) and math.isfinite(channels)  # refused before step 1
+
+
+# -- under DDP: every rank decides alike, the rank of the NaN row is named ---------------------------------------------
+LAUNCHER_VARS = ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK", "GROUP_RANK")
+
+
+def test_ddp_ranks_stop_together_naming_the_rank_of_the_nan_row(tiny_sd3, shapes_latents_dir, tmp_path):
+    """2-process DDP on gloo (a subprocess without launcher variables, as tests/test_ddp_resume.py): the NaN row is
+    drawn by one rank; both stop at the same step (no rank hangs in a collective: the run ends well within the
+    timeout), the line names the rank whose batch held the row, and nothing saved holds a non-finite value."""
+    import socket
+
+    shards = rewrite_shards(shapes_latents_dir, tmp_path / "shards", BAD_ROW, nan_latent)
+    config = recipe(tmp_path, tiny_sd3, shards)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = subprocess.run([sys.executable, "-m", "ff_core.cli", "fit", "--config", str(config),
+                             "--trainer.strategy", "ddp", "--trainer.devices", "2"],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = [x for x in result.stderr.splitlines() if x.startswith("ff fit: non-finite")]
+    assert lines, result.stderr[-3000:]
+    line = lines[0]
+    rank = int(line.split(" on rank ")[1].split()[0])
+    assert " of 2;" in line and f"rank {rank}: [" in line and f"dataset row {BAD_ROW})" in line, line
+    assert len({x.split(";")[0] for x in lines}) == 1  # every rank that printed names the same step and rank
+    for where, tensors in saved_tensors(tmp_path / "run").items():
+        for key, value in tensors.items():
+            assert torch.isfinite(value).all(), (where, key)
+
+
+# -- GRPO: manual optimisation checks each transition's loss before its optimizer.step ---------------------------------
+class OverflowingReplay(L.Callback):
+    """The transformer's output projection overflows to NaN in every forward with gradient (GRPO's replays, not
+    its no-grad rollouts): the model code runs as is, its output is poisoned, as an fp16 overflow would."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+        pl_module.adapter.transformer.proj_out.register_forward_hook(
+            lambda module, args, out: out * float("nan") if torch.is_grad_enabled() else out)
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_grpo_nan_reward_stops_or_skips_before_the_weights_move(tiny_sd3, tmp_path, policy):
+    from test_grpo_fit import fit
+
+    from ff_core.errors import NonFiniteError
+    from ff_core.testing.shapes import write_prompt_dataset
+
+    prompts = write_prompt_dataset(tmp_path / "prompts")
+    cli = fit(tiny_sd3, prompts, tmp_path, "--trainer.max_steps", "2", "--model.nonfinite", policy,
+              "--model.objective.init_args.rewards", json.dumps([{"name": "test_grpo_fit:Constant"}]),
+              "--model.objective.init_args.filter_zero_std", "false", "--model.eval_rewards", "[]")  # fmt: skip
+    probe = OverflowingReplay()
+    cli.trainer.callbacks.append(probe)
+    if policy == "stop":
+        with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 1 on rank 0 of 1; samples of the step: "
+                                                 r"rank 0: \[.*train\.txt:\d+"):
+            cli.trainer.fit(cli.model, cli.datamodule)
+    else:
+        cli.trainer.fit(cli.model, cli.datamodule)
+        assert cli.trainer.global_step == 2 and cli.model.nonfinite_guard.skipped == 2
+        [listed] = list(tmp_path.rglob("nonfinite_skipped.jsonl"))
+        assert [json.loads(x)["step"] for x in listed.read_text().splitlines()] == [1, 2]
+        assert not cli.model.optimizers().optimizer.state  # AdamW never stepped
+    for n, p in cli.model.named_parameters():  # every trained weight as it started
+        if p.requires_grad:
+            assert torch.equal(p, probe.start[n]), n
+
+
+# -- the gradient check against the IEEE definition ------------------------------------------------------------------
+def test_gradients_finite_is_isfinite_of_every_element():
+    """``gradients_finite`` (inf-norms, fused) against ``torch.isfinite`` of every element: NaN, +-inf, and finite
+    values whose squares overflow float32 (a 2-norm would call them infinite)."""
+    from ff_core.nonfinite import gradients_finite
+
+    cases = [[1.0, -2.0], [float("nan"), 0.0], [float("inf"), 1.0], [-float("inf"), 1.0], [3e38, -3e38]]
+    for values in cases:
+        params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3)),
+                  torch.nn.Parameter(torch.zeros(1))]  # fmt: skip
+        params[0].grad = torch.tensor(values)
+        params[1].grad = torch.ones(3)  # params[2]: no gradient
+        expected = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        assert bool(gradients_finite(params)) == expected, values
+    assert gradients_finite([torch.nn.Parameter(torch.zeros(1))]) is None
