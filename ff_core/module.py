@@ -646,7 +646,7 @@ class FlowModule(L.LightningModule):
     # -- steps -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         generator, seed = self.noise_generator(batch_idx)
-        self.nonfinite_guard.observe_batch(batch["index"])  # named if the step turns out non-finite
+        self.nonfinite_guard.observe_batch(batch.get("index", ()))  # named if the step turns out non-finite
         if not self.automatic_optimization:  # the objective runs its own optimiser steps (GRPO)
             self.objective.training_step(self, batch, generator)
             return None

@@ -16,6 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from ff_core.data.tensor_parquet.format import DTYPE, SHAPE, is_empty_triplet, tensor_dtype, tensor_problem
 from ff_core.errors import DatasetError, raise_collected
 
@@ -70,39 +74,116 @@ def row_problems(dataset: TensorParquetDataset, shapes: Mapping[str, StoredShape
         column_names: stored column -> the name ``shapes`` uses (preference rows' ``chosen_latent`` -> ``latent``).
     """
     shapes, names = dict(shapes or {}), dict(column_names or {})
+    rules = {t: shapes.get(t) or shapes.get(names.get(t, "")) for t in dataset.tensor_names}
     limit = len(dataset) if rows is None else rows
     errors: list[DatasetError] = []
     more = 0
-    tensors = dataset.tensor_names
+    columns = [t + s for t in dataset.tensor_names for s in (SHAPE, DTYPE)]
     for f, path in enumerate(dataset.files):
         start = int(dataset.index.file_start[f])
         if start >= limit:
             break
         mapped = dataset._file(f)
-        table = mapped.file.read(columns=[t + s for t in tensors for s in (SHAPE, DTYPE)], use_threads=False)
-        small = {c: table.column(c).to_pylist() for c in table.column_names}
-        lengths = _lengths(dataset, mapped, f)
-        for r in range(min(table.num_rows, limit - start)):
-            for t in tensors:
-                shape, dtype = small[t + SHAPE][r], small[t + DTYPE][r]
-                length = lengths[t][r] if t in lengths else _assumed(shape, dtype)
-                if is_empty_triplet(length, shape, dtype):
-                    continue  # the absent placeholder: an optional column's, or refused where it is read
-                problem = tensor_problem(length, shape, dtype)
-                rule = shapes.get(t) or shapes.get(names.get(t, ""))
-                if problem is None and rule is not None:
-                    why = rule.problem(shape)
-                    problem = None if why is None else (SHAPE, why)
-                if problem is None:
-                    continue
-                if len(errors) >= MAX_ROW_PROBLEMS:
-                    more += 1
-                    continue
-                errors.append(DatasetError(path, None, t + problem[0],
-                                           f"row {r} (dataset row {start + r}): {problem[1]}"))
+        n = min(sum(dataset.index.group_rows[f]), limit - start)
+        table = mapped.file.read(columns=columns, use_threads=False).slice(0, n)  # C++: no Python value per row
+        stored = _catalogue(dataset, mapped, f)  # ff's writer stores one beside each file: the byte places
+        lengths = ({t: [None if p is None else p[1] for p in places] for t, places in stored.places.items()}
+                   if stored is not None else _lengths(dataset, mapped, f))
+        lengths = {t: values[:n] for t, values in lengths.items()}
+        if all(_all_fit(table.column(t + SHAPE), table.column(t + DTYPE), lengths.get(t), rules[t])
+               for t in dataset.tensor_names):
+            continue  # the usual case, decided in numpy; a file with a bad row is gone through row by row
+        for problem in _file_problems(table, lengths, rules, path, start):
+            if len(errors) < MAX_ROW_PROBLEMS:
+                errors.append(problem)
+            else:
+                more += 1
     if more:
         errors.append(DatasetError(dataset.root, None, None, f"{more} more bad rows"))
     return errors
+
+
+def _file_problems(table: pa.Table, lengths: Mapping[str, list[int | None]], rules: Mapping[str, StoredShape | None],
+                   path, start: int) -> list[DatasetError]:
+    """One error per bad (row, tensor) of one file, in row order (:func:`tensor_problem`, then the rule)."""
+    out = []
+    small = {c: table.column(c).to_pylist() for c in table.column_names}
+    for r in range(table.num_rows):
+        for t, rule in rules.items():
+            shape, dtype = small[t + SHAPE][r], small[t + DTYPE][r]
+            length = lengths[t][r] if t in lengths else _assumed(shape, dtype)
+            if is_empty_triplet(length, shape, dtype):
+                continue  # the absent placeholder: an optional column's, or refused where it is read
+            problem = tensor_problem(length, shape, dtype)
+            if problem is None and rule is not None:
+                why = rule.problem(shape)
+                problem = None if why is None else (SHAPE, why)
+            if problem is not None:
+                out.append(DatasetError(path, None, t + problem[0], f"row {r} (dataset row {start + r}): {problem[1]}"))
+    return out
+
+
+def _all_fit(shape: pa.ChunkedArray, dtype: pa.ChunkedArray, lengths: list[int | None] | None,
+             rule: StoredShape | None) -> bool:
+    """Whether every row of one tensor column is fine, vectorised: no null, known dtypes, dimensions >= 0, byte
+    counts prod(shape) x itemsize (when known), the rule's axes and sizes. ``False`` sends the file to the row-by-row
+    pass (which also accepts the absent-tensor placeholder, never accepted here)."""
+    shape, dtype = shape.combine_chunks(), dtype.combine_chunks()
+    if shape.null_count or dtype.null_count or len(shape) == 0:
+        return len(shape) == 0
+    names = pc.unique(dtype).to_pylist()
+    found = [tensor_dtype(d) for d in names]
+    if any(d is None for d in found):
+        return False
+    itemsize = np.array([d.itemsize for d in found], dtype=np.int64)[
+        pc.index_in(dtype, value_set=pa.array(names)).to_numpy(zero_copy_only=False)]
+    ndim = pc.list_value_length(shape).to_numpy(zero_copy_only=False)
+    if (ndim == 0).any():  # a 0-d tensor or the placeholder: row by row
+        return False
+    flat = shape.flatten().to_numpy(zero_copy_only=False)
+    if flat.dtype.kind != "i" or (flat < 0).any():
+        return False
+    offsets = shape.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    begins = offsets[:-1] - offsets[0]  # into flatten(), which starts at the (sliced) array's first value
+    count = np.multiply.reduceat(flat, begins)
+    if lengths is not None:
+        if any(n is None for n in lengths) or (np.asarray(lengths, dtype=np.int64) != count * itemsize).any():
+            return False
+    if rule is None:
+        return True
+    if rule.ndim is not None and (ndim != rule.ndim).any():
+        return False
+    for axis, size in rule.sizes.items():
+        sizes = _axis(flat, begins, ndim, axis)
+        if sizes is None or (sizes != size).any():
+            return False
+    for axis, factor in rule.multiples.items():
+        sizes = _axis(flat, begins, ndim, axis)
+        if sizes is None or (sizes % factor).any():
+            return False
+    return True
+
+
+def _axis(flat: np.ndarray, begins: np.ndarray, ndim: np.ndarray, axis: int) -> np.ndarray | None:
+    """Every row's size along ``axis`` (negative: from the end); ``None`` when a row has no such axis."""
+    if ((axis >= ndim) | (axis < -ndim)).any():
+        return None
+    return flat[begins + np.where(axis < 0, ndim + axis, axis)]
+
+
+def _catalogue(dataset: TensorParquetDataset, mapped, f: int):
+    """File ``f``'s stored :class:`~ff_core.data.tensor_parquet.catalogue.Catalogue` with every tensor's places, or
+    ``None`` (none stored, stale, or the dataset reads without catalogues)."""
+    from ff_core.data.tensor_parquet.catalogue import Catalogue
+
+    if not dataset.catalogue:
+        return None
+    rows = sum(dataset.index.group_rows[f])
+    for path in dataset._catalogue_paths(f):
+        found = Catalogue.from_ipc(path, mapped.fingerprint, rows, [], dataset.tensor_names)
+        if found is not None:
+            return found
+    return None
 
 
 def _lengths(dataset: TensorParquetDataset, mapped, f: int) -> dict[str, list[int | None]]:
