@@ -257,6 +257,17 @@ class Adapter(nn.Module):
         return cls.tensor_columns
 
     @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Stored tensor column -> the :class:`~ff_core.data.tensor_checks.StoredShape` its rows must have for this
+        checkpoint (latent channels, patch multiples, embedding widths), from its config files only; same rules as
+        :meth:`resolve_contract`. ``ff fit`` checks every shard row's ``_shape`` against it before weights load, so a
+        latent stored with the right byte count in the wrong geometry is refused with its row named. Default: none
+        (only each row's own consistency is checked)."""
+        return {}
+
+    @classmethod
     def check_adapter_kwargs(
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any]
     ) -> None:

@@ -131,7 +131,7 @@ def _unknown_command(name: str) -> int:
 
 def _trainer_command(args: list[str] | None) -> int:
     """LightningCLI; ff's user errors print as their message (exit 2), anything else keeps its traceback."""
-    from ff_core.errors import ConfigError, ContractError, DatasetError
+    from ff_core.errors import ConfigError, ContractError, DatasetError, NonFiniteError
     from ff_core.lightning_cli import run
 
     try:
@@ -143,6 +143,9 @@ def _trainer_command(args: list[str] | None) -> int:
         command = next((a for a in (sys.argv[1:] if args is None else args) if a in TRAINER_COMMANDS), None)
         print(f"ff {command}: {exc}" if command else f"ff: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except NonFiniteError as exc:  # a run stopped on a NaN/inf (ff_core.nonfinite): one line, no traceback
+        print(f"ff fit: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -144,3 +144,11 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # pickling (DDP spawn) with the 2-argument constructor
         return (ConfigError, (self.key, self.reason))
+
+
+class NonFiniteError(RuntimeError):
+    """A training step met a non-finite loss or gradient (``model.nonfinite: stop``; :mod:`ff_core.nonfinite`).
+
+    ``str(err)`` is one line naming the step, the rank(s) and the step's samples; ``ff fit`` prints it and exits 1,
+    and no checkpoint of poisoned weights exists (the step was refused before the optimiser ran).
+    """

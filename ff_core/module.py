@@ -25,6 +25,7 @@ from ff_core.adapter import Adapter
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
+from ff_core.nonfinite import NonFiniteGuard, NonFinitePolicy
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 NOISE_SEED_KEY = "ff_noise_seed"
 """Checkpoint entry holding the run's resolved training-noise seed."""
+NONFINITE_KEY = "ff_nonfinite_skipped"
+"""Checkpoint entry holding the steps ``model.nonfinite: skip`` skipped so far."""
 
 
 @dataclass
@@ -155,6 +158,11 @@ class FlowModule(L.LightningModule):
             audio stream): the adapter names their parameters (:meth:`~ff_core.adapter.Adapter.component_parameters`),
             which stay frozen under LoRA and full fine-tuning alike, and the objective leaves them out of the loss
             (SFT and offline DPO: its error term; GRPO: its step log-prob term). docs/config.md.
+        nonfinite: what a non-finite loss or gradient does, checked before every optimiser step on every rank
+            (:mod:`ff_core.nonfinite`): ``stop`` (default) ends the run with one line naming the step, the rank(s)
+            and the step's samples, before the step, so no checkpoint holds poisoned weights; ``skip`` drops the
+            step's gradients (the optimiser changes nothing), logs ``train/nonfinite_skipped`` and lists the step in
+            the run folder's ``nonfinite_skipped.jsonl``. docs/scaling.md, "Non-finite losses and gradients".
     """
 
     def __init__(
@@ -172,6 +180,7 @@ class FlowModule(L.LightningModule):
         noise_seed: int | None = None,
         eval_rewards: list[dict[str, Any]] | None = None,
         frozen_components: list[str] | None = None,
+        nonfinite: NonFinitePolicy = "stop",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -190,6 +199,7 @@ class FlowModule(L.LightningModule):
         self.sharding = sharding
         self.noise_seed = noise_seed
         self.frozen_components = list(dict.fromkeys(frozen_components or ()))
+        self.nonfinite_guard = NonFiniteGuard(nonfinite)
         objective.freeze_components(self.frozen_components)  # before any weights load: an objective may refuse
         # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
         check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
@@ -516,6 +526,7 @@ class FlowModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         if self._run_noise_seed is not None:
             checkpoint[NOISE_SEED_KEY] = self._run_noise_seed
+        checkpoint[NONFINITE_KEY] = self.nonfinite_guard.skipped
 
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
@@ -532,6 +543,7 @@ class FlowModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
+        self.nonfinite_guard.skipped = int(checkpoint.get(NONFINITE_KEY, 0))
         if self._trainer is not None and self._trainer.state.fn != "fit":  # a resume exports the LoRA again
             from ff_core.callbacks.checkpoint import check_lora_export
 
@@ -638,16 +650,30 @@ class FlowModule(L.LightningModule):
     # -- steps -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         generator, seed = self.noise_generator(batch_idx)
+        self.nonfinite_guard.observe_batch(batch.get("index", ()))  # named if the step turns out non-finite
         if not self.automatic_optimization:  # the objective runs its own optimiser steps (GRPO)
             self.objective.training_step(self, batch, generator)
             return None
         out = self.objective.training_loss(self.adapter, batch, generator)
+        self.nonfinite_guard.observe_loss(out.loss)
         bs = len(batch["index"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
         for name, value in out.metrics.items():
             self.log(f"train/{name}", value, batch_size=bs)
         # Lightning back-propagates "loss"; callbacks get the rest (SampleLog records the noise drawn).
         return {"loss": out.loss, "sigma": out.sigma, "noise_seed": seed}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """After the backward, before the step (automatic optimisation; GRPO checks in its own ``update``): a
+        non-finite loss or gradient on any rank stops the run or skips the step (``model.nonfinite``)."""
+        if self.automatic_optimization:
+            self.nonfinite_guard.check(self, optimizer)
+            self.log_nonfinite()
+
+    def log_nonfinite(self) -> None:
+        """``train/nonfinite_skipped`` (the steps skipped so far) every step, under ``model.nonfinite: skip``."""
+        if self.nonfinite_guard.policy == "skip":
+            self.log("train/nonfinite_skipped", float(self.nonfinite_guard.skipped))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self.evaluate(batch, batch_idx, "val")

@@ -214,6 +214,17 @@ def resolve_output_geometry(
     return _resolve(adapter_cls.resolve_output_geometry, adapter_cls, path, kwargs, key, what="output geometry")
 
 
+def resolve_tensor_shapes(
+    adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None = None, key: str = KEY
+) -> dict[str, Any]:
+    """``adapter_cls.resolve_tensor_shapes(path, kwargs)``: stored column -> its expected
+    :class:`~ff_core.data.tensor_checks.StoredShape` (config files only), errors as in :func:`resolve_contract`;
+    empty for an adapter that does not say."""
+    if not hasattr(adapter_cls, "resolve_tensor_shapes"):
+        return {}
+    return _resolve(adapter_cls.resolve_tensor_shapes, adapter_cls, path, kwargs, key, what="tensor shapes") or {}
+
+
 ADAPTER_KWARGS_KEY = "model.adapter_kwargs"
 
 

@@ -71,7 +71,9 @@ from ff_core.data.sources import (
     split_file,
 )
 from ff_core.data.target_spans import target_span_errors
+from ff_core.data.tensor_checks import check_shard_rows, shard_row_name
 from ff_core.data.tensor_rows import (
+    LATENT_BATCH_KEYS,
     ShardSource,
     TensorColumns,
     TensorRowCollator,
@@ -87,6 +89,7 @@ from ff_core.pretrained import (
     resolve_contract,
     resolve_output_geometry,
     resolve_tensor_columns,
+    resolve_tensor_shapes,
 )
 
 log = logging.getLogger(__name__)
@@ -398,6 +401,11 @@ class FlowDataModule(L.LightningDataModule):
         window = self.row_group_window
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision, hand_off=self.hand_off)
+        # Every served row's _dtype/_shape (and located byte count) against itself and the adapter's geometry, now:
+        # not at the step that draws it (ff_core.data.tensor_checks).
+        shapes = resolve_tensor_shapes(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
+        stored = {p + c: c for p in LATENT_BATCH_KEYS[self._supervision].values() for c in columns.latents}
+        check_shard_rows([(s.dataset, s.rows) for s in self.shard_sources], shapes, stored)
         self.train_rows = TensorRows([s.dataset for s in self.shard_sources], [s.rows for s in self.shard_sources])
         self.tensor_columns = columns
         largest = self.train_rows.max_group_rows()
@@ -587,6 +595,17 @@ class FlowDataModule(L.LightningDataModule):
             return {source.name: source.identity for source in self.shard_sources}
         return {source.name: {"rows": len(source.records), "sha256": records_identity(source.records, self._digests)}
                 for source in self._sources["train"]}
+
+    def sample_names(self, indices: Sequence[int]) -> list[str]:
+        """Training samples by where they are stored, for messages (a non-finite step, :mod:`ff_core.nonfinite`):
+        a record's ``file:line``, a shard row's ``file: row r (row group g, dataset row i)``.
+
+        Args:
+            indices: the batch's ``index`` values (record indices, or rows of :attr:`train_rows`).
+        """
+        if self.train_rows is not None:
+            return [shard_row_name(self.train_rows, int(i)) for i in indices]
+        return [f"{self.train_records[i].source}:{self.train_records[i].line}" for i in map(int, indices)]
 
     def _check_accumulation(self, batches_per_epoch: int) -> None:
         """Spec ("Offline dataloader and epoch semantics"): the rank-local batches of an offline epoch must divide

@@ -387,13 +387,18 @@ class GRPOObjective(Objective):
             for chunk in chunks:
                 # Every kept (sample, transition) weighs the same in the optimiser step: the mean over them.
                 terms = sum(len(r.trajectory.transitions) * r.kept for r in chunk)
+                guard = getattr(module, "nonfinite_guard", None)  # ff_core.nonfinite: model.nonfinite
                 for r in chunk:
                     if not r.kept:  # filtered out whole (filter_zero_std): nothing to replay
                         continue
                     for t in r.trajectory.transitions:
                         loss = self.transition_loss(adapter, r, t, stats)
+                        if guard is not None:
+                            guard.observe_loss(loss)
                         module.manual_backward(loss * r.kept / terms)
                 if _average_gradients(module, terms) == 0:  # no rank kept a sample (filter_zero_std)
+                    _count_step_without_stepping(optimizer)
+                elif guard is not None and _nonfinite_skip(module, guard, optimizer):  # before any weight moves
                     _count_step_without_stepping(optimizer)
                 else:
                     if self.max_grad_norm is not None:
@@ -553,6 +558,16 @@ def _average_gradients(module: Any, terms: int) -> int:
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
     return int(flags[-1].item())
+
+
+def _nonfinite_skip(module: Any, guard: Any, optimizer: Any) -> bool:
+    """The non-finite check of one optimiser step (:class:`ff_core.nonfinite.NonFiniteGuard`), on the averaged
+    gradients, on every rank alike: raises under ``stop``; ``True`` when ``skip`` dropped the step's gradients."""
+    skipped = guard.check(module, optimizer)
+    log_nonfinite = getattr(module, "log_nonfinite", None)
+    if log_nonfinite is not None:
+        log_nonfinite()
+    return skipped
 
 
 def _count_step_without_stepping(optimizer: Any) -> None:

@@ -4,7 +4,9 @@ The report comes from the footers (files, row groups, on-disk sizes) and the sma
 (dtypes, per-dimension shape ranges, tensor bytes per row). Problems are schema ones (incomplete triplets, a file
 without the first file's columns, columns an expected schema lacks) and row ones (null parts, unknown dtypes,
 negative dimensions). With ``check_bytes`` every ``_bytes`` value is read, one row group at a time, and its length
-checked against prod(shape) x itemsize: that reads the whole dataset, so it is opt-in (``--check-media``).
+checked against prod(shape) x itemsize, and every floating-point tensor checked for NaN and infinity (one NaN latent
+poisons a training run's weights at the step that draws it): that reads the whole dataset, so it is opt-in
+(``--check-media``).
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def _file_rows(path: Path, tensors: list[str], report: TensorParquetReport, erro
     small = pf.read(columns=[t + s for t in tensors for s in (SHAPE, DTYPE)], use_threads=False)
     shapes = {t: small.column(t + SHAPE).to_pylist() for t in tensors}
     dtypes = {t: small.column(t + DTYPE).to_pylist() for t in tensors}
-    lengths = {t: _lengths(pf, t + BYTES) if check_bytes else None for t in tensors}
+    lengths = {t: _lengths(pf, t + BYTES, shapes[t], dtypes[t]) if check_bytes else None for t in tensors}
     counts: dict[str, int] = {}
     for r in range(small.num_rows):
         payload = 0
@@ -188,6 +190,9 @@ def _file_rows(path: Path, tensors: list[str], report: TensorParquetReport, erro
                 report.tensors[t].empty += 1
                 continue
             problem = tensor_problem(found, shape, dtype)
+            if problem is None and isinstance(found, NonFinite):
+                problem = (BYTES, f"{found.count} non-finite value(s) (NaN or infinity) among {math.prod(shape)}: "
+                                  "training on this row would make the loss NaN")
             if problem is None:
                 report.tensors[t].add(shape, dtype)
                 payload += expected
@@ -201,9 +206,41 @@ def _file_rows(path: Path, tensors: list[str], report: TensorParquetReport, erro
                for col, n in counts.items() if n > MAX_ROW_PROBLEMS]
 
 
-def _lengths(pf: pq.ParquetFile, column: str) -> list[int | None]:
-    """Byte length of every value of a binary column, one row group in memory at a time."""
+class NonFinite(int):
+    """A value's byte length (an ``int``) that also says how many of its elements are NaN or infinite."""
+
+    count: int = 0
+
+
+def _lengths(pf: pq.ParquetFile, column: str, shapes: list[Any] | None = None,
+             dtypes: list[Any] | None = None) -> list[int | None]:
+    """Byte length of every value of a binary column, one row group in memory at a time; with the rows' shapes and
+    dtypes, a floating-point value of the right length holding NaN or infinity comes back as :class:`NonFinite`."""
     out: list[int | None] = []
+    row = 0
     for g in range(pf.metadata.num_row_groups):
-        out += pc.binary_length(pf.read_row_group(g, columns=[column], use_threads=False).column(0)).to_pylist()
+        values = pf.read_row_group(g, columns=[column], use_threads=False).column(0)
+        lengths = pc.binary_length(values).to_pylist()
+        if shapes is not None and dtypes is not None:
+            lengths = [_finite_checked(values, r, n, shapes[row + r], dtypes[row + r]) for r, n in enumerate(lengths)]
+        out += lengths
+        row += len(lengths)
     return out
+
+
+def _finite_checked(values: pa.ChunkedArray, r: int, length: int | None, shape: Any, dtype: Any) -> int | None:
+    """``length``, or a :class:`NonFinite` of it when the value decodes to a floating tensor with non-finite
+    elements (a value that does not fit its shape and dtype is left to :func:`tensor_problem`)."""
+    dt = tensor_dtype(dtype)
+    if length is None or dt is None or not dt.is_floating_point or tensor_problem(length, shape, dtype) is not None:
+        return length
+    import torch
+
+    # A writable, aligned copy (--check-media reads every byte anyway); torch, not numpy: bfloat16 too.
+    tensor = torch.frombuffer(bytearray(values[r].as_buffer()), dtype=dt) if length else torch.empty(0)
+    bad = int((~torch.isfinite(tensor)).sum())
+    if not bad:
+        return length
+    found = NonFinite(length)
+    found.count = bad
+    return found

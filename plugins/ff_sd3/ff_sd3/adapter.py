@@ -101,6 +101,32 @@ class SD3Adapter(Adapter):
             frozen.requires_grad_(False).eval()
 
     @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The stored shapes the transformer's config fixes (``ff fit`` checks every shard row against them): a
+        ``latent`` (C, H, W) with C = ``in_channels`` and H, W multiples of ``patch_size`` (what SD3Transformer2DModel
+        patchifies, diffusers transformer_sd3.py), ``pooled_prompt_embeds`` (``pooled_projection_dim``,) and
+        ``prompt_embeds`` (L, ``joint_attention_dim``). Nothing without a checkpoint."""
+        from ff_core.data.tensor_checks import StoredShape
+        from ff_core.pretrained import read_config
+
+        if pretrained_model_name_or_path is None:
+            return {}
+        config = read_config(pretrained_model_name_or_path, subfolder="transformer")
+        patch = int(config.get("patch_size", 2))
+        shapes = {"latent": StoredShape(3, {0: int(config.get("in_channels", 16))}, {1: patch, 2: patch},
+                                        "(C, H, W): C = the transformer's in_channels, H and W multiples of its "
+                                        "patch_size")}
+        if "joint_attention_dim" in config:
+            shapes["prompt_embeds"] = shapes["negative_prompt_embeds"] = StoredShape(
+                2, {-1: int(config["joint_attention_dim"])}, meaning="(L, joint_attention_dim)")
+        if "pooled_projection_dim" in config:
+            shapes["pooled_prompt_embeds"] = shapes["negative_pooled_prompt_embeds"] = StoredShape(
+                1, {0: int(config["pooled_projection_dim"])}, meaning="(pooled_projection_dim,)")
+        return shapes
+
+    @classmethod
     def from_pretrained(
         cls,
         pretrained_model_name_or_path: str | os.PathLike,

@@ -192,6 +192,32 @@ class WanT2VAdapter(Adapter):
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The stored shapes the checkpoint's configs fix (``ff fit`` checks every shard row against them): a
+        ``vae_latent`` (C, T, H, W) with C = the VAE's ``z_dim`` (``WanPipeline.prepare_latents``' channels; the I2V
+        transformer's ``in_channels`` adds the condition's) and H, W multiples of the transformer's ``patch_size[1:]``
+        (what WanTransformer3DModel patchifies), a ``text_embedding`` (L, ``text_dim``). Nothing without a
+        checkpoint."""
+        from ff_core.data.tensor_checks import StoredShape
+
+        if pretrained_model_name_or_path is None:
+            return {}
+        shapes: dict[str, Any] = {}
+        vae = _config(pretrained_model_name_or_path, "config.json", "vae") or {}
+        transformer = _config(pretrained_model_name_or_path, "config.json", "transformer") or {}
+        patch = list(transformer.get("patch_size") or (1, 2, 2))
+        sizes = {0: int(vae["z_dim"])} if "z_dim" in vae else {}
+        shapes["vae_latent"] = StoredShape(4, sizes, {2: int(patch[1]), 3: int(patch[2])},
+                                           "(C, T, H, W): C = the VAE's z_dim, H and W multiples of the transformer's "
+                                           "patch size")  # fmt: skip
+        if "text_dim" in transformer:
+            shapes["text_embedding"] = shapes["negative_text_embedding"] = StoredShape(
+                2, {-1: int(transformer["text_dim"])}, meaning="(L, text_dim)")
+        return shapes
+
+    @classmethod
     def _components(cls, path: str, dt: torch.dtype, revision: str | None) -> dict[str, Any]:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from diffusers.schedulers import SchedulerMixin

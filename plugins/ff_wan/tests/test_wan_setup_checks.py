@@ -68,3 +68,30 @@ def test_without_adapter_kwargs_the_defaults_are_the_geometry():
     WanI2VAdapter.check_bucket(None, None, MediaGeometry(480, 832, num_frames=81, fps=16.0))
     with pytest.raises(ValueError, match=r"480x832, 81 frames, .* got 480x832, 49 frames"):
         WanI2VAdapter.check_bucket(None, None, MediaGeometry(480, 832, num_frames=49, fps=16.0))
+
+
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_stored_shapes_fit_what_the_diffusers_components_produce(tiny_wan, variant):
+    """``resolve_tensor_shapes`` (what ``ff fit`` checks every shard row against, issue 24 item 9), from config files
+    only, against the tensors diffusers' own components produce: ``AutoencoderKLWan.encode`` of a 5-frame clip (a
+    card row's ``vae_latent`` is its latent without the batch axis) and the UMT5 encoder's hidden states (a
+    ``text_embedding``). The same bytes in another geometry (channels last, or frames first) are refused."""
+    import torch
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5EncoderModel
+
+    folder = tiny_wan(variant)
+    shapes = WanT2VAdapter.resolve_tensor_shapes(str(folder)) if variant == "t2v" else \
+        WanI2VAdapter.resolve_tensor_shapes(str(folder))
+    vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae").eval()
+    with torch.no_grad():
+        latent = vae.encode(torch.rand(1, 3, 5, 32, 32) * 2 - 1).latent_dist.mode()[0]  # (C, T, H, W)
+        text = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder")(
+            torch.tensor([[1, 2, 3]])).last_hidden_state[0]  # (L, D)
+    rule = shapes["vae_latent"]
+    assert rule.problem(list(latent.shape)) is None
+    assert rule.problem([*latent.shape[1:], latent.shape[0]]) is not None  # channels last
+    assert rule.problem([latent.shape[1], latent.shape[0], *latent.shape[2:]]) is not None  # frames first
+    assert shapes["text_embedding"].problem(list(text.shape)) is None
+    assert shapes["text_embedding"].problem([text.shape[1], text.shape[0]]) is not None
+    assert WanT2VAdapter.resolve_tensor_shapes(None) == {}  # no checkpoint: nothing to check against
