@@ -1,0 +1,161 @@
+"""Condition-cache integrity (issue 24, item 5) and full disks (item 11) with real ``ff fit`` processes.
+
+A cache built by ``ff fit`` (the tiny SD3 of configs/sd3/sft_tiny.yaml) gets 8 flipped bytes, as a failing disk or
+a stray write would leave them, and the next ``ff fit`` must notice: before the digests, a flip in the footer gave
+a segfault (rc 139) or an ``ArrowInvalid`` traceback, and a flip in a tensor went unnoticed (the run trained on the
+damaged embeddings, exit 0). The reference is the file itself: the test flips bytes at offsets it picks from the
+manifest's block table and from the file size, never through ff's reader.
+
+The full disk is real: a 256 KiB tmpfs (``mount -t tmpfs``; skipped where the test may not mount) as
+``data.cache_dir`` or as the ``--output`` of ``ff data preprocess-latents``, so the OS itself answers ``ENOSPC``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ff_core.data.cache import MANIFEST
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
+
+
+def ff(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``ff ARGS`` in a fresh process (what a user runs), output captured."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ff_core.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)  # fmt: skip
+
+
+def fit(tiny_sd3, shapes_dir, cache: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
+    return ff("fit", "--config", str(RECIPE), "--model.pretrained_model_name_or_path", str(tiny_sd3),
+              "--data.datasets", datasets, "--data.cache_dir", str(cache), "--data.preprocessing_batch_size", "4",
+              "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+              "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+              "--trainer.default_root_dir", str(root), *extra)  # fmt: skip
+
+
+def train_cache(cache: Path) -> tuple[Path, dict]:
+    """The training split's cache folder (24 rows) and its manifest."""
+    for manifest in cache.glob(f"*/{MANIFEST}"):
+        data = json.loads(manifest.read_text())
+        if data["identity"]["dataset"]["split"] == "train":
+            return manifest.parent, data
+    raise AssertionError(f"no training cache in {cache}: {list(cache.iterdir())}")
+
+
+def flip(path: Path, offset: int, n: int = 8) -> None:
+    """Invert ``n`` bytes of ``path`` from ``offset`` (same size: the old size check cannot see it)."""
+    data = bytearray(path.read_bytes())
+    data[offset : offset + n] = bytes(b ^ 0xFF for b in data[offset : offset + n])
+    path.write_bytes(bytes(data))
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The last stderr line of a failed run, checked to be ff's one-line error, not a traceback."""
+    assert proc.returncode not in (0, -11, 139), (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_flipped_tensor_bytes_stop_the_run_then_the_cache_is_rebuilt(tiny_sd3, shapes_dir, tmp_path):
+    """8 flipped bytes inside record batch 3 (rows 12-15; batches of 4 rows) of the training part: the open-time
+    checks (footer, batch 0) pass, the first read of those rows fails with one line naming the file and rows, and
+    the next start rebuilds the cache (with a warning) and trains."""
+    cache = tmp_path / "cache"
+    assert fit(tiny_sd3, shapes_dir, cache, tmp_path / "r0").returncode == 0
+    folder, manifest = train_cache(cache)
+    part = manifest["parts"][0]
+    start, end = part["blocks"][2][0], part["blocks"][3][0]  # block 3: record batch 3
+    flip(folder / part["file"], (start + end) // 2)
+
+    failed = fit(tiny_sd3, shapes_dir, cache, tmp_path / "r1")
+    line = one_line_error(failed)
+    assert line.startswith(f"{folder / part['file']}: rows 12-15 (bytes {start}-{end}) do not match"), line
+    assert "the next start rebuilds this condition cache" in line
+    assert (folder / "corrupt.json").exists()
+
+    again = fit(tiny_sd3, shapes_dir, cache, tmp_path / "r2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "CORRUPT CONDITION CACHE" in again.stderr
+    rebuilt_folder, rebuilt = train_cache(cache)
+    assert rebuilt_folder == folder and not (folder / "corrupt.json").exists()
+    assert rebuilt["rebuilt_after_corruption"]["file"] == part["file"]
+    assert rebuilt["rebuilt_after_corruption"]["bytes"] == [start, end]
+
+
+def test_flipped_footer_is_rebuilt_once_then_refused(tiny_sd3, shapes_dir, tmp_path):
+    """8 flipped bytes in the Arrow footer (what gave the segfault / ArrowInvalid): the next start finds it at
+    open and rebuilds, loudly; the same damage to the rebuilt cache stops the run with one line (a disk that
+    corrupts twice is not masked), until the user forces a rebuild."""
+    cache = tmp_path / "cache"
+    assert fit(tiny_sd3, shapes_dir, cache, tmp_path / "r0").returncode == 0
+    folder, manifest = train_cache(cache)
+    part = folder / manifest["parts"][0]["file"]
+    flip(part, part.stat().st_size - 40)
+
+    rebuilt = fit(tiny_sd3, shapes_dir, cache, tmp_path / "r1")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert f"CORRUPT CONDITION CACHE {part}: bytes" in rebuilt.stderr
+    assert train_cache(cache)[1]["rebuilt_after_corruption"]["block"] == len(manifest["parts"][0]["blocks"]) - 1
+
+    flip(part, part.stat().st_size - 40)
+    refused = fit(tiny_sd3, shapes_dir, cache, tmp_path / "r2")
+    line = one_line_error(refused)
+    assert line.startswith(f"{part}: bytes ") and "already rebuilt after" in line and "may be failing" in line, line
+
+    forced = fit(tiny_sd3, shapes_dir, cache, tmp_path / "r3", "--data.force_reprocess", "true")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "rebuilt_after_corruption" not in train_cache(cache)[1]
+
+
+# -- full disks ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 256 KiB tmpfs (root only; skipped elsewhere), unmounted afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="ff-small-disk-"))
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
+    if mount.returncode:
+        folder.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+        folder.rmdir()
+
+
+def test_full_disk_while_building_the_cache(tiny_sd3, shapes_dir, tmp_path, small_disk):
+    """``ff fit`` with ``data.cache_dir`` on a full disk: one line naming the cache folder and the OS's reason,
+    exit 2, nothing left on that disk; the same command with space builds and trains."""
+    failed = fit(tiny_sd3, shapes_dir, small_disk / "cache", tmp_path / "r0")
+    line = one_line_error(failed)
+    assert failed.returncode == 2
+    assert line.startswith(str(small_disk / "cache")) and "no space left on device" in line, line
+    assert "nothing was published" in line
+    assert [p.name for p in (small_disk / "cache").iterdir()] == []
+    assert fit(tiny_sd3, shapes_dir, tmp_path / "cache", tmp_path / "r1").returncode == 0
+
+
+def test_full_disk_while_writing_shards(tiny_sd3, shapes_dir, tmp_path, small_disk):
+    """``ff data preprocess-latents --output`` on a full disk: one line naming the shard folder, exit non-zero, no
+    hidden or partial folder left beside it; with space, the same command writes the shards."""
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
+    args = ["data", "preprocess-latents", "--config", str(RECIPE), "--model.pretrained_model_name_or_path",
+            str(tiny_sd3), "--data.datasets", datasets, "--no-progress"]  # fmt: skip
+    failed = ff(*args, "--output", str(small_disk / "latents"))
+    assert failed.returncode != 0 and "Traceback" not in failed.stdout + failed.stderr, failed.stderr[-3000:]
+    line = failed.stdout.strip().splitlines()[-1]  # the command's messages go to stdout (stderr: loading bars)
+    assert line.startswith(f"ff data preprocess-latents: {small_disk}") and "no space left on device" in line, line
+    assert list(small_disk.iterdir()) == []
+    ok = ff(*args, "--output", str(tmp_path / "latents"))
+    assert ok.returncode == 0 and "wrote 24 rows" in ok.stdout, ok.stdout + ok.stderr[-3000:]
