@@ -118,6 +118,62 @@ def test_flipped_footer_is_rebuilt_once_then_refused(tiny_sd3, shapes_dir, tmp_p
     assert "rebuilt_after_corruption" not in train_cache(cache)[1]
 
 
+# -- the same rules in one process (HashAdapter: seconds) ----------------------------------------------------------
+def test_blocks_cut_the_ipc_file_at_its_record_batches(tmp_path):
+    """The digest blocks cover the file contiguously, the first starts with and the last ends with the Arrow IPC
+    file magic ``ARROW1`` (Arrow columnar format spec, "IPC File Format": magic, stream, footer, footer size,
+    magic), there is one block per record batch plus the footer, and each digest is hashlib's over its range."""
+    import hashlib
+
+    import torch
+
+    from ff_core.data.cache_table import PartWriter
+
+    writer = PartWriter(tmp_path / "p.arrow")
+    for start in range(0, 6, 2):
+        writer.write([bytes([i]) * 32 for i in range(start, start + 2)], [{"x": torch.full((5,), float(i))}
+                                                                          for i in range(start, start + 2)], start)
+    blocks = writer.close()
+    data = (tmp_path / "p.arrow").read_bytes()
+    assert len(blocks) == 3 + 1 and blocks[-1][0] == len(data)
+    assert data[:6] == b"ARROW1" and data[-6:] == b"ARROW1"
+    starts = [0] + [end for end, _ in blocks[:-1]]
+    assert [hashlib.sha256(data[a:end]).hexdigest() for a, (end, _) in zip(starts, blocks)] == [d for _, d in blocks]
+    assert all(a < end for a, (end, _) in zip(starts, blocks))
+
+
+def test_in_process_flip_read_then_rebuild(tmp_path, caplog):
+    """open_or_build with the test adapter: a flip in record batch 1 passes the open, fails the first read of rows
+    2-3 (CacheCorruptError naming them), and the next open rebuilds with a warning; rows read back as computed."""
+    from cache_helpers import HashAdapter, expected_condition, rgb, source, write_dataset
+
+    from ff_core.data.cache import open_or_build
+    from ff_core.data.cache_digest import CacheCorruptError
+
+    root = write_dataset(tmp_path / "data", 6)
+    first = open_or_build(source(root), HashAdapter(), cache_dir=tmp_path / "cache", batch_size=2)
+    part = json.loads((first.path / MANIFEST).read_text())["parts"][0]
+    start, end = part["blocks"][0][0], part["blocks"][1][0]
+    flip(first.path / part["file"], end - 16)
+    second = open_or_build(source(root), HashAdapter(), cache_dir=tmp_path / "cache", batch_size=2)
+    assert second.reused
+    second.conditions[0]
+    with pytest.raises(CacheCorruptError, match=rf"rows 2-3 \(bytes {start}-{end}\) do not match"):
+        second.conditions[3]
+    with caplog.at_level("WARNING", logger="ff_core.data.cache"):
+        third = open_or_build(source(root), HashAdapter(), cache_dir=tmp_path / "cache", batch_size=2)
+    assert not third.reused and "CORRUPT CONDITION CACHE" in caplog.text
+    for i in range(6):
+        want = expected_condition(f"prompt {i}", rgb(i))
+        assert all(torch_equal(third.conditions[i][k], want[k]) for k in want)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
 # -- full disks ------------------------------------------------------------------------------------------------
 @pytest.fixture
 def small_disk() -> Iterator[Path]:
