@@ -19,6 +19,12 @@ Safety (docs/datasets.md, "Condition cache"): a cache is written into a hidden b
 files. A build killed midway leaves only a build folder, removed by the next builder on that host once its owner is
 dead. Two builders of one key (ranks of different nodes, or two jobs) write different build folders; the first
 rename wins and the other discards its copy, so no reader ever sees a mixed or partial cache.
+
+Integrity (:mod:`ff_core.data.cache_digest`): the manifest holds a SHA-256 per record batch of each part. An open
+checks each part's footer and first batch, a reader every other batch before its first row; damage found at open
+is rebuilt with a loud warning, damage found while reading stops the run with one line and a ``corrupt.json`` note
+(the next start rebuilds), and a rebuilt cache damaged again is refused. A full disk during a build is one line
+(:class:`~ff_core.data.disk_full.DiskFullError`) and leaves no build folder.
 """
 
 from __future__ import annotations
