@@ -19,6 +19,12 @@ Safety (docs/datasets.md, "Condition cache"): a cache is written into a hidden b
 files. A build killed midway leaves only a build folder, removed by the next builder on that host once its owner is
 dead. Two builders of one key (ranks of different nodes, or two jobs) write different build folders; the first
 rename wins and the other discards its copy, so no reader ever sees a mixed or partial cache.
+
+Integrity (:mod:`ff_core.data.cache_digest`): the manifest holds a SHA-256 per record batch of each part. An open
+checks each part's footer and first batch, a reader every other batch before its first row; damage found at open
+is rebuilt with a loud warning, damage found while reading stops the run with one line and a ``corrupt.json`` note
+(the next start rebuilds), and a rebuilt cache damaged again is refused. A full disk during a build is one line
+(:class:`~ff_core.data.disk_full.DiskFullError`) and leaves no build folder.
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ff_core.atomic import replace_dir, write_bytes_atomic
 from ff_core.contracts import PipelineIOContract
+from ff_core.data.cache_digest import DIGEST, CacheCorruptError, check_block, read_mark
 from ff_core.data.cache_group import BuildGroup
 from ff_core.data.cache_table import ID_BYTES, CachedConditions, PartWriter
+from ff_core.data.disk_full import disk_full_error, is_disk_full
 from ff_core.data.identity import MediaDigests, file_sha256, input_identity
 from ff_core.data.records import Record
+from ff_core.errors import DatasetError
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
@@ -155,20 +164,78 @@ def identity_key(identity: dict[str, Any]) -> str:
 
 
 def read_manifest(folder: Path, key: str, rows: int) -> dict[str, Any] | None:
-    """The manifest of a published cache folder, or ``None`` when the folder is not a complete cache of ``key``."""
+    """The manifest of a published cache folder, or ``None`` when the folder is not a complete cache of ``key``
+    (a cache written before parts had digests counts as incomplete: it is rebuilt once)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     if manifest.get("format") != FORMAT or manifest.get("key") != key or manifest.get("rows") != rows:
         return None
+    if manifest.get("digest") != DIGEST:
+        return None
     for part in manifest.get("parts", []):
         try:
-            if (folder / part["file"]).stat().st_size != part["bytes"]:
+            if (folder / part["file"]).stat().st_size != part["bytes"] or part["blocks"][-1][0] != part["bytes"]:
                 return None
-        except (OSError, KeyError, TypeError):
+        except (OSError, KeyError, TypeError, IndexError):
             return None
     return manifest
+
+
+def inspect_cache(folder: Path, key: str, rows: int) -> tuple[str, dict[str, Any] | None]:
+    """What an open finds in a cache folder: ``("ok", None)``, ``("missing", None)`` (absent or incomplete), or
+    ``("corrupt", note)``: a reader left a ``corrupt.json`` note, or the blocks checked at every open (each part's
+    footer and first record batch, :mod:`ff_core.data.cache_digest`) do not match. ``note["previous"]`` is the
+    corruption this cache was itself rebuilt after, if any."""
+    manifest = read_manifest(folder, key, rows)
+    if manifest is None:
+        return "missing", None
+    note = read_mark(folder)
+    if note is None:
+        import mmap
+
+        for part in manifest["parts"]:
+            path = folder / part["file"]
+            try:
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    view = memoryview(data)
+                    try:
+                        for block, rows_text in ((-1, "the footer"), (0, "the header and first record batch")):
+                            check_block(view, part["blocks"], block, path, rows_text)
+                    finally:
+                        view.release()
+            except CacheCorruptError:
+                note = read_mark(folder) or {"file": part["file"]}
+                break
+            except OSError as exc:
+                note = {"file": part["file"], "reason": str(exc)}
+                break
+    if note is None:
+        return "ok", None
+    return "corrupt", {**note, "folder": str(folder), "previous": manifest.get("rebuilt_after_corruption")}
+
+
+def _corruption(states: list[tuple[str, dict | None]], cache_dir: Path, loud: bool) -> dict[str, Any] | None:
+    """The corruption any rank found (logged as a warning), or ``None``; a cache that was already rebuilt after a
+    corruption and is corrupt again is refused: a disk that corrupts must not be masked by rebuilding forever."""
+    note = next((n for state, n in states if state == "corrupt"), None)
+    if note is None:
+        return None
+    where = Path(note["folder"]) / str(note.get("file", "?"))
+    detail = f"bytes {note['bytes'][0]}-{note['bytes'][1]}" if "bytes" in note else note.get("reason", "content")
+    previous = note.get("previous")
+    if previous:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(previous.get("time", 0)))
+        raise CacheCorruptError(where, f"{detail} do not match the manifest's sha256, and this cache was already "
+                                f"rebuilt after {previous.get('file', '?')} was corrupt ({when} UTC): the disk under "
+                                f"{cache_dir} may be failing; check it, then delete {note['folder']} (or set "
+                                "data.force_reprocess: true) to rebuild")  # fmt: skip
+    if loud:
+        log.warning("CORRUPT CONDITION CACHE %s: %s do not match the manifest's sha256 (the file changed on disk "
+                    "after it was written); rebuilding it. A second corruption of the rebuilt cache stops the run: "
+                    "check the disk under %s", where, detail, cache_dir)  # fmt: skip
+    return {k: v for k, v in note.items() if k != "previous"}
 
 
 def open_or_build(
@@ -211,8 +278,9 @@ def open_or_build(
     key, rows = identity_key(identity), len(source.records)
     final = cache_dir / key
     # Every rank reports what it sees, so all decide alike even when nodes see different disks.
-    have = group.all_gather(not force and read_manifest(final, key, rows) is not None)
-    node_needs = {group.node_of(r) for r, ok in enumerate(have) if not ok}
+    states = group.all_gather(("missing", None) if force else inspect_cache(final, key, rows))
+    corrupt = _corruption(states, cache_dir, loud=group.rank == 0)
+    node_needs = {group.node_of(r) for r, (state, _) in enumerate(states) if state != "ok"}
     if not node_needs:
         return _open(source, final, key, ids, reused=True)
     token = group.broadcast(f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}" if group.rank == 0 else None)
@@ -227,21 +295,31 @@ def open_or_build(
     building = parallelism == "global" or group.node_rank in node_needs
 
     def step(action: Callable[[], None]) -> None:
-        """Run ``action`` (when this rank builds), then agree: if any rank failed, every rank raises."""
+        """Run ``action`` (when this rank builds), then agree: if any rank failed, every rank raises. A full disk
+        is a one-line :class:`~ff_core.data.disk_full.DiskFullError`; the build folder is removed either way."""
         error = None
         if building:
             try:
                 action()
             except Exception as exc:  # reported to every rank, so none waits forever for the others
-                error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+                if is_disk_full(exc):
+                    exc = disk_full_error(exc, build, f"the condition cache {source.name}/{source.split}",
+                                          f"the partial build {build.name}")  # fmt: skip
+                error = (f"rank {group.rank}: {exc}" if isinstance(exc, DatasetError) else
+                         f"rank {group.rank}: {type(exc).__name__}: {exc}", isinstance(exc, DatasetError))
                 if group.world_size == 1:
                     shutil.rmtree(build, ignore_errors=True)
+                    if isinstance(exc, DatasetError):
+                        raise exc from None
                     raise
         errors = [e for e in group.all_gather(error) if e]
         if errors:
             if leader:
                 shutil.rmtree(build, ignore_errors=True)
-            raise RuntimeError(f"condition cache {source.name}/{source.split}: build failed: {'; '.join(errors)}")
+            text = f"condition cache {source.name}/{source.split}: build failed: {'; '.join(e[0] for e in errors)}"
+            if all(user for _, user in errors):
+                raise DatasetError(build, None, None, text)
+            raise RuntimeError(text)
 
     started = time.monotonic()
     step(lambda: _start_build(cache_dir, build) if leader else None)
@@ -250,7 +328,8 @@ def open_or_build(
     preprocess = preprocess or adapter_preprocess(adapter)
     step(lambda: _write_part(build / part, source.records, ids, lo, hi, batch_size, preprocess,
                              progress=progress if leader else False, label=f"{source.name}/{source.split}"))
-    step(lambda: _publish(build, final, key, identity, shards, force, time.monotonic() - started) if leader else None)
+    step(lambda: _publish(build, final, key, identity, shards, force or corrupt is not None,
+                          time.monotonic() - started, corrupt) if leader else None)
     return _open(source, final, key, ids, reused=False)
 
 
@@ -286,19 +365,27 @@ def _write_part(path: Path, records: Sequence[Record], ids: bytes, lo: int, hi: 
                                 "'global' needs a cache_dir that every node shares; use 'local' otherwise")
     writer = PartWriter(path)
     disable = None if progress is None else not progress  # None: tqdm shows the bar only on a terminal
-    with tqdm(total=hi - lo, desc=f"preprocessing {label}", unit="row", disable=disable) as bar:
-        for start in range(lo, hi, batch_size):
-            stop = min(start + batch_size, hi)
-            rows = preprocess(list(records[start:stop]))
-            if len(rows) != stop - start:
-                raise ValueError(f"adapter.preprocess returned {len(rows)} conditions for {stop - start} inputs")
-            writer.write([ids[i * ID_BYTES : (i + 1) * ID_BYTES] for i in range(start, stop)], rows, start)
-            bar.update(stop - start)
-    writer.close()
+    try:
+        with tqdm(total=hi - lo, desc=f"preprocessing {label}", unit="row", disable=disable) as bar:
+            for start in range(lo, hi, batch_size):
+                stop = min(start + batch_size, hi)
+                rows = preprocess(list(records[start:stop]))
+                if len(rows) != stop - start:
+                    raise ValueError(f"adapter.preprocess returned {len(rows)} conditions for {stop - start} inputs")
+                writer.write([ids[i * ID_BYTES : (i + 1) * ID_BYTES] for i in range(start, stop)], rows, start)
+                bar.update(stop - start)
+        blocks = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    if blocks:  # the leader puts them in the manifest (another rank's part: read from this file)
+        write_bytes_atomic(path.with_name(path.name + ".blocks.json"), json.dumps(blocks).encode())
 
 
-def _publish(build: Path, final: Path, key: str, identity: dict, shards: int, replace: bool, seconds: float) -> None:
-    """Write the manifest of a finished build folder and rename it into place (the one atomic step)."""
+def _publish(build: Path, final: Path, key: str, identity: dict, shards: int, replace: bool, seconds: float,
+             corrupt: dict[str, Any] | None = None) -> None:
+    """Write the manifest of a finished build folder and rename it into place (the one atomic step). ``corrupt``:
+    the corruption this build replaces, kept in the manifest (a second one is refused, see :func:`_corruption`)."""
     parts = []
     for shard in range(shards):
         path = build / f"part-{shard:05d}-of-{shards:05d}.arrow"
@@ -311,12 +398,18 @@ def _publish(build: Path, final: Path, key: str, identity: dict, shards: int, re
                 if parts and reader.schema != parts[0]["schema"]:
                     raise ValueError(f"{path.name}: its columns differ from {parts[0]['file']}'s: "
                                      f"{reader.schema.names} vs {parts[0]['schema'].names}")
-            parts.append({"file": path.name, "rows": rows, "bytes": path.stat().st_size, "schema": reader.schema})
+            sidecar = path.with_name(path.name + ".blocks.json")
+            blocks = json.loads(sidecar.read_text())
+            sidecar.unlink()
+            parts.append({"file": path.name, "rows": rows, "bytes": path.stat().st_size, "blocks": blocks,
+                          "schema": reader.schema})  # fmt: skip
     manifest = {
-        "format": FORMAT, "key": key, "rows": sum(p["rows"] for p in parts),
+        "format": FORMAT, "key": key, "rows": sum(p["rows"] for p in parts), "digest": DIGEST,
         "parts": [{k: v for k, v in p.items() if k != "schema"} for p in parts],
         "identity": identity, "build_seconds": round(seconds, 3), "created": time.time(), "token": build.name,
     }  # fmt: skip
+    if corrupt is not None:
+        manifest["rebuilt_after_corruption"] = corrupt
     if manifest["rows"] != identity["rows"]["count"]:
         raise ValueError(f"build holds {manifest['rows']} rows, expected {identity['rows']['count']}")
     write_bytes_atomic(build / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -348,7 +441,7 @@ def _open(source: ConditionSource, final: Path, key: str, ids: bytes, reused: bo
     manifest = read_manifest(final, key, len(source.records))
     if manifest is None:
         raise RuntimeError(f"condition cache {final}: missing or incomplete after its build (was it removed?)")
-    parts = [(p["file"], p["rows"]) for p in manifest["parts"]]
+    parts = [(p["file"], p["rows"], p["blocks"]) for p in manifest["parts"]]
     size = sum(p["bytes"] for p in manifest["parts"])
     verb = "reused" if reused else "built"
     log.info("condition cache %s/%s: %s %s (%d rows, %d bytes)", source.name, source.split, verb, final,

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from ff_core.data.cache_digest import block_digests, check_block
 from ff_core.data.tensor_parquet.format import tensor_dtype
 
 ID_COLUMN, INDEX_COLUMN = "condition_id", "index"
@@ -72,6 +73,8 @@ class PartWriter:
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
         self._keys: list[str] = []
         self._schema: pa.Schema | None = None
+        self.batch_ends: list[int] = []  # file offset after each record batch: the digest blocks' boundaries
+        self.blocks: list[list] = []  # [[end, sha256], ...] once closed (ff_core.data.cache_digest)
 
     def write(self, ids: Sequence[bytes], rows: Sequence[dict[str, torch.Tensor]], first_index: int) -> None:
         """Append rows ``first_index, first_index + 1, ...`` with their condition ids.
@@ -98,12 +101,14 @@ class PartWriter:
             columns[f"{key}_shape"] = [list(t.shape) for t in tensors]
             columns[f"{key}_dtype"] = [dtype_name(t.dtype) for t in tensors]
         self._writer.write_batch(pa.record_batch(columns, schema=self._schema))
+        self.batch_ends.append(self._sink.tell())
         self.rows += len(rows)
 
-    def close(self) -> None:
-        """Finish the file (footer) and flush it to disk, so a published cache survives a crash."""
+    def close(self) -> list[list]:
+        """Finish the file (footer), flush it to disk, so a published cache survives a crash, and return its blocks'
+        ``[end, sha256]`` (:func:`~ff_core.data.cache_digest.block_digests`; ``[]`` when nothing was written)."""
         if self._writer is None:
-            return
+            return []
         self._writer.close()
         self._sink.close()
         fd = os.open(self.path, os.O_RDONLY)
@@ -111,6 +116,18 @@ class PartWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+        self.blocks = block_digests(self.path, self.batch_ends)
+        return self.blocks
+
+    def abort(self) -> None:
+        """Close the file without finishing it (a failed build; the caller removes the build folder)."""
+        for closing in (self._writer, self._sink):
+            try:
+                if closing is not None:
+                    closing.close()
+            except (OSError, pa.ArrowException):
+                pass  # a full disk fails the flush again
+        self._writer = self._sink = None
 
 
 def _binary_column(values: list[torch.Tensor]) -> pa.Array:
@@ -133,12 +150,16 @@ class CachedConditions(Sequence):
 
     Args:
         folder: the published cache folder.
-        parts: ``(file name, rows)`` of its IPC files, in row order.
+        parts: ``(file name, rows)`` or ``(file name, rows, blocks)`` of its IPC files, in row order; ``blocks``
+            (the manifest's ``[end, sha256]`` list) switches on the content checks of :mod:`ff_core.data.cache_digest`:
+            footer and first record batch when a process opens the part, every other record batch before its first
+            row is read in that process.
         expected_ids: the concatenated 32-byte condition ids the rows must carry, in order (checked on read).
     """
 
-    def __init__(self, folder: Path, parts: Sequence[tuple[str, int]], expected_ids: bytes) -> None:
-        self.folder, self.parts = Path(folder), [(str(f), int(n)) for f, n in parts]
+    def __init__(self, folder: Path, parts: Sequence[tuple], expected_ids: bytes) -> None:
+        self.folder, self.parts = Path(folder), [(str(p[0]), int(p[1])) for p in parts]
+        self.blocks: list[list | None] = [p[2] if len(p) > 2 else None for p in parts]
         self._starts = [0]
         for _, rows in self.parts:
             self._starts.append(self._starts[-1] + rows)
@@ -148,6 +169,7 @@ class CachedConditions(Sequence):
         self._readers: list[pa.ipc.RecordBatchFileReader] | None = None
         self._maps: list[mmap.mmap] = []
         self._per_batch: list[int] = []
+        self._checked: list[set[int]] = []
         self._served = 0
         self._pid: int | None = None
 
@@ -155,15 +177,20 @@ class CachedConditions(Sequence):
         return self._starts[-1]
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_readers": None, "_maps": [], "_per_batch": [], "_served": 0, "_pid": None}
+        return {**self.__dict__, "_readers": None, "_maps": [], "_per_batch": [], "_checked": [], "_served": 0,
+                "_pid": None}
 
     def _open(self) -> list[pa.ipc.RecordBatchFileReader]:
         # A forked worker inherits the parent's maps; reopening per process keeps pyarrow's state process-local.
         if self._readers is None or self._pid != os.getpid():
-            self._maps, self._readers = [], []
-            for name, _ in self.parts:
+            self._maps, self._readers, self._checked = [], [], []
+            for part, (name, _) in enumerate(self.parts):
                 with open(self.folder / name, "rb") as f:
                     self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                self._checked.append(set())
+                if self.blocks[part] is not None:  # before Arrow parses them: the footer, the schema, batch 0
+                    self._check(part, -1)
+                    self._check(part, 0)
                 self._readers.append(pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._maps[-1]))))
             # Every batch but the last holds the same number of rows (the writer's chunk size).
             self._per_batch = [r.get_batch(0).num_rows for r in self._readers]
@@ -174,7 +201,27 @@ class CachedConditions(Sequence):
         part = bisect.bisect_right(self._starts, index) - 1
         reader, local = self._open()[part], index - self._starts[part]
         per_batch = self._per_batch[part]
+        if self.blocks[part] is not None and local // per_batch not in self._checked[part]:
+            self._check(part, local // per_batch)
         return reader.get_batch(local // per_batch), local % per_batch
+
+    def _check(self, part: int, block: int) -> None:
+        """Check one digest block of a part (once per process); its pages count towards the next trim."""
+        blocks = self.blocks[part]
+        if block >= 0 and block >= len(blocks) - 1:  # more batches than the manifest lists
+            raise RuntimeError(f"condition cache {self.folder / self.parts[part][0]}: record batch {block} is not in "
+                               "its manifest")  # fmt: skip
+        per_batch = self._per_batch[part] if self._per_batch else None
+        if block < 0:
+            rows = "the footer"
+        elif per_batch is None:
+            rows = "the header and first record batch"
+        else:
+            first = self._starts[part] + block * per_batch
+            rows = f"rows {first}-{min(first + per_batch, self._starts[part + 1]) - 1}"
+        path = self.folder / self.parts[part][0]
+        self._served += check_block(memoryview(self._maps[part]), blocks, block, path, rows)
+        self._checked[part].add(block % len(blocks))
 
     def _trim(self, served: int) -> None:
         self._served += served

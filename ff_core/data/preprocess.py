@@ -45,7 +45,13 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         print("ff data preprocess: data.enable_preprocess is false: this recipe caches no conditions", file=out)
         return EXIT_INVALID
     model.configure_model()  # no trainer attached: loads the adapter (and its LoRA) without preparing conditions
-    data.prepare_conditions(model.adapter, device=cli.trainer.strategy.root_device, progress=True)
+    from ff_core.errors import DatasetError
+
+    try:
+        data.prepare_conditions(model.adapter, device=cli.trainer.strategy.root_device, progress=True)
+    except DatasetError as exc:  # a full disk, a corrupt cache refused (docs/scaling.md, "Failures and recovery")
+        print(exc.format(), file=out)
+        return EXIT_INVALID
     for r in data.cache_results:
         verb = "reused" if r.reused else "built"
         print(f"{r.source.name}/{r.source.split}: {verb} {r.path} ({r.rows} rows, {human_size(r.bytes)})", file=out)

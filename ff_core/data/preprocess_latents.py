@@ -18,6 +18,8 @@ posteriors are narrow, so it is close to the mode).
 
 The shards are written into a hidden folder beside ``ROOT`` and published by one rename when every row is written:
 an interrupted run leaves no partial dataset, and an existing non-empty ``ROOT`` is refused unless ``--overwrite``.
+A full disk (``ENOSPC``, quota, file-size limit) removes the hidden folder and ends in one line naming ``ROOT``
+(:class:`~ff_core.data.disk_full.DiskFullError`), exit 2; a rerun with space starts clean.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from ff_core.atomic import remove_leftovers, replace_dir
+from ff_core.data.disk_full import DiskFullError, disk_full_error, is_disk_full
 from ff_core.data.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
 
 if TYPE_CHECKING:
@@ -107,11 +110,15 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     model.configure_model()  # no trainer attached: loads the adapter without preparing conditions
     adapter = model.adapter
     adapter.frozen_to(cli.trainer.strategy.root_device)
-    rows = write_latent_shards(
-        adapter, data.train_records, output, batch_size=data._preprocess_batch_size(adapter),
-        rows_per_file=args.rows_per_file, dtype=DTYPES[args.dtype], compression=args.compression, seed=args.seed,
-        progress=not args.no_progress,
-    )
+    try:
+        rows = write_latent_shards(
+            adapter, data.train_records, output, batch_size=data._preprocess_batch_size(adapter),
+            rows_per_file=args.rows_per_file, dtype=DTYPES[args.dtype], compression=args.compression, seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except DiskFullError as exc:  # one line; write_latent_shards removed its hidden folder
+        print(f"ff data preprocess-latents: {exc}", file=out)
+        return EXIT_INVALID
     size = sum(f.stat().st_size for f in output.rglob("*.parquet"))
     print(f"wrote {rows} rows to {output} ({human_size(size)})", file=out)
     return EXIT_OK
@@ -163,10 +170,13 @@ def write_latent_shards(
         if writer is not None:
             writer.close()
         replace_dir(tmp, output)
-    except BaseException:
+    except BaseException as exc:
         if writer is not None:
             writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise disk_full_error(exc, output, f"the tensor-parquet shards of {output}",
+                                  f"the partial folder {tmp.name}") from None  # fmt: skip
         raise
     return len(records)
 

@@ -97,7 +97,10 @@ class TensorParquetWriter:
     def abort(self) -> None:
         """Drop the file being written (the published ones stay)."""
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except (OSError, pa.ArrowException):
+                pass  # a full disk fails the final flush again: the file is dropped all the same
             self._writer = None
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
