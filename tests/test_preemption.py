@@ -5,15 +5,17 @@ Three runs of the real console entry (`python -m ff_core.cli fit`, tiny SD3 reci
 Lightning's child in the same process group):
 
 * U, uninterrupted: MAX_STEPS steps;
-* A: towards a far-away max_steps; once both ranks logged step 2, SIGTERM goes to the whole process group (as SLURM
-  signals every task of a job; rank 1 gets it twice, once from the group and once forwarded by nobody: ff's handler
-  only sets a flag). Checkpoints are set every 100 steps, so any checkpoint A leaves is the preemption's own;
+* A: towards a far-away max_steps; once both ranks logged step 2, SIGTERM goes to the whole process group, both ranks
+  and their loader workers (one each), as SLURM signals every process of a job. Checkpoints are set every 100 steps,
+  so any checkpoint A leaves is the preemption's own;
 * B: A resumed with `--ckpt_path` to MAX_STEPS.
 
 A must exit with 143 and one line naming its checkpoint; the checkpoint is the step both ranks last logged (the ranks
 stopped in step); A's batches up to it followed by B's are U's, per rank (ids, epoch, noise); B's final weights (the
-trained LoRA in `last.ckpt` and the exported `last.lora`) equal U's exactly. Before the fix Lightning's handler raised
-at the next batch without writing any checkpoint (and broadcast from inside the signal handler).
+trained LoRA in `last.ckpt` and the exported `last.lora`) equal U's exactly. Before the fix A hung (measured: over 3
+minutes, no checkpoint): Lightning's handler broadcasts from inside the signal handler, on both ranks, pairing with
+whatever collective the other rank was in; and a loader worker dies of SIGTERM (torch's worker handler), failing the
+main process's next fetch.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra:
         sys.executable, "-m", "ff_core.cli", "fit", "--config", str(RECIPE),
         "--model.pretrained_model_name_or_path", str(tiny_sd3),
         "--data.datasets", json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}]),
-        "--data.per_device_batch_size", "2",
+        "--data.per_device_batch_size", "2", "--data.num_workers", "1",
         "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
         "--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0",
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",

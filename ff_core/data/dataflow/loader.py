@@ -19,8 +19,10 @@ Resume modes (chosen at construction, see docs/dataflow.md):
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
+import signal
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -113,7 +115,8 @@ class DataflowLoader(DataLoader):
                                        "epoch_step": 0, "cursor": None, "origin": 0, "streams": {}, "dropped": 0}
         self._history = StateHistory()
         super().__init__(self._stream, batch_size=None, collate_fn=_passthrough, num_workers=num_workers,
-                         pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+                         pin_memory=pin_memory, timeout=timeout,
+                         worker_init_fn=functools.partial(_init_worker, worker_init_fn),
                          multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor)
 
     @staticmethod
@@ -280,3 +283,12 @@ class DataflowLoader(DataLoader):
         self._state.pop("fingerprint", None)
         self.dropped_samples = self._state.get("dropped", 0)
         self._history = StateHistory()
+
+
+def _init_worker(user_init: Any, worker_id: int) -> None:
+    """Workers ignore SIGTERM: a scheduler signals every process of a job (SLURM), and torch's worker handler would
+    kill the worker, failing the main process's next fetch; the main process decides (ff_core.preemption), and its
+    workers end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
