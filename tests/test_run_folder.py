@@ -23,10 +23,10 @@ from pathlib import Path
 import lightning as L
 
 from ff_core.callbacks import read_sample_log
-from ff_core.run_folder import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
+LOCK_NAME = ".ff-run.lock"  # docs/scaling.md, "Two runs, one folder"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
     [str(REPO), str(REPO / "plugins" / "ff_sd3"), os.environ.get("PYTHONPATH", "")])}
 
