@@ -5,8 +5,9 @@ Built on Lightning's ``_SignalConnector`` (it registers the SIGTERM handler when
 requeue handlers, and restores the previous handlers at the end), with its SIGTERM notifier replaced: Lightning's
 (2.6) broadcasts a tensor from inside the signal handler and kills the launcher's children, so a signal that reaches
 both ranks (SLURM signals every task) issues collectives that pair with whatever collective the other rank is in, and
-its loop raises ``SIGTERMException`` without writing a checkpoint. ff's notifier only sets a flag. Dataloader workers
-forked after it is installed inherit it, so a SIGTERM sent to the whole process group does not kill them mid-epoch.
+its loop raises ``SIGTERMException`` without writing a checkpoint. ff's notifier only sets a flag. The training
+loader's workers ignore SIGTERM (``ff_core.data.dataflow.loader``): a SIGTERM sent to every process of the job would
+otherwise kill them (torch's worker handler) and fail the next fetch before the checkpoint.
 
 At the end of each training batch that stepped the optimiser (``FlowModule.on_train_batch_end``, after every
 callback, the checkpoint callbacks included, has seen the batch), the ranks agree on the flag with one all-reduce
