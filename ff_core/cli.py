@@ -133,9 +133,14 @@ def _trainer_command(args: list[str] | None) -> int:
     """LightningCLI; ff's user errors print as their message (exit 2), anything else keeps its traceback."""
     from ff_core.errors import ConfigError, ContractError, DatasetError, NonFiniteError
     from ff_core.lightning_cli import run
+    from ff_core.preemption import Preempted
 
     try:
         run(args)  # None: LightningCLI reads sys.argv itself for the `ff` script
+    except Preempted as exc:  # SIGTERM: the checkpoint is written on every rank's behalf; rank 0 says where
+        if exc.rank == 0:
+            print(f"ff fit: {exc.message}", file=sys.stderr)
+        return exc.code
     except DatasetError as exc:
         print(exc.format(), file=sys.stderr)  # `path:line: field: reason` lines, as `ff data validate` prints
         return EXIT_USAGE

@@ -119,6 +119,11 @@ def raise_collected(errors: list[DatasetError]) -> None:
         raise DatasetErrors(errors)
 
 
+class ResumeError(ValueError):
+    """A checkpoint whose saved state cannot continue this run (its data order differs): ``ff fit`` prints it as
+    one line naming ``--ckpt_path`` and exits 2."""
+
+
 class ContractError(ValueError):
     """A configuration that the selected adapter's IO contract cannot serve (found before weights load)."""
 

@@ -6,11 +6,15 @@ Every typed ``__init__`` argument of the three is a config key (``ff fit --help`
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from ff_core.ckpt_path import check_ckpt_path
 from ff_core.data.datamodule import FlowDataModule
+from ff_core.errors import ConfigError, ResumeError
 from ff_core.module import FlowModule
+from ff_core.run_folder import claim_run_folder
 
 
 class FlowCLI(LightningCLI):
@@ -31,6 +35,26 @@ class FlowCLI(LightningCLI):
             "model", "data.grouping", compute_fn=lambda m: getattr(m.objective, "grouping", None),
             apply_on="instantiate",
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Lightning's parsing, then ``--ckpt_path`` checked (:func:`ff_core.ckpt_path.check_ckpt_path`) before
+        LightningCLI reads the checkpoint's hyperparameters from it."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+
+    def fit(self, **kwargs: Any) -> None:
+        """``trainer.fit`` in a run folder no other live run holds (:mod:`ff_core.run_folder`); a checkpoint whose
+        data state cannot continue this run's data is refused as one line (``ConfigError`` on ``ckpt_path``)."""
+        lock = claim_run_folder(self.trainer)
+        try:
+            self.trainer.fit(**kwargs)
+        except ResumeError as exc:
+            reason = str(exc).split("load_state_dict: ", 1)[-1]
+            raise ConfigError("ckpt_path", f"{kwargs.get('ckpt_path')}: {reason}") from None
+        finally:
+            lock.release()
 
 
 # Lightning warnings that are expected in every ff run, silenced so real ones stand out:

@@ -29,6 +29,7 @@ from ff_core.nonfinite import NonFiniteGuard, NonFinitePolicy
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
+from ff_core.preemption import PreemptionGuard
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_guidance, check_kept_weights, guides
@@ -210,6 +211,7 @@ class FlowModule(L.LightningModule):
                          guidance)  # fmt: skip
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
         self._checkpoint_noise_seed: int | None = None
+        self._preemption = PreemptionGuard()  # SIGTERM: a resumable checkpoint at the next step, then exit 143
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
         self.eval_rewards = None if eval_rewards is None else [
             RewardSpec.from_config(spec, f"model.eval_rewards[{i}]") for i, spec in enumerate(eval_rewards)]
@@ -614,6 +616,14 @@ class FlowModule(L.LightningModule):
     def on_train_start(self) -> None:
         self.trainer.model.train()  # the strategy's wrapper (DDP, ...) around this module, as Lightning's hooks do
         self._run_noise_seed = self._resolve_noise_seed()
+        self._preemption.start(self.trainer)
+
+    # -- preemption (ff_core.preemption): SIGTERM sets a flag; the next optimiser-step boundary saves and stops ----
+    def on_fit_start(self) -> None:
+        self._preemption.install(self.trainer)  # before Lightning registers its signal handlers
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._preemption.check(self.trainer)  # after every callback (the checkpoint callbacks too) saw the batch
 
     def on_validation_model_train(self) -> None:
         # Back to training after a validation inside fit (sanity check included); a lone `ff validate` stays eval.

@@ -26,8 +26,10 @@ number of batches per rank, their order and the resume position are those of a r
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -136,7 +138,8 @@ class DataflowLoader(DataLoader):
                                        "skipped": 0}
         self._history = StateHistory()
         super().__init__(self._stream, batch_size=None, collate_fn=_passthrough, num_workers=num_workers,
-                         pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+                         pin_memory=pin_memory, timeout=timeout,
+                         worker_init_fn=functools.partial(_init_worker, worker_init_fn),
                          multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor)
 
     @staticmethod
@@ -326,3 +329,12 @@ class DataflowLoader(DataLoader):
         self._state.setdefault("skipped", 0)  # a state saved before bad samples were counted
         self.skipped_samples = self._state["skipped"]
         self._history = StateHistory()
+
+
+def _init_worker(user_init: Any, worker_id: int) -> None:
+    """Workers ignore SIGTERM: a scheduler signals every process of a job (SLURM), and torch's worker handler would
+    kill the worker, failing the main process's next fetch; the main process decides (ff_core.preemption), and its
+    workers end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)

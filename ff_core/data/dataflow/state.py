@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ff_core.errors import ResumeError
+
 FORMAT = "ff.dataflow/1"
 JOINT_FORMAT = "ff.dataflow.joint/1"
 
@@ -52,13 +54,13 @@ def check_state(state: Mapping[str, Any], fmt: str, fingerprint: Mapping[str, An
     """
     if not isinstance(state, Mapping) or state.get("format") != fmt:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"{owner}.load_state_dict: expected a state with format={fmt!r}, found {found!r}")
+        raise ResumeError(f"{owner}.load_state_dict: expected a state with format={fmt!r}, found {found!r}")
     diff = _first_difference(state.get("fingerprint", {}), fingerprint, "")
     if diff:
         field, saved, expected = diff
-        raise ValueError(f"{owner}.load_state_dict: the checkpoint was saved for a different data order: "
-                         f"fingerprint field {field!r} is {saved!r} in the checkpoint but {expected!r} in this "
-                         f"loader{_records_hint(field)}; resuming would repeat or skip samples")
+        raise ResumeError(f"{owner}.load_state_dict: the checkpoint was saved for a different data order: "
+                          f"fingerprint field {field!r} is {saved!r} in the checkpoint but {expected!r} in this "
+                          f"loader{_records_hint(field)}; resuming would repeat or skip samples")
 
 
 def _records_hint(field: str) -> str:
