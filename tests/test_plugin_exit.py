@@ -15,20 +15,8 @@ import pytest
 
 from ff_core.plugins import PluginRegistry
 from ff_core.testing.plugin_site import install_fake_plugin
+from tests.test_plugins import GOOD  # one toy plugin for both files
 
-GOOD = """
-from ff_core.adapter import Adapter
-from ff_core.hookspecs import hookimpl
-from ff_core.testing.contracts import SUPPORT_TABLE
-
-class ToyT2V(Adapter):
-    name = "toy-t2v"
-    io_contract = SUPPORT_TABLE["wan2_t2v"]
-
-@hookimpl
-def ff_adapters():
-    return [ToyT2V]
-"""
 EXIT_AT_IMPORT = "import sys\nsys.exit(3)\n"
 EXIT_IN_HOOK = """
 import sys
