@@ -574,9 +574,11 @@ def _count_step_without_stepping(optimizer: Any) -> None:
     """Count an optimiser step in Lightning's loop (``trainer.global_step``, hence ``max_steps`` and the schedules)
     without calling the optimiser: nothing was back-propagated on any rank, and a step with no gradient would trip a
     ``GradScaler`` (``trainer.precision: 16-mixed``: "No inf checks were recorded"). These are the two hooks
-    ``LightningOptimizer.step`` runs around the strategy's step under manual optimisation."""
-    optimizer._on_before_step()
-    optimizer._on_after_step()
+    ``LightningOptimizer.step`` runs around the strategy's step under manual optimisation (a bare torch optimiser,
+    outside a Trainer, has no step counter to advance)."""
+    for hook in ("_on_before_step", "_on_after_step"):
+        if callable(getattr(optimizer, hook, None)):
+            getattr(optimizer, hook)()
 
 
 def _progress(module: Any, done: int, total: int) -> None:
