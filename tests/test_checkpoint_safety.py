@@ -151,3 +151,31 @@ def test_replace_dir_publishes_at_a_symlinks_target(tmp_path):
     assert root.is_symlink() and root.resolve() == target.resolve()
     assert sorted(p.name for p in target.iterdir()) == ["new.parquet"]
     assert sorted(p.name for p in target.parent.iterdir()) == ["v1"]
+
+
+def test_the_reexport_decision_is_rank_zeros_broadcast(tmp_path, monkeypatch):
+    """Every rank follows rank 0's decision (one `strategy.broadcast(src=0)` before any collective), so ranks that
+    read `ff_export.json` differently cannot split between the export's barrier and training. Here rank 0 sees a
+    real mismatch and the broadcast carries its folder; a rank told `None` exports nothing."""
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"x")
+    folder = lora_dir_for(ckpt)
+    folder.mkdir()
+    (folder / "ff_export.json").write_text('{"step": 6, "id": "b", "checkpoint": "last.ckpt"}')
+    calls = []
+    trainer = L.Trainer(default_root_dir=tmp_path / "run", logger=False, enable_progress_bar=False)
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.ckpt_path = str(ckpt)
+    written = []
+    callback = FlowCheckpoint(dirpath=tmp_path / "run" / "checkpoints")
+    monkeypatch.setattr(callback, "_write_lora", lambda trainer, folder, *a: written.append(folder))
+
+    def broadcast(obj, src=0):
+        calls.append((obj, src))
+        return None  # what another rank 0 decided
+
+    monkeypatch.setattr(trainer.strategy, "broadcast", broadcast)
+    module = SimpleNamespace(lora=object(), adapter=object())
+    callback.on_load_checkpoint(trainer, module, {EXPORT_KEY: {"step": 4, "id": "a"}})
+    callback.on_train_start(trainer, module)
+    assert calls == [(str(folder.resolve()), 0)] and written == []
