@@ -179,3 +179,30 @@ def test_the_reexport_decision_is_rank_zeros_broadcast(tmp_path, monkeypatch):
     callback.on_load_checkpoint(trainer, module, {EXPORT_KEY: {"step": 4, "id": "a"}})
     callback.on_train_start(trainer, module)
     assert calls == [(str(folder.resolve()), 0)] and written == []
+
+
+def test_a_full_disk_while_exporting_the_lora_is_one_error_and_keeps_the_old_export(tiny_sd3, small_disk):
+    """The LoRA export of a real tiny SD3 module onto a disk filled up after a first export: one DatasetError naming
+    the folder and the OS's reason, no hidden folder left, the previous `last.lora` whole."""
+    from ff_core.module import FlowModule, LoRAConfig
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
+    module.configure_model()
+    trainer = L.Trainer(default_root_dir=small_disk, logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    callback = FlowCheckpoint(dirpath=small_disk)
+    folder = small_disk / "last.lora"
+    callback._write_lora(trainer, folder, {"step": 2, "id": "a"}, "last.ckpt")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with open(small_disk / "filler", "wb", buffering=0) as f:  # leave (almost) no room
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    with pytest.raises(DatasetError) as caught:
+        callback._write_lora(trainer, folder, {"step": 4, "id": "b"}, "last.ckpt")
+    message = str(caught.value)
+    assert "\n" not in message and str(folder) in message and "no space left" in message, message
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "last.lora"]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -106,11 +106,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def _disk_full_cause(exc: BaseException) -> OSError | None:
     """The disk-full ``OSError`` (:func:`ff_core.data.disk_full.is_disk_full`) behind ``exc``, if any: torch's zip
-    writer may wrap the file's ``OSError`` in a ``RuntimeError``."""
+    writer may wrap the file's ``OSError`` in a ``RuntimeError``; safetensors' Rust writer raises a
+    ``SafetensorError`` whose message ends ``(os error 28)`` (Rust's ``io::Error`` display)."""
     seen: BaseException | None = exc
     while seen is not None:
         if is_disk_full(seen):
             return seen  # type: ignore[return-value]
+        code = re.search(r"\(os error (\d+)\)", str(seen))
+        if code and is_disk_full(OSError(int(code.group(1)), "")):
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
         seen = seen.__cause__ or seen.__context__
     return None
 
