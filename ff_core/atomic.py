@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -40,6 +42,8 @@ def replace_dir(src: Path, dst: Path, *, fsync: bool = True) -> None:
         fsync: flush ``src``'s files and folders to disk before publishing (a crash never publishes empty files).
     """
     src, dst = Path(src), Path(dst)
+    if dst.is_symlink():  # publish at the link's target: an exchange would swap the link itself for the folder
+        dst = dst.resolve()
     recover_dir(dst)
     if fsync:
         _fsync_tree(src)
@@ -84,9 +88,27 @@ def recover_dir(dst: Path) -> bool:
     return True
 
 
+TEMP_SUFFIX = r"[a-z0-9_]{8}"
+"""The random part ``tempfile.mkstemp``/``mkdtemp`` append to a prefix (``tempfile._RandomNameSequence``: 8 of
+``a-z0-9_``): with the prefix ``.NAME.`` this module (and ``Adapter.save_loras``) uses, a temporary is exactly
+``.NAME.`` plus this."""
+
+
+def is_leftover(name: str, target: str) -> bool:
+    """Whether ``name`` is one of the hidden names a writer of ``target`` creates: ``.TARGET.XXXXXXXX`` (a temporary)
+    or ``.TARGET.old`` (a parked folder). A user's ``.TARGET.bak`` or ``.TARGET.mynotes`` is not.
+
+    Args:
+        name: a file name beside ``target``.
+        target: the published file's or folder's name.
+    """
+    return re.fullmatch(re.escape(f".{target}.") + f"(?:{TEMP_SUFFIX}|old)", name) is not None
+
+
 def remove_leftovers(path: Path) -> list[Path]:
-    """Remove the hidden temporaries of ``path`` (``.NAME.*`` beside it) that a killed writer left, after
-    :func:`recover_dir`. Call it only where no other process writes ``path`` at the same time.
+    """Remove the hidden temporaries of ``path`` (``.NAME.XXXXXXXX`` and ``.NAME.old`` beside it, nothing else) that a
+    killed writer left, after :func:`recover_dir`. Call it only where no other process writes ``path`` at the same
+    time.
 
     Returns what was removed.
 
@@ -96,7 +118,9 @@ def remove_leftovers(path: Path) -> list[Path]:
     path = Path(path)
     recover_dir(path)
     removed = []
-    for entry in path.parent.glob(f".{path.name}.*"):
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        if not is_leftover(entry.name, path.name):
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:

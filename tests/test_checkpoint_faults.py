@@ -257,7 +257,7 @@ def test_an_interrupted_two_rename_swap_is_recovered_and_leftovers_go(tmp_path):
     out = tmp_path / "shards"
     (tmp_path / ".shards.old").mkdir()
     (tmp_path / ".shards.old" / "a.parquet").write_bytes(b"old")
-    (tmp_path / ".shards.k3j2x9").mkdir()  # a half-written new version
+    (tmp_path / ".shards.k3j2x9ab").mkdir()  # a half-written new version
     (tmp_path / ".last.ckpt.q1w2e3").write_bytes(b"partial")  # another output's temporary stays
     remove_leftovers(out)
     assert (out / "a.parquet").read_bytes() == b"old"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import uuid
@@ -35,7 +36,8 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ff_core.atomic import open_atomic, remove_leftovers
+from ff_core.atomic import TEMP_SUFFIX, open_atomic, remove_leftovers
+from ff_core.data.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import ConfigError
 from ff_core.module import lora_configs, lora_state_dicts
 from ff_core.sharding import summoned
@@ -92,8 +94,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-        with open_atomic(path) as f:
-            torch.save(checkpoint, f)
+        try:
+            with open_atomic(path) as f:  # removes its temporary if this raises: the previous file stays
+                torch.save(checkpoint, f)
+        except Exception as exc:
+            full = _disk_full_cause(exc)
+            if full is None:
+                raise
+            raise disk_full_error(full, path, f"the checkpoint {path}", "its temporary file") from None
+
+
+def _disk_full_cause(exc: BaseException) -> OSError | None:
+    """The disk-full ``OSError`` (:func:`ff_core.data.disk_full.is_disk_full`) behind ``exc``, if any: torch's zip
+    writer may wrap the file's ``OSError`` in a ``RuntimeError``; safetensors' Rust writer raises a
+    ``SafetensorError`` whose message ends ``(os error 28)`` (Rust's ``io::Error`` display)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_disk_full(seen):
+            return seen  # type: ignore[return-value]
+        code = re.search(r"\(os error (\d+)\)", str(seen))
+        if code and is_disk_full(OSError(int(code.group(1)), "")):
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class FlowCheckpoint(ModelCheckpoint):
@@ -106,7 +129,7 @@ class FlowCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._export: dict[str, Any] | None = None  # the record of the export being paired with a checkpoint
-        self._reexport: tuple[Path, dict[str, Any]] | None = None
+        self._reexport: tuple[str, dict[str, Any]] | None = None  # the resumed checkpoint and its export record
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -114,7 +137,9 @@ class FlowCheckpoint(ModelCheckpoint):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if stage == "fit" and trainer.is_global_zero and self.dirpath and Path(self.dirpath).is_dir():
             # `.NAME.XXXXXXXX` (a temporary) or `.NAME.old` (a parked folder) of a checkpoint or an export
-            hidden = (re.fullmatch(r"\.(.+\.(?:ckpt|lora))\.[^.]+", e.name) for e in Path(self.dirpath).iterdir())
+            # exactly (ff_core.atomic.is_leftover): a user's `.best.ckpt.bak` stays
+            pattern = rf"\.(.+\.(?:ckpt|lora))\.(?:{TEMP_SUFFIX}|old)"
+            hidden = (re.fullmatch(pattern, e.name) for e in Path(self.dirpath).iterdir())
             for name in sorted({m.group(1) for m in hidden if m}):
                 for removed in remove_leftovers(Path(self.dirpath) / name):
                     log.info("removed %s (left by an interrupted save)", removed)
@@ -140,23 +165,51 @@ class FlowCheckpoint(ModelCheckpoint):
         record, path = checkpoint.get(EXPORT_KEY), trainer.ckpt_path
         if record is None or path is None or trainer.state.fn != "fit":
             return
-        folder = lora_dir_for(Path(path).resolve())
-        exported = read_export(folder)
-        if exported is None or exported.get("id") != record["id"]:
-            self._reexport = (folder, {**record, "checkpoint": Path(path).name})
+        self._reexport = (str(path), {**record, "checkpoint": Path(path).name})  # decided in on_train_start
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Resuming from a checkpoint whose LoRA folder is missing or holds another save: export its LoRA again,
-        from the weights just restored."""
+        """Resuming from a checkpoint whose LoRA folder beside it holds another save (a kill between the two
+        writes): export its LoRA again there, from the weights just restored. Rank 0 decides
+        (:meth:`_reexport_folder`) and every rank follows, so all or none enter the export's collectives."""
         if self._reexport is None:
             return
-        (folder, record), self._reexport = self._reexport, None
-        if getattr(pl_module, "lora", None) is not None and pl_module.adapter is not None:
-            if trainer.is_global_zero:
-                found = read_export(folder)
-                log.warning("%s: the LoRA export beside the checkpoint holds %s, not step %d: exported again",
-                            folder, f"step {found['step']}" if found else "nothing", record["step"])
-            self._write_lora(trainer, folder, record, record["checkpoint"])
+        (path, record), self._reexport = self._reexport, None
+        if getattr(pl_module, "lora", None) is None or pl_module.adapter is None:
+            return
+        folder = self._reexport_folder(path, record) if trainer.is_global_zero else None
+        folder = trainer.strategy.broadcast(folder, src=0)
+        if folder is not None:
+            self._write_lora(trainer, Path(folder), record, record["checkpoint"])
+
+    @staticmethod
+    def _reexport_folder(path: str, record: dict[str, Any]) -> str | None:
+        """Where to export the resumed checkpoint's LoRA again: its folder when that exists with another export, is
+        local and writable; else ``None`` (one warning where the folder is missing or cannot be written: the run's
+        own next save publishes a matched pair in its own folder).
+
+        Args:
+            path: the resumed checkpoint (``trainer.ckpt_path``).
+            record: its :data:`EXPORT_KEY` entry.
+        """
+        if "://" in path:
+            log.warning("%s: a remote checkpoint; its LoRA export is not checked nor written beside it", path)
+            return None
+        folder = lora_dir_for(Path(path).resolve())  # `last.ckpt` may link to the step's file
+        if not folder.is_dir():
+            log.warning("%s: no LoRA export beside the checkpoint; none written there (the run's next save exports "
+                        "one beside its own checkpoint)", folder)  # fmt: skip
+            return None
+        found = read_export(folder)
+        if found is not None and found.get("id") == record["id"]:
+            return None
+        held = f"step {found['step']}" if found else "no export record"
+        if not os.access(folder.parent, os.W_OK | os.X_OK):
+            log.warning("%s: the LoRA export beside the checkpoint holds %s, not step %d, and its folder is not "
+                        "writable: left as is", folder, held, record["step"])  # fmt: skip
+            return None
+        log.warning("%s: the LoRA export beside the checkpoint holds %s, not step %d: exported again",
+                    folder, held, record["step"])
+        return str(folder)
 
     def _write_lora(self, trainer: L.Trainer, folder: Path, record: dict[str, Any], checkpoint_name: str) -> None:
         module = trainer.lightning_module
@@ -164,7 +217,14 @@ class FlowCheckpoint(ModelCheckpoint):
             states = lora_state_dicts(module.adapter)  # every rank takes part in the gathering
         if trainer.is_global_zero:  # one file per trained network (Adapter.lora_file)
             meta = json.dumps({"step": record["step"], "id": record["id"], "checkpoint": checkpoint_name}).encode()
-            module.adapter.save_loras(folder, states, lora_configs(module.adapter), extra_files={EXPORT_FILE: meta})
+            try:  # save_loras removes its hidden folder if this raises: the previous export stays
+                module.adapter.save_loras(folder, states, lora_configs(module.adapter), extra_files={EXPORT_FILE: meta})
+            except Exception as exc:
+                full = _disk_full_cause(exc)
+                if full is None:
+                    raise
+                raise disk_full_error(full, folder, f"the LoRA export {folder}",
+                                      "its hidden temporary folder") from None
         trainer.strategy.barrier("ff_lora_export")
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:

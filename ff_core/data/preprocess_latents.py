@@ -88,6 +88,8 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         print(f"ff data preprocess-latents: --rows-per-file must be >= 1, got {args.rows_per_file}", file=out)
         return EXIT_INVALID
     output = Path(args.output).expanduser()
+    if output.is_symlink():  # a linked ROOT: its temporaries and the swap live beside the target (replace_dir)
+        output = output.resolve()
     remove_leftovers(output)  # an interrupted run's temporaries; a swap it left half done is put back first
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
         print(f"ff data preprocess-latents: --output {output}: exists and is not empty; pass --overwrite to replace "
@@ -153,6 +155,8 @@ def write_latent_shards(
     """
     from tqdm.auto import tqdm
 
+    if output.is_symlink():  # the shards land at the link's target; the temporary must lie beside it (replace_dir)
+        output = output.resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     tmp.chmod(0o755)
