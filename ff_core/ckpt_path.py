@@ -3,9 +3,11 @@
 A checkpoint Lightning writes (``torch.save``) is a zip archive whose directory sits at its end; a run killed while a
 checkpoint was copied in place leaves a file cut short (no end-of-directory record) or empty, and the loader then
 fails deep inside ``torch.load`` (``EOFError``, ``OSError: Invalid argument``). A folder is a checkpoint only when it
-is a sharded one (FSDP2's ``torch.distributed.checkpoint`` folder, recognised as Lightning does: a ``.metadata`` file
-inside); any other folder is named as such, with the checkpoint files in it, or, for a ``.lora`` export, the
-``.ckpt`` beside it.
+is a sharded one, recognised as Lightning does: an FSDP/FSDP2 folder (Lightning's ``meta.pt``, or
+``torch.distributed.checkpoint``'s ``.metadata``, inside; ``lightning.fabric.strategies.fsdp._is_sharded_checkpoint``)
+or a DeepSpeed folder (a ``checkpoint/`` folder inside;
+``lightning.fabric.strategies.deepspeed._is_deepspeed_checkpoint``); any other folder is named as such, with the
+checkpoint files in it, or, for a ``.lora`` export, the ``.ckpt`` beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from ff_core.errors import ConfigError
 
 # Lightning's ckpt_path keywords (Trainer.fit docs: "last", "best", "hpc", "registry[:...]"): resolved by Lightning.
 _KEYWORDS = ("last", "best", "hpc")
-_SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index file (lightning.fabric.strategies.fsdp)
+# A sharded checkpoint folder holds one of these files: torch.distributed.checkpoint's index, and Lightning's own
+# metadata file (lightning.fabric.utilities.load._METADATA_FILENAME, checked by fsdp._is_sharded_checkpoint).
+_SHARDED_METADATA = (".metadata", "meta.pt")
+_DEEPSPEED_FOLDER = "checkpoint"  # lightning.fabric.strategies.deepspeed._is_deepspeed_checkpoint
 
 
 def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
@@ -38,8 +43,10 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
     if not path.exists():
         raise ConfigError("ckpt_path", f"{text}: no such file")
     if path.is_dir():
-        if (path / _SHARDED_METADATA).is_file():
-            return  # a sharded (FSDP2) checkpoint folder
+        if any((path / name).is_file() for name in _SHARDED_METADATA):
+            return  # a sharded (FSDP/FSDP2) checkpoint folder
+        if (path / _DEEPSPEED_FOLDER).is_dir():
+            return  # a DeepSpeed checkpoint folder (``checkpoint/`` and ``latest``)
         raise ConfigError("ckpt_path", f"{text}: is a folder, not a checkpoint file; {_folder_hint(path)}")
     size = path.stat().st_size
     if size == 0:
@@ -66,7 +73,8 @@ def _folder_hint(path: Path) -> str:
                 f"{f', {beside}' if beside.exists() else ''}")
     files = [p for p in path.iterdir() if p.suffix == ".ckpt"]
     if not files:
-        return "it holds no .ckpt file"
+        return ("it holds no .ckpt file, and it is no sharded checkpoint folder (FSDP: a meta.pt or .metadata file "
+                "inside; DeepSpeed: a checkpoint/ folder inside)")
     found = sorted(p.name for p in files)
     best = "last.ckpt" if "last.ckpt" in found else max(files, key=lambda p: p.stat().st_mtime).name
     shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")

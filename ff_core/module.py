@@ -26,6 +26,7 @@ from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords, derive_seed
 from ff_core.errors import ConfigError
 from ff_core.nonfinite import NonFiniteGuard, NonFinitePolicy
+from ff_core.nonfinite import check_strategy as check_nonfinite_strategy
 from ff_core.objectives import Objective, SFTObjective
 from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.plugins import get_adapter_class
@@ -270,6 +271,7 @@ class FlowModule(L.LightningModule):
         """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+        check_nonfinite_strategy(self.nonfinite_guard.policy, strategy)
         sharding = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
         if sharding and not self.objective.sharded_training:
             raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on one device or under DDP "

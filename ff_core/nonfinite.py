@@ -12,11 +12,13 @@ gradients"):
   rank's flag is summed over the ranks in one all-reduce, so every rank decides alike and none waits on a
   collective the others left;
 * ``stop`` (default): every rank raises :class:`~ff_core.errors.NonFiniteError`, one line naming the step, the
-  rank(s) and the samples of the step (files and rows). Lightning saves no checkpoint on an exception
-  (``ModelCheckpoint`` has no ``on_exception``), and the weights are still those of the last finite step;
+  rank(s) and the samples of the step (files and rows). The weights are still those of the last finite step:
+  a checkpoint written on the exception (``ModelCheckpoint(save_on_exception=True)``, whose ``on_exception`` saves)
+  holds step N-1's finite weights, with the loader position after the bad batch;
 * ``skip``: the step's gradients are dropped (``None``: the optimiser leaves every parameter and its moments alone,
   as PyTorch's ``GradScaler`` skips an overflowing step), the step is counted (``train/nonfinite_skipped``) and
-  listed in the run folder (``nonfinite_skipped.jsonl``), never silently.
+  listed in the run folder (``nonfinite_skipped.jsonl``), never silently. Refused under DeepSpeed
+  (:func:`check_strategy`), whose engine keeps the gradients; there ``stop`` catches non-finite losses only.
 
 Under a ``GradScaler`` (``trainer.precision: 16-mixed``) an infinite gradient is the scaler's overflow signal, which
 it handles by skipping the step and lowering its scale, so only the losses are checked there.
@@ -32,11 +34,30 @@ from typing import Any, Literal
 
 import torch
 
-from ff_core.errors import NonFiniteError
+from ff_core.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger(__name__)
 
 NonFinitePolicy = Literal["stop", "skip"]
+
+
+def check_strategy(policy: str, strategy: Any) -> None:
+    """Refuse ``model.nonfinite: skip`` under DeepSpeed, where it could not drop the step.
+
+    DeepSpeed keeps the gradients in its engine (``p.grad`` is ``None`` on the module's parameters), so ``skip``
+    would neither see a non-finite gradient nor drop one: the NaN step would be applied. Under DeepSpeed ``stop``
+    still catches a non-finite loss (docs/scaling.md, "Non-finite losses and gradients").
+
+    Args:
+        policy: ``model.nonfinite``.
+        strategy: the trainer's strategy.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if policy == "skip" and isinstance(strategy, DeepSpeedStrategy):
+        raise ConfigError("model.nonfinite", "skip is not supported under DeepSpeedStrategy (DeepSpeed keeps the "
+                          "gradients in its engine, so the step cannot be dropped); use stop (it catches non-finite "
+                          "losses under DeepSpeed) or another strategy")  # fmt: skip
 SKIPPED_FILE = "nonfinite_skipped.jsonl"
 """The run folder's list of skipped steps, one JSON object a line: ``{"step", "what", "ranks", "samples"}``."""
 LOSS, GRADIENT = 1, 2  # the flag bits: what was non-finite on a rank

@@ -6,8 +6,9 @@ its syntax before loading; whether a well-formed hub id can be reached (online, 
 under ``HF_HUB_OFFLINE=1``) is only known once the adapter's ``from_pretrained`` has tried, so its ``OSError``
 is translated afterwards. A cached hub id therefore loads exactly as before, online or offline.
 
-Two more checks before any weight loads: a relative ``dir/name`` whose ``dir`` is a folder here but whose ``name`` is
-not there is a missing local folder, not a hub id (refused at once, not after the hub's retries); and a checkpoint of
+Two more checks before any weight loads: under ``HF_HUB_OFFLINE`` a relative ``dir/name`` whose ``dir`` is a folder
+here but whose ``name`` is not there (nor in the hub cache) is a missing local folder (online it is left to the hub:
+``org/name``); and a checkpoint of
 another family (``model_index.json``'s ``_class_name`` and component classes against the adapter's
 :attr:`~ff_core.adapter.Adapter.checkpoint_classes`) is refused naming what was found and what was expected.
 """
@@ -53,23 +54,24 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 def _missing_local_folder(repo_id: str, local: Path) -> str | None:
     """Why ``repo_id``, hub-id-shaped (``dir/name``), is a local folder that does not exist, or ``None``.
 
-    ``build/tiny-sd3`` where ``build/`` is a folder here and ``tiny-sd3`` is not in it names a local folder (a recipe
-    run before ``scripts/setup.sh`` built it, or from another directory): asking the hub for it would fail only
-    after huggingface_hub's five retries (~30 s without a network). A hub id of that name already in the local hub
-    cache still loads.
+    Only under ``HF_HUB_OFFLINE``: ``build/tiny-sd3`` where ``build/`` is a folder here and ``tiny-sd3`` is not in it,
+    and no hub id of that name is in the local hub cache, names a local folder (a recipe run before
+    ``scripts/setup.sh`` built it, or from another directory), which the loader would report only as a missing cache
+    entry. Online the same string may be a hub id (``org/name`` with an ``org/`` folder here by chance): the hub is
+    asked. A path written as local (``./``, ``../``, ``/``, ``~``) never reaches here: it is no valid hub id.
     """
-    head, sep, _ = repo_id.partition("/")
-    if not sep or not Path(head).expanduser().is_dir():
-        return None
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
+    head, sep, _ = repo_id.partition("/")
+    if not sep or not is_offline_mode() or not Path(head).expanduser().is_dir():
+        return None
     try:
         if isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str):
             return None
     except Exception:  # noqa: BLE001 - a cache the library cannot read is no cached hub id
         pass
-    return (f"{repo_id!r} is not a folder ({_no_folder(local)}; {head + '/'!r} is a folder here, so this names a "
-            f"local path, not a hub id; the hub was not asked)")
+    return (f"{repo_id!r} is not a folder ({_no_folder(local)}; {head + '/'!r} is a folder here and HF_HUB_OFFLINE "
+            f"is set, so this names a local path, not a cached hub id)")
 
 
 def check_checkpoint_classes(adapter_cls: type, path: str | os.PathLike | None, key: str = KEY) -> None:

@@ -32,12 +32,15 @@ class SchedulerOnly:
         raise AssertionError("the hub must not be asked")
 
 
-def test_a_missing_folder_under_an_existing_one_is_a_local_path(tmp_path, monkeypatch):
-    """``build/tiny-sd3`` with ``build/`` here: a local folder that was not built, refused without asking the hub."""
+def test_a_missing_folder_under_an_existing_one_is_a_local_path_offline(tmp_path, monkeypatch):
+    """``build/tiny-sd3`` with ``build/`` here under HF_HUB_OFFLINE: a local folder that was not built, refused."""
+    import huggingface_hub
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
     (tmp_path / "build").mkdir()
-    problem = ("'build/tiny-sd3' is not a folder (no such directory: {}/build/tiny-sd3; 'build/' is a folder here, so "
-               "this names a local path, not a hub id; the hub was not asked)").format(tmp_path)
+    problem = ("'build/tiny-sd3' is not a folder (no such directory: {}/build/tiny-sd3; 'build/' is a folder here and "
+               "HF_HUB_OFFLINE is set, so this names a local path, not a cached hub id)").format(tmp_path)
     assert checkpoint_problem("build/tiny-sd3") == problem
     with pytest.raises(ConfigError) as err:
         load_pretrained(SchedulerOnly, "build/tiny-sd3", {})
@@ -46,20 +49,34 @@ def test_a_missing_folder_under_an_existing_one_is_a_local_path(tmp_path, monkey
     assert checkpoint_problem("ff-tests/tiny-sd3") is None
 
 
+def test_an_org_name_hub_id_is_left_to_the_hub_online_even_with_an_org_folder_here(tmp_path, monkeypatch):
+    """Online, ``org/name`` is a hub id although a folder ``org/`` happens to exist here (review of issue 24): the
+    hub is asked (before, it was refused as a missing local folder). A path written as local still fails at once."""
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    (tmp_path / "stabilityai").mkdir()
+    assert checkpoint_problem("stabilityai/stable-diffusion-3.5-medium") is None
+    for local in ("./stabilityai/sd3", "../stabilityai/sd3", f"{tmp_path}/stabilityai/sd3", "~/no-such-ff-folder"):
+        assert "is neither a folder" in checkpoint_problem(local), local
+
+
 def test_ff_fit_with_a_missing_local_checkpoint_fails_at_once_online(shapes_dir, tmp_path):
-    """A real ``ff fit`` with the hub switched on: today ~30 s of hub retries, then 'nor a reachable hub id'."""
+    """A real ``ff fit`` with the hub switched on and a path written as local: before, ~30 s of hub retries, then
+    'nor a reachable hub id'."""
     (tmp_path / "build").mkdir()
     datasets = json.dumps([{"name": "s", "dataset_dir": str(shapes_dir)}])
     args = ["fit", "--config", str(RECIPE), "--data.datasets", datasets,
             "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false", "--trainer.max_steps",
-            "1", "--model.pretrained_model_name_or_path", "build/tiny-sd3"]
+            "1", "--model.pretrained_model_name_or_path", "./build/tiny-sd3"]
     result = subprocess.run([sys.executable, "-m", "ff_core.cli", *args], capture_output=True, text=True,
                             env=online_env(), cwd=tmp_path, timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == (
-        f"ff fit: {KEY}: 'build/tiny-sd3' is not a folder (no such directory: {tmp_path}/build/tiny-sd3; 'build/' is "
-        "a folder here, so this names a local path, not a hub id; the hub was not asked)")
-    # Today: "Retrying in 1s [Retry 1/5]" ... (1 + 2 + 4 + 8 + 8 s of back-off) before the error.
+        f"ff fit: {KEY}: './build/tiny-sd3' is neither a folder (no such directory: {tmp_path}/build/tiny-sd3) nor "
+        "a hub id ('name' or 'org/name')")
+    # Before: "Retrying in 1s [Retry 1/5]" ... (1 + 2 + 4 + 8 + 8 s of back-off) before the error.
     assert "Retrying" not in result.stderr and "127.0.0.1:9" not in result.stderr
 
 
