@@ -5,7 +5,7 @@ Run: ``python benchmarks/bench_buckets.py [--clips 96] [--budget 600] [--workdir
 The clip set: H.264 MP4s (``ff_core.testing.clips``) at four source shapes (16:9, 9:16, 1:1, 4:3; 72-128 px) and
 1.1-3 s at 16, 24 or 30 fps, as V2 SFT records. The recipe's buckets are three canvases (48x80, 80x48, 64x64) times
 two clip lengths (17 and 33 frames at 16 fps); a record goes to the bucket of closest aspect whose frame grid fits
-its clip (``ff_core.data.buckets``). Tokens of one target are Wan's: ``(1 + (F - 1) / 4) · (H / 16) · (W / 16)``
+its clip (``ff_core.data.media.buckets``). Tokens of one target are Wan's: ``(1 + (F - 1) / 4) · (H / 16) · (W / 16)``
 (VAE 8x spatial, 4x temporal, patch 2). Every batch comes out of ``DataflowLoader`` (``MapDistributor`` →
 ``RecordProcessor``: PyAV decode of the clip window + fit → batcher → ``SampleCollator``), one epoch.
 
@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ff_core.data.buckets import assign_buckets
 from ff_core.data.dataflow import BucketBatcher, DataflowLoader, MapDistributor, SimpleBatcher
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.media.buckets import assign_buckets
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.testing.clips import write_clip_dataset
 
 SOURCES = [(72, 128), (128, 72), (96, 96), (96, 128)]  # (height, width)

@@ -59,7 +59,7 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
 
     from ff_core.data.datamodule import FlowDataModule
-    from ff_core.data.sources import DatasetConfig
+    from ff_core.data.records.sources import DatasetConfig
     from ff_core.module import FlowModule, LoRAConfig
 
     batch = 8 if args.child == "ttfb" else 32

@@ -38,8 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from demo_checkpoint import generate  # noqa: E402  (benchmarks/ is the script's folder)
 
 from ff_core.callbacks.samples import image_grid  # noqa: E402
+from ff_core.cli.flow_cli import FlowCLI  # noqa: E402
 from ff_core.data.datamodule import FlowDataModule  # noqa: E402
-from ff_core.lightning_cli import FlowCLI  # noqa: E402
 from ff_core.module import FlowModule  # noqa: E402
 from ff_core.testing.shapes import COLOURS, dominant_colour, prompt_colour, write_preference_dataset  # noqa: E402
 

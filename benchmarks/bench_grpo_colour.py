@@ -43,8 +43,8 @@ from bench_dpo_preference import reference_folder  # noqa: E402  (benchmarks/ is
 
 from ff_core.adapter import LatentState  # noqa: E402
 from ff_core.callbacks.samples import LossCurve, image_grid  # noqa: E402
+from ff_core.cli.flow_cli import FlowCLI  # noqa: E402
 from ff_core.data.datamodule import FlowDataModule  # noqa: E402
-from ff_core.lightning_cli import FlowCLI  # noqa: E402
 from ff_core.module import FlowModule  # noqa: E402
 from ff_core.objectives.grpo import slice_batch  # noqa: E402
 from ff_core.rewards.base import RewardBatch  # noqa: E402

@@ -3,7 +3,7 @@
 
 Writes ``--pairs`` V2 records of an (MP4, WAV) target each (a 12-frame 32x32 clip at 8 fps, 1.5 s of 22.05 kHz mono:
 the tiny LTX-2 recipes' targets; ``2 * pairs`` distinct files, copies of one clip), then times
-:func:`~ff_core.data.target_spans.target_span_errors` for a 9-frame 8 fps clip and its 1.125 s of audio: with no
+:func:`~ff_core.data.media.target_spans.target_span_errors` for a 9-frame 8 fps clip and its 1.125 s of audio: with no
 cache, on a cold cache (every header read, the table written) and on the warm one (a ``stat`` a file).
 
     python benchmarks/bench_header_cache.py --pairs 1000
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from ff_core.callbacks.media_log import audio_to_wav
-from ff_core.data.geometry import AudioSpan, MediaGeometry
-from ff_core.data.sources import DatasetConfig, load_split
-from ff_core.data.target_spans import target_span_errors
+from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+from ff_core.data.media.target_spans import target_span_errors
+from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.testing.moving_shapes import write_mp4
 
 

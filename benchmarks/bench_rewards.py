@@ -81,8 +81,8 @@ def _timed_call(original):
 
 
 def validate_seconds(eval_rewards: list | None, root: Path) -> tuple[float, dict]:
+    from ff_core.cli.flow_cli import FlowCLI
     from ff_core.data.datamodule import FlowDataModule
-    from ff_core.lightning_cli import FlowCLI
     from ff_core.module import FlowModule
 
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[

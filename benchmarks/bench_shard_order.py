@@ -23,10 +23,16 @@ import pyarrow.parquet as pq
 import torch
 
 from ff_core.data.dataflow import DataflowLoader, DataParallelCoords, SamplerDistributor
-from ff_core.data.shard_order import GroupedSamplerDistributor
-from ff_core.data.sources import DatasetConfig
+from ff_core.data.records.sources import DatasetConfig
 from ff_core.data.tensor_parquet import encode_tensor, tensor_schema
-from ff_core.data.tensor_rows import TensorColumns, TensorRowCollator, TensorRowProcessor, TensorRows, open_shards
+from ff_core.data.tensor_parquet.order import GroupedSamplerDistributor
+from ff_core.data.tensor_parquet.rows import (
+    TensorColumns,
+    TensorRowCollator,
+    TensorRowProcessor,
+    TensorRows,
+    open_shards,
+)
 
 COLUMNS = TensorColumns(condition=("prompt_embeds",), latents=("latent",), prompt=None)
 

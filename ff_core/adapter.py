@@ -28,13 +28,13 @@ from torch import Tensor, nn
 
 from ff_core.atomic import replace_dir
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.tensor_rows import TensorColumns
+from ff_core.data.tensor_parquet.rows import TensorColumns
 from ff_core.sampling import sample_ode, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
     from peft import LoraConfig
 
-    from ff_core.data.geometry import AudioSpan, MediaGeometry
+    from ff_core.data.media.geometry import AudioSpan, MediaGeometry
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
@@ -107,8 +107,8 @@ class ConditionInput:
         negative_prompt: CFG negative prompt (only for contracts that accept one).
         media: decoded condition media in record order (V2 ``input.media``; legacy ``image(s)`` / ``video(s)`` /
             ``audio(s)`` columns or Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``: ``type`` is
-            ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode_media` returns
-            (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
+            ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode.decode_media`
+            returns (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
             the file; ``slot`` the contract slot the item binds to, whether written in the record or filled in
             declaration order (absent for references and grouped inputs, which bind by list order); ``fps``,
             ``sample_rate`` and ``audio_path`` the record's declared overrides and a video's separate soundtrack file,
@@ -172,15 +172,15 @@ class Adapter(nn.Module):
             (:meth:`release_preprocessing`) before the strategy places the model, so they never occupy the
             accelerator for training. A module the other stages use (the VAE that encodes targets) is not one.
         tensor_columns: how preprocessed training rows are stored in tensor-parquet shards (condition columns, clean
-            latent columns; :class:`~ff_core.data.tensor_rows.TensorColumns`); ``None``: the family does not train
-            from shards. Read without weights, so a dataset is checked before the model loads.
+            latent columns; :class:`~ff_core.data.tensor_parquet.rows.TensorColumns`); ``None``: the family does not
+            train from shards. Read without weights, so a dataset is checked before the model loads.
         interface_version: the ff adapter-interface version (``major.minor``, :data:`ff_core.ADAPTER_INTERFACE_VERSION`)
             the adapter is written for, a string (``"1.1"``); ff refuses it when ff-core's differs in major or is an
             older minor. Read from the class or a base class of the same top-level package (a base from another
             plugin declares that plugin's version); ``None``: the plugin's ``ff_adapter_interface_version`` hook
             declares it, else it is undeclared and checked as ``"1.0"`` (:data:`ff_core.plugins.UNDECLARED_INTERFACE`).
         condition_collation: how each condition key collates when its per-sample tensors may differ in shape
-            (:mod:`ff_core.data.condition_collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
+            (:mod:`ff_core.data.cache.collation`): ``stack`` (default), ``pad`` (zero-pad axis 0 to the batch's
             longest, plus a ``<key>_mask`` (B, L) of real entries) or ``list``. Applies to preprocessed conditions and
             to tensor-parquet condition columns alike.
         full_precision_inputs: keyword inputs of the trained networks that FSDP2's ``model.sharding.param_dtype``
@@ -260,8 +260,8 @@ class Adapter(nn.Module):
     def resolve_tensor_shapes(
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Stored tensor column -> the :class:`~ff_core.data.tensor_checks.StoredShape` its rows must have for this
-        checkpoint (latent channels, patch multiples, embedding widths), from its config files only; same rules as
+        """Stored tensor column -> the :class:`~ff_core.data.tensor_parquet.checks.StoredShape` its rows must have for
+        this checkpoint (latent channels, patch multiples, embedding widths), from its config files only; same rules as
         :meth:`resolve_contract`. ``ff fit`` checks every shard row's ``_shape`` against it before weights load, so a
         latent stored with the right byte count in the wrong geometry is refused with its row named. Default: none
         (only each row's own consistency is checked)."""
@@ -290,9 +290,9 @@ class Adapter(nn.Module):
         """What each output's training targets must cover, from config files and ``adapter_kwargs`` only (same rules
         as :meth:`resolve_contract`), so a too-short target is reported from its header (PyAV container metadata)
         before any weight loads, naming file, line and field: per output of the contract, the
-        :class:`~ff_core.data.geometry.MediaGeometry` :meth:`output_geometry` will return (a video clip: its frame
-        grid must lie inside the file, the rule decoding applies), an :class:`~ff_core.data.geometry.AudioSpan` (the
-        seconds an audio target must hold on its clock), or ``None`` (not checked). ``None`` (default): nothing is
+        :class:`~ff_core.data.media.geometry.MediaGeometry` :meth:`output_geometry` will return (a video clip: its frame
+        grid must lie inside the file, the rule decoding applies), an :class:`~ff_core.data.media.geometry.AudioSpan`
+        (the seconds an audio target must hold on its clock), or ``None`` (not checked). ``None`` (default): nothing is
         checked before loading; decoding still rejects a short clip when it reaches it."""
         return None
 
@@ -303,8 +303,8 @@ class Adapter(nn.Module):
     ) -> None:  # fmt: skip
         """Refuse a ``data.buckets`` geometry the adapter cannot train on, before any weight loads: raise
         ``ValueError(reason)``; ``FlowDataModule.setup`` reports it as a :class:`~ff_core.errors.ConfigError` naming
-        ``data.buckets[i]``. A bucket replaces the first output's geometry only (:mod:`ff_core.data.buckets`), so a
-        family whose other outputs are cut to that output's clip (LTX-2's audio: the clip's ``num_frames /
+        ``data.buckets[i]``. A bucket replaces the first output's geometry only (:mod:`ff_core.data.media.buckets`), so
+        a family whose other outputs are cut to that output's clip (LTX-2's audio: the clip's ``num_frames /
         frame_rate`` seconds) refuses buckets whose clip differs from its own. Same rules as :meth:`resolve_contract`
         (config files and ``adapter_kwargs`` only, cheap). Default: every bucket is accepted.
 
@@ -508,7 +508,7 @@ class Adapter(nn.Module):
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
         """The geometry each output is encoded at, in the contract's output order (``None``: taken as decoded).
 
-        The data loader's workers fit every decoded target to it before collation (:mod:`ff_core.data.geometry`:
+        The data loader's workers fit every decoded target to it before collation (:mod:`ff_core.data.media.geometry`:
         bilinear resize of the shorter side, then a centre crop, as diffusers' training scripts), so
         :meth:`encode_output` never sees a batch of mixed sizes. Called once per training loader; the result is
         pickled to the workers, so return plain data.

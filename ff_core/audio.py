@@ -27,8 +27,8 @@ from torch import Tensor
 
 def clip_clock_start(video: Any) -> float:
     """The first second of a decoded target video on its clip's clock: the grid time of its first frame
-    (``DecodedVideo.timestamps[0]`` of a clip from :func:`~ff_core.data.media.decode_clip`: official seconds at the
-    declared ``fps``, counted from the video stream's first timestamp); 0 for a video decoded whole or a tensor. Its
+    (``DecodedVideo.timestamps[0]`` of a clip from :func:`~ff_core.data.media.decode.decode_clip`: official seconds at
+    the declared ``fps``, counted from the video stream's first timestamp); 0 for a video decoded whole or a tensor. Its
     audio is cut from the same instant of the audio's clock (``clip_clock_start(video) - audio_clock_offset(audio)``,
     :func:`clock_window`), never from the video file's seconds (``DecodedVideo.window``), which differ from the clock
     when the manifest declares another ``fps``."""

@@ -101,8 +101,8 @@ class ReferenceSpec:
             the limits diffusers' ``MiniMaxH3Ref2VASetupStep`` enforces), so a list the pipeline would refuse is
             refused before any weights load; a type not named is capped by ``max_count`` alone.
         max_image_aspect: image references must lie within ``1:N`` and ``N:1`` (H3: 4, the setup step's "within 1:4
-            and 4:1"), checked from each image's header by :mod:`ff_core.data.validation` before any weights load;
-            ``None``: any aspect.
+            and 4:1"), checked from each image's header by :mod:`ff_core.data.records.validation` before any weights
+            load; ``None``: any aspect.
     """
 
     types: frozenset[MediaType] = frozenset(MediaType)

@@ -25,8 +25,8 @@ from ff_core.errors import ConfigError
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
     from ff_core.contracts import PipelineIOContract
-    from ff_core.data.geometry import AudioSpan, MediaGeometry
-    from ff_core.data.tensor_rows import TensorColumns
+    from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+    from ff_core.data.tensor_parquet.rows import TensorColumns
 
 KEY = "model.pretrained_model_name_or_path"
 
@@ -220,7 +220,7 @@ def resolve_tensor_shapes(
     adapter_cls: type[Adapter], path: str | os.PathLike | None, kwargs: dict[str, Any] | None = None, key: str = KEY
 ) -> dict[str, Any]:
     """``adapter_cls.resolve_tensor_shapes(path, kwargs)``: stored column -> its expected
-    :class:`~ff_core.data.tensor_checks.StoredShape` (config files only), errors as in :func:`resolve_contract`;
+    :class:`~ff_core.data.tensor_parquet.checks.StoredShape` (config files only), errors as in :func:`resolve_contract`;
     empty for an adapter that does not say."""
     if not hasattr(adapter_cls, "resolve_tensor_shapes"):
         return {}

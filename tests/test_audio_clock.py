@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ff_core.audio import audio_clock_offset, clip_clock_start, clock_window
-from ff_core.data.media import DecodedAudio, DecodedVideo
+from ff_core.data.media.decode import DecodedAudio, DecodedVideo
 
 
 def test_the_clip_start_is_its_grid_time_not_the_files_seconds():

@@ -18,9 +18,9 @@ from ff_sd3.adapter import SD3Adapter
 from ff_core.cli import main
 from ff_core.contracts import PipelineIOContract
 from ff_core.data import commands
-from ff_core.data.cache import MANIFEST, ConditionSource, open_or_build
+from ff_core.data.cache.store import MANIFEST, ConditionSource, open_or_build
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.sources import DatasetConfig, load_split, split_file
+from ff_core.data.records.sources import DatasetConfig, load_split, split_file
 from ff_core.module import FlowModule, LoRAConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,13 +12,13 @@ import torch
 from image_conditioned_adapter import ImageConditionedSD3
 from PIL import Image
 
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.contracts import IMAGE_OUT, MediaType, PipelineIOContract, ReferenceSpec
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.media import decode_image
-from ff_core.data.processors import condition_input
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.media.decode import decode_image
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import condition_input
 from ff_core.errors import DatasetErrors
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "sd3" / "sft_tiny.yaml"

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ff_core.callbacks import SampleLog, read_sample_log
+from ff_core.data.cache.identity import MediaDigests, records_identity
 from ff_core.data.dataflow import DataflowLoader
 from ff_core.data.datamodule import STAMP_KEY, FlowDataModule
-from ff_core.data.identity import MediaDigests, records_identity
-from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.errors import DatasetErrors
 from ff_core.module import FlowModule, LoRAConfig
 
@@ -80,8 +80,8 @@ def test_preference_records_give_chosen_and_rejected_fitted_to_the_geometry(shap
     """A preference record's batch carries both arms (no ``target``), each decoded and fitted to the output geometry
     as a target is (the fitting itself is checked against Pillow in tests/data/test_geometry.py); a batch that mixes
     supervision types is refused."""
-    from ff_core.data.geometry import MediaGeometry, fit_media
-    from ff_core.data.media import decode_media
+    from ff_core.data.media.decode import decode_media
+    from ff_core.data.media.geometry import MediaGeometry, fit_media
 
     records = load_split(DatasetConfig(name="pairs", dataset_dir=str(shapes_dpo_dir)), "train", "offline-dpo")
     table = ConditionedRecords(records, [{"embeds": torch.zeros(2)} for _ in records])

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def test_objective_supplies_default_eval_rewards_and_training_reward_checks(tmp_
     rewards an objective trains on are checked against the training records (stage fit only)."""
     from types import SimpleNamespace
 
-    from ff_core.data.records_base import Record
+    from ff_core.data.records.base import Record
     from ff_core.errors import DatasetErrors
     from ff_core.objectives import SFTObjective
     from ff_core.rewards import Rewards

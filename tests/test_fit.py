@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from ff_core.adapter import ConditionInput
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.media import decode_media
-from ff_core.lightning_cli import FlowCLI
+from ff_core.data.media.decode import decode_media
 from ff_core.module import FlowModule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3, shapes_dir):
     frozen components in eval mode, so T5's dropout never randomises the conditions.)"""
     from torch.utils.data import default_collate
 
-    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.records.sources import DatasetConfig, load_split
 
     records = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")[:4]
     grads = []

@@ -11,8 +11,8 @@ import lightning as L
 import pytest
 import torch
 
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 from ff_core.rewards.base import Reward
 from ff_core.testing.shapes import write_prompt_dataset

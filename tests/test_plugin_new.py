@@ -15,8 +15,8 @@ import pytest
 
 import ff_core
 from ff_core.cli import main
+from ff_core.cli.scaffold import PluginNames, new_plugin
 from ff_core.plugins import ENTRY_POINT_GROUP, PLUGINS_ENV, PluginRegistry
-from ff_core.scaffold import PluginNames, new_plugin
 
 REPO = Path(ff_core.__file__).resolve().parents[1]
 
@@ -149,7 +149,7 @@ def test_the_test_extra_names_the_build_backend_of_the_generated_plugin():
     the generated pyproject's build-system accepts."""
     import tomllib
 
-    from ff_core.scaffold import TEMPLATE_DIR
+    from ff_core.cli.scaffold import TEMPLATE_DIR
 
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     template = (TEMPLATE_DIR / "pyproject.toml.tmpl").read_text().partition("[project]")[0]  # placeholders below

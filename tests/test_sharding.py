@@ -160,7 +160,7 @@ def test_strategy_recipes_parse(recipe, capsys):
     DeepSpeed need not be installed to parse)."""
     from pathlib import Path
 
-    from ff_core.lightning_cli import run
+    from ff_core.cli.flow_cli import run
 
     path = Path(__file__).resolve().parents[1] / "configs" / "sd3" / recipe
     with pytest.raises(SystemExit) as exit_info:

@@ -15,14 +15,14 @@ from torch.utils.data import default_collate
 from ff_core.adapter import LatentState
 from ff_core.callbacks import SampleLog, read_sample_log
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
+from ff_core.cli.preprocess_latents import write_latent_shards
 from ff_core.data.dataflow import derive_seed
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.preprocess_latents import write_latent_shards
-from ff_core.data.processors import ConditionedRecord, RecordProcessor, condition_input
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
 from ff_core.data.tensor_parquet import TensorParquetDataset
-from ff_core.data.tensor_rows import TensorRowCollator, TensorRowProcessor, TensorRows
-from ff_core.lightning_cli import FlowCLI
+from ff_core.data.tensor_parquet.rows import TensorRowCollator, TensorRowProcessor, TensorRows
 from ff_core.module import FlowModule, LoRAConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_fit_shuffles_reference_layout_shards_by_row_group_window(tiny_sd3, shap
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ff_core.data.shard_order import GroupedSamplerDistributor
+    from ff_core.data.tensor_parquet.order import GroupedSamplerDistributor
 
     table = pa.concat_tables([pq.read_table(f) for f in sorted(Path(shapes_latents_dir).rglob("*.parquet"))])
     grouped = tmp_path / "grouped" / "shard000" / "combined_parquet_dataset" / "worker_0" / "data_chunk_0.parquet"

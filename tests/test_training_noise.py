@@ -11,7 +11,7 @@ import torch
 from ff_core.callbacks import SampleLog, read_sample_log
 from ff_core.data.dataflow import derive_seed
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.sources import DatasetConfig
+from ff_core.data.records.sources import DatasetConfig
 from ff_core.module import NOISE_SEED_KEY, FlowModule, LoRAConfig, micro_batch_seed
 
 

@@ -90,7 +90,7 @@ def _tone(samples: int, rate: int) -> np.ndarray:
 
 def make_dataset_media(dataset_dir: Path, **overrides: str) -> list[Path]:
     """Write every file the dataset's splits reference (skipping those that exist); return their paths."""
-    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.records.sources import DatasetConfig, load_split
 
     cfg = DatasetConfig(name=dataset_dir.name, dataset_dir=str(dataset_dir), eval={},
                         **{k: str(dataset_dir / v) for k, v in overrides.items()})

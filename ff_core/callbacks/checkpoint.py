@@ -37,7 +37,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ff_core.atomic import TEMP_SUFFIX, open_atomic, remove_leftovers
-from ff_core.data.disk_full import disk_full_error, is_disk_full
+from ff_core.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import ConfigError
 from ff_core.module import lora_configs, lora_state_dicts
 from ff_core.sharding import summoned
@@ -105,7 +105,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _disk_full_cause(exc: BaseException) -> OSError | None:
-    """The disk-full ``OSError`` (:func:`ff_core.data.disk_full.is_disk_full`) behind ``exc``, if any: torch's zip
+    """The disk-full ``OSError`` (:func:`ff_core.disk_full.is_disk_full`) behind ``exc``, if any: torch's zip
     writer may wrap the file's ``OSError`` in a ``RuntimeError``; safetensors' Rust writer raises a
     ``SafetensorError`` whose message ends ``(os error 28)`` (Rust's ``io::Error`` display)."""
     seen: BaseException | None = exc

@@ -6,10 +6,10 @@ Order of work (spec: "Condition cache and target lifecycle"):
   so a broken dataset fails before anything heavy happens.
 * :meth:`FlowDataModule.prepare_conditions`, called by ``FlowModule.configure_model`` once the adapter is loaded
   (before the strategy places the model): every split's conditions are opened from the Arrow condition cache
-  (:mod:`ff_core.data.cache`), built first where missing (``adapter.preprocess`` under no_grad, sharded over the
+  (:mod:`ff_core.data.cache.store`), built first where missing (``adapter.preprocess`` under no_grad, sharded over the
   ranks). Then the adapter's preprocessing-only components can be released.
 * ``train_dataloader`` / ``val_dataloader``: records paired with their memory-mapped conditions; targets are
-  decoded fresh by :class:`~ff_core.data.processors.RecordProcessor` in the loader's workers and encoded on the fly
+  decoded fresh by :class:`~ff_core.data.samples.RecordProcessor` in the loader's workers and encoded on the fly
   by the objective, never cached.
 
 Training batches come from the composable dataflow (docs/dataflow.md): ``SamplerDistributor`` for the offline
@@ -38,9 +38,9 @@ from torch.utils.data import DataLoader
 from ff_core.adapter import Adapter
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.bad_samples import BadSampleLog
-from ff_core.data.buckets import Bucket, assign_buckets
-from ff_core.data.cache import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
-from ff_core.data.cache_group import BuildGroup
+from ff_core.data.cache.group import BuildGroup
+from ff_core.data.cache.identity import MediaDigests, records_identity
+from ff_core.data.cache.store import CacheResult, ConcatConditions, ConditionSource, adapter_preprocess, open_or_build
 from ff_core.data.dataflow import (
     BucketBatcher,
     DataflowLoader,
@@ -50,18 +50,12 @@ from ff_core.data.dataflow import (
     SamplerDistributor,
     check_grouping,
 )
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.identity import MediaDigests, records_identity
-from ff_core.data.media import check_files_exist
-from ff_core.data.processors import (
-    ConditionedRecords,
-    RecordProcessor,
-    SampleCollator,
-    process_and_collate,
-)
+from ff_core.data.media.buckets import Bucket, assign_buckets
+from ff_core.data.media.decode import check_files_exist
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.media.target_spans import target_span_errors
 from ff_core.data.records import Record
-from ff_core.data.shard_order import GroupedMapDistributor, GroupedSamplerDistributor
-from ff_core.data.sources import (
+from ff_core.data.records.sources import (
     OFFLINE_TRAINERS,
     DatasetConfig,
     TrainerType,
@@ -70,9 +64,16 @@ from ff_core.data.sources import (
     load_split,
     split_file,
 )
-from ff_core.data.target_spans import target_span_errors
-from ff_core.data.tensor_checks import check_shard_rows, shard_row_name
-from ff_core.data.tensor_rows import (
+from ff_core.data.records.validation import check_batch_size, check_records, conform, record_warnings
+from ff_core.data.samples import (
+    ConditionedRecords,
+    RecordProcessor,
+    SampleCollator,
+    process_and_collate,
+)
+from ff_core.data.tensor_parquet.checks import check_shard_rows, shard_row_name
+from ff_core.data.tensor_parquet.order import GroupedMapDistributor, GroupedSamplerDistributor
+from ff_core.data.tensor_parquet.rows import (
     LATENT_BATCH_KEYS,
     ShardSource,
     TensorColumns,
@@ -81,7 +82,6 @@ from ff_core.data.tensor_rows import (
     TensorRows,
     open_shards,
 )
-from ff_core.data.validation import check_batch_size, check_records, conform, record_warnings
 from ff_core.errors import ConfigError, DatasetErrors, raise_collected
 from ff_core.plugins import get_adapter_class
 from ff_core.pretrained import (
@@ -146,8 +146,9 @@ class FlowDataModule(L.LightningDataModule):
         shuffle: reshuffle the training records every epoch; ``False`` keeps dataset order.
         row_group_window: tensor-parquet shards only: shuffle at two levels, the order of row groups and then the
             rows within each window of this many groups, keeping this many decoded groups per reader
-            (:mod:`ff_core.data.shard_order`). For shards from writers that put many rows in one row group (Parquet
-            decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group shards.
+            (:mod:`ff_core.data.tensor_parquet.order`). For shards from writers that put many rows in one row group
+            (Parquet decodes whole groups); ``None``: a uniform permutation of rows, right for ff's one-row-per-group
+            shards.
         hand_off: tensor-parquet shards: uncompressed tensors travel as file ranges that the main process reads
             straight into the batch (``TensorParquetDataset.describe``, docs/datasets.md), from the workers or, with
             ``num_workers=0``, from the processor; ``False``: workers read them and the rows cross in shared memory
@@ -157,9 +158,9 @@ class FlowDataModule(L.LightningDataModule):
             then waits on the disk in the main process) or on file systems where reads are slow (FUSE, network).
         buckets: mixed resolutions / durations (docs/dataflow.md, "Mixed geometry"): bucket geometries
             ``[{height, width, num_frames?, fps?, start?, batch_size?}]``. Each training record goes to one bucket from
-            its target's header (:mod:`ff_core.data.buckets`; one that fits none is an error before weights load), its
-            target is decoded and fitted to that bucket, and batches never mix buckets (``BucketBatcher``), so nothing
-            is padded. ``None``: every target fitted to the adapter's ``output_geometry()``, fixed batches.
+            its target's header (:mod:`ff_core.data.media.buckets`; one that fits none is an error before weights load),
+            its target is decoded and fitted to that bucket, and batches never mix buckets (``BucketBatcher``), so
+            nothing is padded. ``None``: every target fitted to the adapter's ``output_geometry()``, fixed batches.
         bad_samples: a training sample whose target cannot be decoded (a truncated PNG or MP4, a header-only WAV),
             found when its batch is drawn: ``error`` stops the run with its one line ``file:line: field: reason``
             (with workers too); ``skip`` forms the batch without it (a smaller batch: every rank keeps its number
@@ -352,7 +353,7 @@ class FlowDataModule(L.LightningDataModule):
         """Targets too short for the adapter's clip (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), from
         their headers: every one reported, naming file, line and field, before weights load (the adapter_kwargs
         checked first: the geometry is computed from them). The headers are cached in the cache root's ``headers/``
-        (:mod:`~ff_core.data.header_cache`): a restart reads only the files that changed."""
+        (:mod:`~ff_core.data.media.header_cache`): a restart reads only the files that changed."""
         check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         if geometry:
@@ -402,7 +403,7 @@ class FlowDataModule(L.LightningDataModule):
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision, hand_off=self.hand_off)
         # Every served row's _dtype/_shape (and located byte count) against itself and the adapter's geometry, now:
-        # not at the step that draws it (ff_core.data.tensor_checks).
+        # not at the step that draws it (ff_core.data.tensor_parquet.checks).
         shapes = resolve_tensor_shapes(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         stored = {p + c: c for p in LATENT_BATCH_KEYS[self._supervision].values() for c in columns.latents}
         check_shard_rows([(s.dataset, s.rows) for s in self.shard_sources], shapes, stored)
@@ -571,7 +572,7 @@ class FlowDataModule(L.LightningDataModule):
         common = dict(shuffle=self.shuffle, seed=self.seed, name="train", identity=self.train_identity())
         if self.train_rows is not None:  # shards (offline trainers only): row numbers, optionally in two-level order
             offline = self.trainer_type in OFFLINE_TRAINERS
-            if self.row_group_window is not None:  # ff_core.data.shard_order
+            if self.row_group_window is not None:  # ff_core.data.tensor_parquet.order
                 grouped = GroupedSamplerDistributor if offline else GroupedMapDistributor
                 return grouped(self.train_rows, self.row_group_window, **common), self.per_device_batch_size
             distributor = SamplerDistributor if offline else MapDistributor

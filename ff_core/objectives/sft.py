@@ -6,7 +6,7 @@ loss = fp32 squared error per sample averaged over elements (Lipman et al. 2023;
 dataloader and epoch semantics"); it does not change epoch length or gradient accumulation.
 
 Targets are decoded media encoded on the fly (``batch["target"]``), or clean latents stored in tensor-parquet shards
-(``batch["latents"]``, :mod:`ff_core.data.tensor_rows`). Either way the (sigma, eps) draws come from the same
+(``batch["latents"]``, :mod:`ff_core.data.tensor_parquet.rows`). Either way the (sigma, eps) draws come from the same
 generator in the same order (the VAE's posterior sample uses a child generator), so a batch whose stored latents
 equal the encoded ones gives the same loss.
 """

@@ -216,7 +216,7 @@ class Rewards:
         and field (at most :data:`MAX_REPORTED_RECORDS` per field), each naming the reward.
 
         Args:
-            records: :class:`~ff_core.data.records_base.Record` objects (anything with ``metadata``, ``source``
+            records: :class:`~ff_core.data.records.base.Record` objects (anything with ``metadata``, ``source``
                 and ``line``).
         """
         needs = [(spec.key, f) for spec, r in zip(self.specs, self.rewards) for f in r.required_fields]

@@ -35,7 +35,7 @@ def fps_filter_frames(path: Path, fps: float, start: float = 0.0) -> list[np.nda
     """The RGB frames ffmpeg's ``fps`` filter outputs for the first video stream of ``path``, ``start`` seconds cut
     off first (``trim``, then ``setpts=PTS-STARTPTS`` so the grid starts there, as ``ffmpeg -ss start -vf fps=...``
     does): a real filter graph run by PyAV (``buffer -> [trim -> setpts ->] fps -> buffersink``), the independent
-    reference of :func:`ff_core.data.media.clip_source_frames`'s ``fps_filter`` rule (MiniMax H3's decode)."""
+    reference of :func:`ff_core.data.media.decode.clip_source_frames`'s ``fps_filter`` rule (MiniMax H3's decode)."""
     out: list[np.ndarray] = []
     with av.open(str(path)) as container:
         stream = container.streams.video[0]

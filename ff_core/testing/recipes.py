@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 
 

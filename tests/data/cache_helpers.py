@@ -21,9 +21,9 @@ from PIL import Image
 
 from ff_core.adapter import Adapter, ConditionInput
 from ff_core.contracts import IMAGE_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.cache import ConditionSource, open_or_build
-from ff_core.data.cache_group import BuildGroup
-from ff_core.data.sources import DatasetConfig, load_split, split_file
+from ff_core.data.cache.group import BuildGroup
+from ff_core.data.cache.store import ConditionSource, open_or_build
+from ff_core.data.records.sources import DatasetConfig, load_split, split_file
 
 
 def prompt_embedding(prompt: str) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch
 from PIL import Image
 
 from ff_core.data.dataflow import DataflowLoader, MapDistributor
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.errors import DatasetError
 from ff_core.testing.clips import write_wav
 

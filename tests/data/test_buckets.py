@@ -10,13 +10,13 @@ import torch
 
 from ff_core.adapter import Adapter
 from ff_core.contracts import MediaType
-from ff_core.data.buckets import assign_buckets, choose_bucket
 from ff_core.data.dataflow import BucketBatcher, DataflowLoader, MapDistributor
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.media import MediaHeader
-from ff_core.data.processors import ConditionedRecords, RecordProcessor, SampleCollator
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.media.buckets import assign_buckets, choose_bucket
+from ff_core.data.media.decode import MediaHeader
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.errors import DatasetErrors
 from ff_core.testing.clips import write_clip_dataset
 from ff_core.testing.contracts import SUPPORT_TABLE
@@ -61,7 +61,7 @@ def test_records_are_assigned_and_short_clips_rejected(clips, tmp_path):
 
 def test_bucket_headers_are_cached_across_runs(clips, tmp_path, monkeypatch):
     """With ``cache_dir`` (``FlowDataModule`` passes its cache root) the second assignment reads no header
-    (ff_core/data/header_cache.py) and gives the same buckets and the same errors."""
+    (ff_core/data/media/header_cache.py) and gives the same buckets and the same errors."""
     from ff_core.data import header_cache
 
     records = load_split(DatasetConfig(name="mixed", dataset_dir=str(clips)), "train", "sft")

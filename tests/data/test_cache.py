@@ -1,4 +1,4 @@
-"""The Arrow condition cache (ff_core/data/cache.py): rows, identity rules, atomic publication, concurrent and
+"""The Arrow condition cache (ff_core/data/cache/store.py): rows, identity rules, atomic publication, concurrent and
 sharded builds. Conditions come from ``HashAdapter`` (cache_helpers.py), whose tensors a test recomputes by hand;
 the rules that involve a real model (checkpoint, dtype, text length) run the tiny SD3 in tests/test_cache_fit.py."""
 
@@ -21,8 +21,8 @@ from cache_helpers import HashAdapter, expected_condition, rgb, source, write_da
 from PIL import Image
 
 from ff_core.contracts import IMAGE_OUT, MediaType, NegativePrompt, PipelineIOContract, SlotSpec
-from ff_core.data.cache import MANIFEST, ConcatConditions, open_or_build, read_manifest, remove_stale_builds
-from ff_core.data.cache_table import CachedConditions, PartWriter
+from ff_core.data.cache.store import MANIFEST, ConcatConditions, open_or_build, read_manifest, remove_stale_builds
+from ff_core.data.cache.table import CachedConditions, PartWriter
 
 HELPER = Path(__file__).with_name("cache_helpers.py")
 N = 6
@@ -85,7 +85,7 @@ def test_rows_round_trip_every_dtype_zero_copy(tmp_path):
 def test_dropping_mapped_pages_keeps_rows_in_use_intact(tmp_path, monkeypatch):
     """Readers drop their mapped pages as they go (a flat resident set); a tensor still held reads its pages back
     from the file."""
-    import ff_core.data.cache_table as cache_table
+    import ff_core.data.cache.table as cache_table
 
     monkeypatch.setattr(cache_table, "TRIM_BYTES", 1)  # drop after every row
     rows = [{"x": torch.arange(4096, dtype=torch.float32) + i} for i in range(4)]
@@ -213,7 +213,7 @@ def test_adapter_changes_rebuild(dataset, tmp_path, cls):
 
 def test_output_contract_is_not_in_the_key(dataset, tmp_path):
     """Outputs never reach preprocess: an adapter differing only there would reuse (if its class matched)."""
-    from ff_core.data.cache import contract_identity
+    from ff_core.data.cache.store import contract_identity
 
     assert contract_identity(OtherOutputs.io_contract) == contract_identity(HashAdapter.io_contract)
 
@@ -336,7 +336,7 @@ def test_build_group_from_a_trainer():
     """Lightning numbers ranks node-major: 2 nodes of 2 devices, global rank 3 is node 1's local rank 1."""
     from types import SimpleNamespace
 
-    from ff_core.data.cache_group import BuildGroup
+    from ff_core.data.cache.group import BuildGroup
 
     trainer = SimpleNamespace(world_size=4, num_nodes=2, global_rank=3, local_rank=1, node_rank=1)
     group = BuildGroup.from_trainer(trainer)
@@ -355,7 +355,7 @@ def test_flow_module_prepares_conditions_with_torch_defaults(tmp_path):
     from types import SimpleNamespace
 
     from ff_core.data.datamodule import FlowDataModule
-    from ff_core.data.sources import DatasetConfig
+    from ff_core.data.records.sources import DatasetConfig
     from ff_core.module import FlowModule
 
     root = write_dataset(tmp_path / "data", 3, with_media=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ff_core.data.cache import MANIFEST
+from ff_core.data.cache.store import MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
@@ -130,7 +130,7 @@ def test_blocks_cut_the_ipc_file_at_its_record_batches(tmp_path):
 
     import torch
 
-    from ff_core.data.cache_table import PartWriter
+    from ff_core.data.cache.table import PartWriter
 
     writer = PartWriter(tmp_path / "p.arrow")
     for start in range(0, 6, 2):
@@ -150,8 +150,8 @@ def test_in_process_flip_read_then_rebuild(tmp_path, caplog):
     2-3 (CacheCorruptError naming them), and the next open rebuilds with a warning; rows read back as computed."""
     from cache_helpers import HashAdapter, expected_condition, rgb, source, write_dataset
 
-    from ff_core.data.cache import open_or_build
-    from ff_core.data.cache_digest import CacheCorruptError
+    from ff_core.data.cache.digest import CacheCorruptError
+    from ff_core.data.cache.store import open_or_build
 
     root = write_dataset(tmp_path / "data", 6)
     first = open_or_build(source(root), HashAdapter(), cache_dir=tmp_path / "cache", batch_size=2)
@@ -163,7 +163,7 @@ def test_in_process_flip_read_then_rebuild(tmp_path, caplog):
     second.conditions[0]
     with pytest.raises(CacheCorruptError, match=rf"rows 2-3 \(bytes {start}-{end}\) do not match"):
         second.conditions[3]
-    with caplog.at_level("WARNING", logger="ff_core.data.cache"):
+    with caplog.at_level("WARNING", logger="ff_core.data.cache.store"):
         third = open_or_build(source(root), HashAdapter(), cache_dir=tmp_path / "cache", batch_size=2)
     assert not third.reused and "CORRUPT CONDITION CACHE" in caplog.text
     for i in range(6):

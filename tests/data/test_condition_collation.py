@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ff_core.data.condition_collation import check_rules, collate_conditions
-from ff_core.data.processors import SampleCollator
-from ff_core.data.tensor_rows import TensorRowCollator
+from ff_core.data.cache.collation import check_rules, collate_conditions
+from ff_core.data.samples import SampleCollator
+from ff_core.data.tensor_parquet.rows import TensorRowCollator
 
 
 def sample(index: int, length: int, frames: int) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ff_core.data.media import clip_source_frames, decode_clip
+from ff_core.data.media.decode import clip_source_frames, decode_clip
 from ff_core.testing.clips import fps_filter_frames, write_grey_mp4
 
 STEP, FRAMES, GRID = 5, 48, 24  # grey level of frame k: 5 k (48 frames, up to 235); the grid: 24 fps

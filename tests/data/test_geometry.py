@@ -17,12 +17,12 @@ import pytest
 import torch
 from PIL import Image
 
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.geometry import MediaGeometry, fit_image, fit_media
-from ff_core.data.media import DecodedAudio, DecodedVideo, decode_image
-from ff_core.data.processors import ConditionedRecords, RecordProcessor
-from ff_core.data.sources import DatasetConfig, load_split
-from ff_core.lightning_cli import FlowCLI
+from ff_core.data.media.decode import DecodedAudio, DecodedVideo, decode_image
+from ff_core.data.media.geometry import MediaGeometry, fit_image, fit_media
+from ff_core.data.records.sources import DatasetConfig, load_split
+from ff_core.data.samples import ConditionedRecords, RecordProcessor
 from ff_core.module import FlowModule
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "sd3" / "sft_tiny.yaml"
@@ -154,7 +154,7 @@ def test_condition_stretch_is_the_vae_image_processors_resize(resample, h, w):
     with the pipeline's ``resample`` (Wan I2V: lanczos, LTX-2 I2V: bilinear), compared in [-1, 1] as the VAE gets it."""
     from diffusers.video_processor import VideoProcessor
 
-    from ff_core.data.geometry import fit_condition_image
+    from ff_core.data.media.geometry import fit_condition_image
 
     image = torch.randint(0, 256, (3, h, w), generator=torch.Generator().manual_seed(h * w), dtype=torch.uint8)
     ours = fit_condition_image(image, G32, "stretch", resample)
@@ -164,7 +164,7 @@ def test_condition_stretch_is_the_vae_image_processors_resize(resample, h, w):
 
 
 def test_condition_cover_is_the_target_rule_and_bad_names_are_refused():
-    from ff_core.data.geometry import fit_condition_image
+    from ff_core.data.media.geometry import fit_condition_image
 
     image = torch.randint(0, 256, (3, 48, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     assert torch.equal(fit_condition_image(image, G32, "cover"), fit_image(image, G32))

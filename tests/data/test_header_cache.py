@@ -1,4 +1,4 @@
-"""The media header cache of the target-span checks (ff_core/data/header_cache.py, docs/datasets.md): a second
+"""The media header cache of the target-span checks (ff_core/data/media/header_cache.py, docs/datasets.md): a second
 start answers every header from the cache with one ``stat`` a file, a changed file is read again, and the cache file
 is published atomically."""
 
@@ -14,11 +14,11 @@ from ff_core import atomic
 from ff_core.callbacks.media_log import audio_to_wav
 from ff_core.contracts import MediaType
 from ff_core.data import header_cache
-from ff_core.data.geometry import AudioSpan
-from ff_core.data.header_cache import HeaderCache
-from ff_core.data.media import probe_media
-from ff_core.data.sources import DatasetConfig, load_split
-from ff_core.data.target_spans import target_span_errors
+from ff_core.data.media.decode import probe_media
+from ff_core.data.media.geometry import AudioSpan
+from ff_core.data.media.header_cache import HeaderCache
+from ff_core.data.media.target_spans import target_span_errors
+from ff_core.data.records.sources import DatasetConfig, load_split
 
 RATE = 8000
 
@@ -49,7 +49,7 @@ def check(records, cache_dir, monkeypatch) -> tuple[list[str], HeaderCache]:
             super().__init__(folder)
             made.append(self)
 
-    monkeypatch.setattr("ff_core.data.target_spans.HeaderCache", Recorded)
+    monkeypatch.setattr("ff_core.data.media.target_spans.HeaderCache", Recorded)
     errors = target_span_errors(records, [AudioSpan(1.0)], cache_dir=cache_dir)
     return [e.format() for e in errors], made[0]
 

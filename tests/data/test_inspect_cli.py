@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from data_helpers import make_media, write_lines
 
-from ff_core.data.commands import main
+from ff_core.cli.data import main
 
 
 def run(*argv) -> tuple[int, str]:

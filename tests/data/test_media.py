@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import (
+from ff_core.data.media.decode import (
     DecodedAudio,
     DecodedVideo,
     MediaHeader,

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import (
+from ff_core.data.media.decode import (
     MIN_PYAV_FOR_VIDEO,
     check_media,
     decode_clip,

@@ -15,7 +15,7 @@ from data_helpers import write_lines
 
 from ff_core.contracts import MediaType
 from ff_core.data.records import MediaItem, Record, parse_legacy_row, parse_v2_media, parse_v2_record
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.errors import DatasetError, DatasetErrors
 
 IMG = {"type": "image", "path": "references/style.png"}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ff_core.adapter import Adapter
-from ff_core.data.commands import main
+from ff_core.cli.data import main
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.pretrained import load_pretrained, read_config, resolve_contract
@@ -112,7 +112,7 @@ def test_validate_cli_takes_the_checkpoint(examples, checkpoints, tmp_path):
 
 
 def test_the_cli_links_the_checkpoint_to_the_data_module(examples, checkpoints):
-    from ff_core.lightning_cli import FlowCLI
+    from ff_core.cli.flow_cli import FlowCLI
     from ff_core.module import FlowModule
 
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[

@@ -12,10 +12,16 @@ import torch
 
 from ff_core.data.dataflow import DataflowLoader, DataParallelCoords
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.shard_order import GroupedMapDistributor, GroupedSamplerDistributor
-from ff_core.data.sources import DatasetConfig
+from ff_core.data.records.sources import DatasetConfig
 from ff_core.data.tensor_parquet import encode_tensor, tensor_schema, two_level_order
-from ff_core.data.tensor_rows import TensorColumns, TensorRowCollator, TensorRowProcessor, TensorRows, open_shards
+from ff_core.data.tensor_parquet.order import GroupedMapDistributor, GroupedSamplerDistributor
+from ff_core.data.tensor_parquet.rows import (
+    TensorColumns,
+    TensorRowCollator,
+    TensorRowProcessor,
+    TensorRows,
+    open_shards,
+)
 
 COLUMNS = TensorColumns(condition=("embeds",), latents=("latent",), prompt=None)
 

@@ -9,7 +9,7 @@ import pytest
 from data_helpers import write_lines
 
 from ff_core.contracts import MediaType
-from ff_core.data.sources import DatasetConfig, SplitConfig, check_dataset_configs, detect_schema, load_split
+from ff_core.data.records.sources import DatasetConfig, SplitConfig, check_dataset_configs, detect_schema, load_split
 from ff_core.errors import DatasetError, DatasetErrors, DatasetWarning
 
 DEMO = {"schema_version": 2, "input": {"prompt": "p", "media": [{"type": "image", "path": "c/a.png"}]},

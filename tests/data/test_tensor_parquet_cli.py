@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 from tensor_parquet_helpers import track_row, write_card_layout
 
-from ff_core.data.commands import main
+from ff_core.cli.data import main
 from ff_core.data.tensor_parquet import T2V_SCHEMA, TensorParquetWriter, encode_tensor, tensor_schema
 
 

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ff_core.data.tensor_checks import StoredShape, row_problems
 from ff_core.data.tensor_parquet import TensorParquetDataset, TensorParquetWriter, tensor_schema
+from ff_core.data.tensor_parquet.checks import StoredShape, row_problems
 from ff_core.data.tensor_parquet.format import encode_tensor
 
 RULE = {"latent": StoredShape(3, {0: 4}, {1: 2, 2: 2}), "text": StoredShape(2, {-1: 8})}

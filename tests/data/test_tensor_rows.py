@@ -22,9 +22,9 @@ from ff_core.data.dataflow import (
     materialize,
 )
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.data.sources import DatasetConfig, check_dataset_configs
+from ff_core.data.records.sources import DatasetConfig, check_dataset_configs
 from ff_core.data.tensor_parquet import TensorParquetWriter, encode_tensor, tensor_schema
-from ff_core.data.tensor_rows import (
+from ff_core.data.tensor_parquet.rows import (
     StoredTokenCount,
     TensorColumns,
     TensorRowCollator,
@@ -368,7 +368,7 @@ def test_stored_token_count_adds_a_text_length():
 def test_validate_with_a_model_checks_the_columns_it_trains_from(tmp_path):
     import io
 
-    from ff_core.data.commands import main
+    from ff_core.cli.data import main
 
     tensors = {"prompt_embeds": torch.zeros(3, 4), "latent": torch.zeros(2, 4, 4)}
     write_rows(tmp_path / "s", [{"prompt": "", **tensors}])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from data_helpers import EXAMPLES, REPO, make_media
 
-from ff_core.data.commands import main
-from ff_core.data.sources import DatasetConfig, load_split
+from ff_core.cli.data import main
+from ff_core.data.records.sources import DatasetConfig, load_split
 
 # example folder -> (support-table adapter, extra arguments)
 EXAMPLE_MODELS = {
@@ -146,8 +146,8 @@ def test_subprocess_with_dotted_adapter_path(broken, tmp_path):
     with (d / "test.jsonl").open("a") as f:
         f.write('{"prompt": "no cfg", "negative_prompt": "x", "references": [{"type": "image", "path": "a.png"}]}\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "FF_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    # `python -m ff_core.data.commands` is `ff data` without the Lightning CLI imports (seconds faster).
-    proc = subprocess.run([sys.executable, "-m", "ff_core.data.commands", "validate", str(d), "--model",
+    # `python -m ff_core.cli.data` is `ff data` without the Lightning CLI imports (seconds faster).
+    proc = subprocess.run([sys.executable, "-m", "ff_core.cli.data", "validate", str(d), "--model",
                            "my_adapters:Ref2VA"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [

@@ -11,7 +11,7 @@ import pytest
 
 from ff_core.contracts import MediaType
 from ff_core.data.records import Record, parse_legacy_row, parse_v2_record
-from ff_core.data.validation import (
+from ff_core.data.records.validation import (
     bind_slots,
     check_batch_size,
     check_records,

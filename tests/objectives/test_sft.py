@@ -207,8 +207,8 @@ def test_a_micro_batch_loss_is_a_function_of_its_generator_alone(tiny_sd3, shape
     from torch.utils.data import default_collate
 
     from ff_core.adapter import ConditionInput
-    from ff_core.data.media import decode_media
-    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.media.decode import decode_media
+    from ff_core.data.records.sources import DatasetConfig, load_split
     from ff_core.module import FlowModule
 
     records = load_split(DatasetConfig(name="shapes", dataset_dir=str(shapes_dir)), "train", "sft")[:3]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ff_core.data.records_base import Record
+from ff_core.data.records.base import Record
 from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.hookspecs import hookimpl
 from ff_core.plugins import PluginRegistry, get_reward_class

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from ff_core.data.commands import main as data_main
-from ff_core.data.media import decode_video
+from ff_core.cli.data import main as data_main
+from ff_core.data.media.decode import decode_video
 from ff_core.rewards import RewardBatch
 from ff_core.testing.moving_shapes import (
     DIRECTIONS,

@@ -117,7 +117,7 @@ def _pixels(path):
 def test_preference_pairs_are_strict_v2_records_that_differ_in_colour_alone(tmp_path):
     """Default: the chosen image shows the prompt's colour, the rejected one another colour; the same shape, place and
     background (the pixels differ exactly where the shape is); the records load as offline-DPO training data."""
-    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.records.sources import DatasetConfig, load_split
 
     root = write_preference_dataset(tmp_path / "pairs", n_train=12, n_test=6, size=32, seed=0)
     rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()]

@@ -109,8 +109,8 @@ def test_tone_wavs_are_rounded_16_bit_pcm_as_media_logging_writes(tmp_path):
 
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
 def test_tiny_datasets_are_valid_v2_datasets_of_each_output_kind(kind, tmp_path):
-    from ff_core.data.media import decode_media
-    from ff_core.data.sources import DatasetConfig, load_split
+    from ff_core.data.media.decode import decode_media
+    from ff_core.data.records.sources import DatasetConfig, load_split
 
     root = write_tiny_dataset(tmp_path / kind, kind, n=3)
     records = list(load_split(DatasetConfig(name=kind, dataset_dir=str(root), eval={}), "train", None))

@@ -190,9 +190,9 @@ class TensorParquetDataset(torch.utils.data.Dataset):
         (located and checked, not read), in any process: the caller reads it once, where it wants it
         (:func:`~ff_core.data.dataflow.lazy.materialize`, or ``materialize_into`` a slice of its batch tensor), so
         a row costs one copy from the page cache instead of a read into the row's memory and a second copy into the
-        batch. ``DataflowLoader`` materialises every batch it yields; :class:`~ff_core.data.tensor_rows.TensorRows`
-        reads rows this way when the dataset was opened with ``hand_off``. Compressed values are decoded as
-        :meth:`__getitem__` decodes them."""
+        batch. ``DataflowLoader`` materialises every batch it yields;
+        :class:`~ff_core.data.tensor_parquet.rows.TensorRows` reads rows this way when the dataset was opened with
+        ``hand_off``. Compressed values are decoded as :meth:`__getitem__` decodes them."""
         return self._row(i, lazy=True, read_ahead=torch.utils.data.get_worker_info() is not None)
 
     def _row(self, i: int, lazy: bool, read_ahead: bool) -> dict[str, Any]:

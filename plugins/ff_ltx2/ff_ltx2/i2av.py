@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput, LatentState
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.geometry import ConditionResize, MediaGeometry, fit_condition_image
+from ff_core.data.media.geometry import ConditionResize, MediaGeometry, fit_condition_image
 from ff_ltx2.adapter import I2AV_CONTRACT, LTX2T2AVAdapter
 
 

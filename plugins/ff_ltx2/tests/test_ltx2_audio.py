@@ -13,7 +13,7 @@ from ff_ltx2.audio import clock_window, log_mel, mel_filter_bank, to_model_rate
 from ltx2_geometry import ADAPTER_KWARGS, AUDIO_LATENTS, FPS, FRAMES, SIZE
 
 from ff_core.adapter import ConditionInput
-from ff_core.data.media import DecodedAudio
+from ff_core.data.media.decode import DecodedAudio
 
 
 def tone(freq: float, seconds: float, rate: int, channels: int = 1) -> torch.Tensor:
@@ -211,8 +211,8 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_clip_starts_after_0(adapt
     import av
 
     from ff_core.contracts import MediaType
-    from ff_core.data.geometry import MediaGeometry, decode_target
-    from ff_core.data.records_base import MediaItem
+    from ff_core.data.media.geometry import MediaGeometry, decode_target
+    from ff_core.data.records.base import MediaItem
     from ff_core.testing.clips import write_offset_streams
 
     noise = np.random.default_rng(0).integers(-20000, 20000, 32000).astype(np.int16)  # 2 s at 16 kHz on the clock

@@ -14,8 +14,8 @@ from ff_ltx2.testing import write_av_clips, write_av_prompts
 from ltx2_geometry import ADAPTER_KWARGS
 
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 from ff_core.testing.recipes import fit_tiny
 

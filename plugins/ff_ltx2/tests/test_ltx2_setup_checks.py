@@ -18,7 +18,7 @@ from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
 from ff_core.callbacks.media_log import audio_to_wav
 from ff_core.cli import main
-from ff_core.data.geometry import MediaGeometry
+from ff_core.data.media.geometry import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_core.module import FlowModule
 from ff_core.objectives import SFTObjective
@@ -173,8 +173,8 @@ def test_audio_shorter_than_the_clip_is_a_note_and_padded_not_an_error(tmp_path,
     """Flow-Factory trims or right-pads LTX-2's target audio onto the clip's clock, never rejects it: ``ff data
     validate`` passes and notes each short soundtrack (``ff fit``'s set-up, the same header check, passes too).
     ``audio_tolerance`` brings back the old rejection (``0.05`` s, the former default)."""
-    from ff_core.data.sources import DatasetConfig, load_split
-    from ff_core.data.target_spans import target_span_errors
+    from ff_core.data.media.target_spans import target_span_errors
+    from ff_core.data.records.sources import DatasetConfig, load_split
 
     bad = _shorten(write_av_clips(tmp_path / "clips", 2), tmp_path / how, how)
     kwargs = json.dumps(ADAPTER_KWARGS)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.geometry import MediaGeometry, fit_condition_pil
+from ff_core.data.media.geometry import MediaGeometry, fit_condition_pil
 from ff_minimax.adapter import PIXEL_MEAN, PIXEL_STD, MiniMaxH3Adapter
 from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
 from ff_minimax.prefix import ANCHOR_CODES, TEXT_TAG, VIDEO_TAG, realise_prefix
@@ -49,7 +49,7 @@ def to_pil(image: Tensor) -> Image.Image:
 def fit_keyframes(images: list[Image.Image], height: int, width: int) -> list[Image.Image]:
     """Keyframes (in packed order) on the ``height`` x ``width`` canvas as ``MiniMaxH3ResizeStep`` puts them: the first
     stretched (``VaeImageProcessor.resize``: ``resize((width, height), LANCZOS)``, ff_core's
-    :func:`~ff_core.data.geometry.fit_condition_pil`), a follower scaled to cover the canvas with the released
+    :func:`~ff_core.data.media.geometry.fit_condition_pil`), a follower scaled to cover the canvas with the released
     rounding (``round``, centred at ``(src - size) // 2``: H3's own arithmetic, not ff_core's cover rule) and cropped;
     an image already at the canvas is kept as it is."""
     out = []

@@ -4,8 +4,9 @@ Spec dataset-guide, "Ref2VA: minimax-h3-ref2va": a legacy row's ``references`` a
 ``input.media``) holds 1-12 globally ordered image / video / audio entries, at least one of them an image or a video;
 array order is semantically significant and "is preserved during validation, encoding, caching, and sample identity
 hashing" (never sorted, never deduplicated). The row format itself (keys per type, finite positive rates, paths
-resolved against ``dataset_dir``) is parsed by :mod:`ff_core.data.records_legacy` / :mod:`ff_core.data.records_v2`;
-the counts are checked against :data:`REF2VA_CONTRACT` by :mod:`ff_core.data.validation`, before any weights load.
+resolved against ``dataset_dir``) is parsed by :mod:`ff_core.data.records.legacy` / :mod:`ff_core.data.records.v2`;
+the counts are checked against :data:`REF2VA_CONTRACT` by :mod:`ff_core.data.records.validation`, before any weights
+load.
 
 "Ref2VA adds an ordered-reference path": the references array is validated and canonicalised as
 ``reference_manifest``, "the canonical JSON string retained for reproducibility and sample identity". Here it is the
@@ -13,7 +14,7 @@ JSON array of the entries as the record declared them (``type``, the resolved ``
 ``sample_rate``, ``audio_path`` where written), keys sorted, no whitespace, numbers as floats, so that parsing and
 re-serialising it gives the same bytes (:func:`canonical_manifest`). The condition cache stores tensors only, so the
 adapter caches it as UTF-8 bytes in a ``uint8`` tensor (:func:`manifest_tensor` / :func:`manifest_text`). The cache
-row id (:func:`ff_core.data.identity.input_identity`) already hashes the same ordered entries plus each file's
+row id (:func:`ff_core.data.cache.identity.input_identity`) already hashes the same ordered entries plus each file's
 SHA-256, so a reordered or edited list never reuses a cached condition.
 """
 

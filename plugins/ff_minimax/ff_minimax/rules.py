@@ -30,7 +30,8 @@ FPS = 24
 """MiniMax H3 generates (and trains) at a fixed 24 fps; every target video is sampled onto this grid."""
 FRAME_RULE = "fps_filter"
 """How a target clip's frames are put on the 24-fps grid: as ffmpeg's ``fps`` filter does (H3's released SFT data flow
-decodes through it; :func:`ff_core.data.media.clip_source_frames`), not the nearest-frame rule of the other families."""
+decodes through it; :func:`ff_core.data.media.decode.clip_source_frames`), not the nearest-frame rule of the other
+families."""
 MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
 """The durations H3 generates, in seconds (``MiniMaxH3ModularPipeline.min_duration`` / ``max_duration``)."""
 FRAMES_PER_CHUNK, LATENTS_PER_CHUNK = 17, 5

@@ -11,7 +11,7 @@ import torch
 from ff_minimax import MiniMaxH3T2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
 
-from ff_core.data.media import DecodedAudio
+from ff_core.data.media.decode import DecodedAudio
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_streams_start_after_0(ada
     import numpy as np
 
     from ff_core.contracts import MediaType
-    from ff_core.data.geometry import MediaGeometry, decode_target
-    from ff_core.data.records_base import MediaItem
+    from ff_core.data.media.geometry import MediaGeometry, decode_target
+    from ff_core.data.records.base import MediaItem
     from ff_core.testing.clips import write_offset_streams
 
     noise = np.random.default_rng(0).integers(-20000, 20000, 48000).astype(np.int16)  # 6 s at 8 kHz on the clock
@@ -134,9 +134,9 @@ def test_target_frames_are_put_on_the_grid_as_ffmpegs_fps_filter_does(adapter, t
     import numpy as np
 
     from ff_core.contracts import MediaType
-    from ff_core.data.buckets import Bucket
-    from ff_core.data.geometry import decode_target
-    from ff_core.data.records_base import MediaItem
+    from ff_core.data.media.buckets import Bucket
+    from ff_core.data.media.geometry import decode_target
+    from ff_core.data.records.base import MediaItem
     from ff_core.testing.clips import fps_filter_frames, write_grey_mp4
 
     step, compared = 3, 32

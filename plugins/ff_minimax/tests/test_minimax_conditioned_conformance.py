@@ -19,7 +19,7 @@ from ff_minimax.ref2va import MiniMaxH3Ref2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE, build_tiny_minimax
 
 from ff_core.adapter import ConditionInput
-from ff_core.data.media import DecodedAudio
+from ff_core.data.media.decode import DecodedAudio
 
 ADAPTER_KWARGS = {"height": TINY_SIZE, "width": TINY_SIZE, "num_frames": TINY_FRAMES}
 

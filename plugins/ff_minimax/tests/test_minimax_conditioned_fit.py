@@ -161,8 +161,8 @@ def test_the_full_size_conditioned_recipes_parse(workflow, tmp_path):
     from ff_minimax.ref2va import MiniMaxH3Ref2VAAdapter
     from ff_minimax.rules import check_clip
 
+    from ff_core.cli.flow_cli import FlowCLI
     from ff_core.data.datamodule import FlowDataModule
-    from ff_core.lightning_cli import FlowCLI
     from ff_core.module import FlowModule
 
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[

@@ -15,8 +15,8 @@ import torch
 from ff_minimax.testing import write_av_clips
 
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 from ff_core.testing.recipes import fit_tiny
 

@@ -21,7 +21,7 @@ from ff_minimax.text import load_processor
 from PIL import Image
 
 from ff_core.adapter import ConditionInput, LatentState
-from ff_core.data.condition_collation import collate_conditions
+from ff_core.data.cache.collation import collate_conditions
 from ff_core.objectives.dpo import DPOObjective
 from ff_core.objectives.sft import flow_matching_error
 from ff_core.sampling import StochasticSampling, sample_sde

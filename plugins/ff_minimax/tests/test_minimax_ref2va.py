@@ -25,8 +25,8 @@ from ff_minimax.text import load_processor
 from test_minimax_fl2va import targets, unpatchify, unrow
 
 from ff_core.adapter import ConditionInput, LatentState
-from ff_core.data.condition_collation import collate_conditions
-from ff_core.data.media import DecodedAudio
+from ff_core.data.cache.collation import collate_conditions
+from ff_core.data.media.decode import DecodedAudio
 from ff_core.objectives.dpo import DPOObjective
 from ff_core.objectives.sft import flow_matching_error
 from ff_core.sampling import StochasticSampling, sample_sde

@@ -10,7 +10,7 @@ from ff_minimax import MiniMaxH3T2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
 
 from ff_core.adapter import Adapter, ConditionInput
-from ff_core.data.condition_collation import collate_conditions
+from ff_core.data.cache.collation import collate_conditions
 from ff_core.sharding import cast_forward_inputs
 
 LONG_PROMPT = "a red square with a low tone " * 12  # enough text rows for rotary coordinates bf16 cannot hold

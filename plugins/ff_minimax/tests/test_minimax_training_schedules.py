@@ -11,7 +11,7 @@ from ff_minimax import MiniMaxH3T2VAAdapter
 from ff_minimax.testing import TINY_FRAMES, TINY_SIZE
 
 from ff_core.adapter import ConditionInput
-from ff_core.data.condition_collation import collate_conditions
+from ff_core.data.cache.collation import collate_conditions
 from ff_core.objectives.flow_matching import TimestepSampler
 from ff_core.objectives.sft import SFTObjective
 

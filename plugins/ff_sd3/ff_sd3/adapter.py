@@ -33,8 +33,8 @@ from ff_core.adapter import (
     scheduler_sigma_table,
 )
 from ff_core.contracts import IMAGE_OUT, PipelineIOContract
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.tensor_rows import TensorColumns
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.tensor_parquet.rows import TensorColumns
 from ff_core.image_latents import decode_images, encode_images, stack_image_targets
 
 
@@ -108,7 +108,7 @@ class SD3Adapter(Adapter):
         ``latent`` (C, H, W) with C = ``in_channels`` and H, W multiples of ``patch_size`` (what SD3Transformer2DModel
         patchifies, diffusers transformer_sd3.py), ``pooled_prompt_embeds`` (``pooled_projection_dim``,) and
         ``prompt_embeds`` (L, ``joint_attention_dim``). Nothing without a checkpoint."""
-        from ff_core.data.tensor_checks import StoredShape
+        from ff_core.data.tensor_parquet.checks import StoredShape
         from ff_core.pretrained import read_config
 
         if pretrained_model_name_or_path is None:

@@ -37,8 +37,8 @@ from ff_core.adapter import (
     resolve_dtype,
 )
 from ff_core.contracts import VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.geometry import ConditionResize, MediaGeometry, fit_condition_image
-from ff_core.data.tensor_rows import TensorColumns
+from ff_core.data.media.geometry import ConditionResize, MediaGeometry, fit_condition_image
+from ff_core.data.tensor_parquet.rows import TensorColumns
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 
 FIRST = SlotSpec("first_frame", MediaType.IMAGE)
@@ -200,7 +200,7 @@ class WanT2VAdapter(Adapter):
         transformer's ``in_channels`` adds the condition's) and H, W multiples of the transformer's ``patch_size[1:]``
         (what WanTransformer3DModel patchifies), a ``text_embedding`` (L, ``text_dim``). Nothing without a
         checkpoint."""
-        from ff_core.data.tensor_checks import StoredShape
+        from ff_core.data.tensor_parquet.checks import StoredShape
 
         if pretrained_model_name_or_path is None:
             return {}
@@ -368,7 +368,7 @@ class WanT2VAdapter(Adapter):
     def output_geometry(self) -> tuple[MediaGeometry | None, ...]:
         """The decode specification of the target video: ``num_frames`` frames on the ``fps`` grid of the clip's
         clock, each resized and centre-cropped to the canvas (the loader's workers decode only that window and
-        reject clips too short for it; ff_core.data.geometry)."""
+        reject clips too short for it; ff_core.data.media.geometry)."""
         return (MediaGeometry(self.height, self.width, num_frames=self.num_frames, fps=self.fps),)
 
     def check_clip(self, frames: int, height: int, width: int, what: str) -> None:
@@ -684,7 +684,7 @@ class WanI2VAdapter(WanT2VAdapter):
 
     def canvas_image(self, image: Tensor) -> Tensor:
         """A condition image on the canvas (uint8 (3, height, width)): :attr:`condition_resize` with
-        :attr:`condition_resample` (:func:`ff_core.data.geometry.fit_condition_image`)."""
+        :attr:`condition_resample` (:func:`ff_core.data.media.geometry.fit_condition_image`)."""
         return fit_condition_image(image, MediaGeometry(self.height, self.width), self.condition_resize,
                                    self.condition_resample)  # fmt: skip
 

@@ -29,7 +29,7 @@ def load_clips(dataset_dir: str | Path, frames: int) -> tuple[Tensor, list[str]]
     (``train.jsonl``), as float (N, 3, F, H, W) in [-1, 1], with the records' prompts."""
     import json
 
-    from ff_core.data.media import decode_video
+    from ff_core.data.media.decode import decode_video
 
     root = Path(dataset_dir)
     records = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines() if line.strip()]

@@ -83,9 +83,9 @@ def test_demo_recipe_trains_from_the_demo_bases_shards(demo_base, clips_dir, tmp
     import yaml
 
     from ff_core.cli import main
+    from ff_core.cli.flow_cli import FlowCLI
     from ff_core.data.datamodule import FlowDataModule
     from ff_core.data.tensor_parquet import TensorParquetDataset
-    from ff_core.lightning_cli import FlowCLI
     from ff_core.module import FlowModule
 
     recipe = Path(__file__).resolve().parents[3] / "configs" / "demo" / "wan_moving_shapes.yaml"

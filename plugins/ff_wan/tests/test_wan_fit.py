@@ -11,9 +11,9 @@ import torch
 from ff_wan.testing import write_moving_squares
 
 from ff_core.cli import main
+from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.tensor_parquet import TensorParquetDataset
-from ff_core.lightning_cli import FlowCLI
 from ff_core.module import FlowModule
 from ff_core.testing.recipes import fit_tiny
 

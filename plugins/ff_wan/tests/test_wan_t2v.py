@@ -12,7 +12,7 @@ from torch.utils.data import default_collate
 from wan_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
 from ff_core.adapter import ConditionInput, LatentState
-from ff_core.data.geometry import MediaGeometry
+from ff_core.data.media.geometry import MediaGeometry
 
 PROMPTS = ["a red square moving left", "  a blue   circle &amp; a big square moving right  "]  # cleaned like Wan
 
@@ -131,7 +131,7 @@ def test_prepare_condition_pads_or_trims_text_to_the_sequence_length(adapter):
 def test_stripped_text_embeddings_collate_padded_to_the_pipelines_zeros(adapter):
     """Shards store text embeddings without padding ([L_i, D]): the pad rule batches them, and the condition equals
     the one of fully padded rows."""
-    from ff_core.data.condition_collation import collate_conditions
+    from ff_core.data.cache.collation import collate_conditions
 
     rows = adapter.preprocess([ConditionInput(p) for p in PROMPTS])
     lengths = [int((r["prompt_embeds"].abs().sum(-1) > 0).sum()) for r in rows]
@@ -185,7 +185,7 @@ def test_bucketed_clips_of_another_geometry_encode_and_count_their_tokens(adapte
 
 
 def test_encode_output_takes_decoded_videos(adapter, condition):
-    from ff_core.data.media import DecodedVideo
+    from ff_core.data.media.decode import DecodedVideo
 
     media = _videos(1)
     frames = media[0][0].permute(0, 2, 3, 1).contiguous()  # what the loader decodes: (F, H, W, 3)

@@ -3,7 +3,7 @@
 Python and pyarrow report it as an ``OSError`` whose ``errno`` is ``ENOSPC`` (no space left), ``EDQUOT`` (quota)
 or ``EFBIG`` (larger than the file system or the process's ``RLIMIT_FSIZE`` allows); pyarrow's carries no file
 name, so the writer names the file it was writing. The callers remove what they had written before raising
-(:func:`ff_core.data.cache.open_or_build`, :func:`ff_core.data.preprocess_latents.write_latent_shards`), so a rerun
+(:func:`ff_core.data.cache.store.open_or_build`, :func:`ff_core.cli.preprocess_latents.write_latent_shards`), so a rerun
 with space starts clean.
 """
 

@@ -1,6 +1,6 @@
 """Content digests of condition-cache parts: a SHA-256 per record batch, checked before Arrow parses the bytes.
 
-A part (an Arrow IPC file, :mod:`ff_core.data.cache_table`) is cut into contiguous blocks at the writer's record
+A part (an Arrow IPC file, :mod:`ff_core.data.cache.table`) is cut into contiguous blocks at the writer's record
 batch boundaries: block 0 is the file header, the schema and record batch 0; block ``k`` is record batch ``k`` (its
 metadata message and body); the last block is the footer. The manifest lists each block as ``[end offset, sha256]``
 (:func:`block_digests`). A reader checks the footer block and block 0 when it opens a part (so ``pa.ipc.open_file``
@@ -11,7 +11,7 @@ would cost about as much as building a cache of large text embeddings (docs/data
 
 A mismatch raises :class:`CacheCorruptError` (one line naming the part, the block's rows and byte range) and leaves
 a ``corrupt.json`` note in the cache folder, so the next start rebuilds the cache, loudly, instead of reading it
-again (:mod:`ff_core.data.cache`).
+again (:mod:`ff_core.data.cache.store`).
 """
 
 from __future__ import annotations

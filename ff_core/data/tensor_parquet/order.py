@@ -20,7 +20,7 @@ import torch
 
 from ff_core.data.dataflow import MapDistributor, SamplerDistributor
 from ff_core.data.tensor_parquet import two_level_order
-from ff_core.data.tensor_rows import TensorRows
+from ff_core.data.tensor_parquet.rows import TensorRows
 
 
 def _check_window(window: int) -> int:

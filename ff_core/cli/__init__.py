@@ -1,7 +1,7 @@
 """The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins`` and ``ff data``.
 
 ``ff fit --config recipe.yaml`` builds FlowModule (``model:``), FlowDataModule (``data:``) and Lightning's
-Trainer (``trainer:``) from one YAML (see :mod:`ff_core.lightning_cli`). ``ff --help``, ``ff plugins`` and
+Trainer (``trainer:``) from one YAML (see :mod:`ff_core.cli.flow_cli`). ``ff --help``, ``ff plugins`` and
 ``ff data`` are answered here without importing Lightning, so they answer quickly.
 
 A mistake the user can fix (an unknown ``model.adapter``, a checkpoint that is neither a folder nor a hub id, a
@@ -36,7 +36,7 @@ _OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints thes
 
 def usage() -> str:
     """``ff --help``: what ff is and every subcommand, Lightning's and ff's own."""
-    from ff_core.data.commands import DATA_COMMANDS
+    from ff_core.cli.data import DATA_COMMANDS
 
     rows = [*TRAINER_COMMANDS.items(), *((f"data {k}", v) for k, v in DATA_COMMANDS.items()), ("plugins", PLUGINS_HELP),
             ("plugins new", PLUGINS_NEW_HELP)]  # fmt: skip
@@ -101,10 +101,10 @@ def _plugins(args: list[str]) -> int:
 
 
 def _plugins_new(args: list[str]) -> int:
-    """``ff plugins new NAME [--dir DIR]`` (:func:`ff_core.scaffold.new_plugin`)."""
+    """``ff plugins new NAME [--dir DIR]`` (:func:`ff_core.cli.scaffold.new_plugin`)."""
     import argparse
 
-    from ff_core.scaffold import new_plugin
+    from ff_core.cli.scaffold import new_plugin
 
     parser = argparse.ArgumentParser(prog="ff plugins new", description=PLUGINS_NEW_HELP + ".")
     parser.add_argument("name", help="the family's name: lowercase letters, digits, single dashes or underscores "
@@ -131,8 +131,8 @@ def _unknown_command(name: str) -> int:
 
 def _trainer_command(args: list[str] | None) -> int:
     """LightningCLI; ff's user errors print as their message (exit 2), anything else keeps its traceback."""
+    from ff_core.cli.flow_cli import run
     from ff_core.errors import ConfigError, ContractError, DatasetError, NonFiniteError
-    from ff_core.lightning_cli import run
     from ff_core.preemption import Preempted
 
     try:
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if first == "plugins":
         return pipe_safe(lambda: _plugins(args[1:]))
     if first == "data":
-        from ff_core.data.commands import main as data_main
+        from ff_core.cli.data import main as data_main
 
         return pipe_safe(lambda: data_main(args[1:]))
     if not first.startswith("-") and first not in TRAINER_COMMANDS:

@@ -19,7 +19,7 @@ posteriors are narrow, so it is close to the mode).
 The shards are written into a hidden folder beside ``ROOT`` and published by one rename when every row is written:
 an interrupted run leaves no partial dataset, and an existing non-empty ``ROOT`` is refused unless ``--overwrite``.
 A full disk (``ENOSPC``, quota, file-size limit) removes the hidden folder and ends in one line naming ``ROOT``
-(:class:`~ff_core.data.disk_full.DiskFullError`), exit 2; a rerun with space starts clean.
+(:class:`~ff_core.disk_full.DiskFullError`), exit 2; a rerun with space starts clean.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from ff_core.atomic import remove_leftovers, replace_dir
-from ff_core.data.disk_full import DiskFullError, disk_full_error, is_disk_full
-from ff_core.data.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
+from ff_core.cli.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
+from ff_core.disk_full import DiskFullError, disk_full_error, is_disk_full
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
     from ff_core.data.records import Record
-    from ff_core.data.tensor_rows import TensorColumns
+    from ff_core.data.tensor_parquet.rows import TensorColumns
 
 USAGE = ("ff data preprocess-latents --config recipe.yaml --output ROOT [--overwrite] [--rows-per-file N] "
          "[--dtype keep|float32|bfloat16|float16] [--compression CODEC] [--seed N] [--section.key value ...]")
@@ -215,8 +215,8 @@ def encode_rows(
     from torch.utils.data import default_collate
 
     from ff_core.data.dataflow import derive_seed
-    from ff_core.data.processors import ConditionedRecord, RecordProcessor, condition_input
-    from ff_core.data.tensor_rows import LATENT_BATCH_KEYS
+    from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
+    from ff_core.data.tensor_parquet.rows import LATENT_BATCH_KEYS
 
     conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
     processor = RecordProcessor(adapter.output_geometry())  # the training loader's decoding and fitting

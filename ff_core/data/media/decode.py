@@ -27,7 +27,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ff_core.contracts import MediaType
-from ff_core.data.records_base import MediaItem, Record
+from ff_core.data.records.base import MediaItem, Record
 from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:  # torch is imported where tensors are built, so `ff data validate` starts without it

@@ -25,7 +25,7 @@ from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:
     from ff_core.data.tensor_parquet import TensorParquetDataset
-    from ff_core.data.tensor_rows import TensorRows
+    from ff_core.data.tensor_parquet.rows import TensorRows
 
 MAX_ROW_PROBLEMS = 20  # per dataset: a systematically wrong column is one cause, not a million lines
 
@@ -219,7 +219,7 @@ def check_shard_rows(datasets: Sequence[tuple[TensorParquetDataset, int]],
 
 
 def shard_row_name(rows: TensorRows, index: int) -> str:
-    """Row ``index`` of :class:`~ff_core.data.tensor_rows.TensorRows` as ``file: row r (row group g, dataset row
+    """Row ``index`` of :class:`~ff_core.data.tensor_parquet.rows.TensorRows` as ``file: row r (row group g, dataset row
     i)``, for messages."""
     k, local = rows.locate(index)
     dataset = rows.datasets[k]

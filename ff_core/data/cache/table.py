@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from ff_core.data.cache_digest import block_digests, check_block
+from ff_core.data.cache.digest import block_digests, check_block
 from ff_core.data.tensor_parquet.format import tensor_dtype
 
 ID_COLUMN, INDEX_COLUMN = "condition_id", "index"
@@ -74,7 +74,7 @@ class PartWriter:
         self._keys: list[str] = []
         self._schema: pa.Schema | None = None
         self.batch_ends: list[int] = []  # file offset after each record batch: the digest blocks' boundaries
-        self.blocks: list[list] = []  # [[end, sha256], ...] once closed (ff_core.data.cache_digest)
+        self.blocks: list[list] = []  # [[end, sha256], ...] once closed (ff_core.data.cache.digest)
 
     def write(self, ids: Sequence[bytes], rows: Sequence[dict[str, torch.Tensor]], first_index: int) -> None:
         """Append rows ``first_index, first_index + 1, ...`` with their condition ids.
@@ -106,7 +106,7 @@ class PartWriter:
 
     def close(self) -> list[list]:
         """Finish the file (footer), flush it to disk, so a published cache survives a crash, and return its blocks'
-        ``[end, sha256]`` (:func:`~ff_core.data.cache_digest.block_digests`; ``[]`` when nothing was written)."""
+        ``[end, sha256]`` (:func:`~ff_core.data.cache.digest.block_digests`; ``[]`` when nothing was written)."""
         if self._writer is None:
             return []
         self._writer.close()
@@ -151,7 +151,7 @@ class CachedConditions(Sequence):
     Args:
         folder: the published cache folder.
         parts: ``(file name, rows)`` or ``(file name, rows, blocks)`` of its IPC files, in row order; ``blocks``
-            (the manifest's ``[end, sha256]`` list) switches on the content checks of :mod:`ff_core.data.cache_digest`:
+            (the manifest's ``[end, sha256]`` list) switches on the content checks of :mod:`ff_core.data.cache.digest`:
             footer and first record batch when a process opens the part, every other record batch before its first
             row is read in that process.
         expected_ids: the concatenated 32-byte condition ids the rows must carry, in order (checked on read).

@@ -18,13 +18,13 @@ import torch
 
 from ff_core.adapter import ConditionInput
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.condition_collation import check_rules, collate_conditions
+from ff_core.data.cache.collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
 from ff_core.data.dataflow.loader import BAD_SAMPLES_KEY
-from ff_core.data.geometry import MediaGeometry, decode_target
-from ff_core.data.media import decode_media
+from ff_core.data.media.decode import decode_media
+from ff_core.data.media.geometry import MediaGeometry, decode_target
 from ff_core.data.records import CANDIDATE_FIELDS, Record
-from ff_core.data.validation import bind_slots
+from ff_core.data.records.validation import bind_slots
 from ff_core.errors import DatasetError, raise_collected
 
 #: The declared per-item fields :func:`condition_input` passes on beside the decoded media, when a record sets them.
@@ -37,7 +37,8 @@ def condition_input(record: Record, contract: PipelineIOContract) -> ConditionIn
     Media keep record order (``inputs``, or legacy Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``
     plus the record's declared ``fps`` / ``sample_rate`` / ``audio_path`` where it wrote them (see
     :class:`~ff_core.adapter.ConditionInput`). ``slot`` is the binding contract validation resolves
-    (:func:`~ff_core.data.validation.bind_slots`): an unslotted item that fills a declared slot carries that name.
+    (:func:`~ff_core.data.records.validation.bind_slots`): an unslotted item that fills a declared slot carries that
+    name.
 
     Args:
         record: a record already checked against ``contract``.
@@ -121,7 +122,7 @@ class RecordProcessor(RawItemProcessor):
     Args:
         geometry: per output, in the contract's output order, the geometry its decoded target is fitted to
             (``adapter.output_geometry()``); ``None`` or a missing entry keeps the target as decoded.
-        buckets: mixed-geometry training (:mod:`ff_core.data.buckets`): the bucket geometries; a record's first
+        buckets: mixed-geometry training (:mod:`ff_core.data.media.buckets`): the bucket geometries; a record's first
             output is fitted to its bucket's instead, and the sample carries ``"bucket"`` (for ``BucketBatcher``).
         assignment: with ``buckets``: each record's bucket, by record index (``ConditionedRecord.index``).
     """
@@ -166,7 +167,7 @@ class SampleCollator(BatchCollator):
     """The batch format objectives and adapters consume.
 
     ``index``: tensor of record indices; ``prompt``: list of str; ``condition``: collated key by key by the adapter's
-    ``condition_collation`` (:func:`~ff_core.data.condition_collation.collate_conditions`: stacked by default, or
+    ``condition_collation`` (:func:`~ff_core.data.cache.collation.collate_conditions`: stacked by default, or
     padded with a ``<key>_mask``, or kept as a list); ``target`` (demonstrations), or ``chosen`` and ``rejected``
     (preferences): per-sample lists of decoded media, in the contract's output order (sizes may differ between
     samples); ``metadata``: each record's reward metadata (a legacy row's extra columns, a V2 record's

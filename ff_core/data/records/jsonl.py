@@ -1,8 +1,8 @@
 """Dataset rows and records: reading split files into validated, normalised :class:`Record` s.
 
 Spec: dataset-guide, "Offline V2 records" (strict, supervised, ``schema_version: 2``; see
-:mod:`ff_core.data.records_v2`) and "Common task formats" (legacy prompt / condition rows used for generation
-and evaluation; see :mod:`ff_core.data.records_legacy`). Parsing is strict where Flow-Factory is strict (V2 records:
+:mod:`ff_core.data.records.v2`) and "Common task formats" (legacy prompt / condition rows used for generation
+and evaluation; see :mod:`ff_core.data.records.legacy`). Parsing is strict where Flow-Factory is strict (V2 records:
 unknown keys, wrong types, blank lines) and forgiving where it is forgiving (legacy rows: extra columns are
 reward metadata, blank lines are skipped); every error names the file, the 1-based line and the field, and a
 whole file is checked and every problem reported together.
@@ -15,36 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ff_core.data.records_base import (
-    CANDIDATE_FIELDS,
-    SUPERVISION_FOR_TRAINER,
-    FieldReader,
-    MediaItem,
+from ff_core.data.records.base import (
     Record,
-    Schema,
     Supervision,
 )
-from ff_core.data.records_legacy import parse_legacy_row, parse_reference
-from ff_core.data.records_v2 import parse_v2_media, parse_v2_record
 from ff_core.errors import DatasetError, DatasetErrors, raise_collected
-
-__all__ = [
-    "CANDIDATE_FIELDS",
-    "SUPERVISION_FOR_TRAINER",
-    "FieldReader",
-    "MediaItem",
-    "Record",
-    "Schema",
-    "Supervision",
-    "supervision_errors",
-    "scan_jsonl",
-    "parse_legacy_row",
-    "parse_reference",
-    "parse_v2_media",
-    "parse_v2_record",
-    "read_jsonl",
-    "read_prompts_txt",
-]
 
 Parser = Callable[[Any, Path, int], Record]
 

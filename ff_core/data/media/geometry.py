@@ -1,7 +1,7 @@
 """Target geometry: decoded target media brought to the frame an adapter encodes, in the loader workers.
 
 An adapter says at which geometry it encodes each output (:meth:`ff_core.adapter.Adapter.output_geometry`, one
-:class:`MediaGeometry` or ``None`` per output of its contract, in order); :class:`~ff_core.data.processors.
+:class:`MediaGeometry` or ``None`` per output of its contract, in order); :class:`~ff_core.data.samples.
 RecordProcessor` fits every decoded target to it before collation, so no batch ever holds mixed sizes.
 
 Fitting follows diffusers' training scripts (examples/dreambooth/train_dreambooth_lora_sd3.py,
@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import (
+from ff_core.data.media.decode import (
     FRAME_RULES,
     DecodedAudio,
     DecodedVideo,
@@ -39,7 +39,7 @@ from ff_core.data.media import (
     decode_clip,
     decode_media,
 )
-from ff_core.data.records_base import MediaItem
+from ff_core.data.records.base import MediaItem
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ class MediaGeometry:
     """The frame (and, for a video, the clip) one output is encoded at (picklable: it travels to the loader workers).
 
     A video output with ``num_frames`` is a *decode specification*: the workers decode only the clip's time window
-    (PyAV seeking, :func:`~ff_core.data.media.decode_clip`) and put its frames on the grid ``t_k = start + k / fps``
-    (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the source frame ``frame_rule`` picks (default:
-    the nearest one). A clip too short for the grid is rejected, never stretched. Images ignore the temporal fields.
+    (PyAV seeking, :func:`~ff_core.data.media.decode.decode_clip`) and put its frames on the grid ``t_k = start + k /
+    fps`` (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the source frame ``frame_rule`` picks
+    (default: the nearest one). A clip too short for the grid is rejected, never stretched. Images ignore the temporal
+    fields.
 
     Attributes:
         height: pixel rows of an image, or of each video frame.
@@ -57,9 +58,10 @@ class MediaGeometry:
         num_frames: frames of a video clip (``None``: every frame the file has, as decoded).
         fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
         start: seconds into the clip (on its clock) where the grid starts.
-        frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.clip_source_frames`): ``nearest``
-            (the nearest source frame, ``np.rint``: ties to the even one), ``fps_filter`` (ffmpeg's ``fps`` filter,
-            MiniMax H3's official decode) or ``floor`` (the frame at or before, ff's rule before issue 23).
+        frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.decode.clip_source_frames`):
+            ``nearest`` (the nearest source frame, ``np.rint``: ties to the even one), ``fps_filter`` (ffmpeg's
+            ``fps`` filter, MiniMax H3's official decode) or ``floor`` (the frame at or before, ff's rule before
+            issue 23).
     """
 
     height: int
@@ -147,7 +149,8 @@ def fit_pil(image: Image.Image, geometry: MediaGeometry) -> Image.Image:
 
 
 def fit_image(image: torch.Tensor, geometry: MediaGeometry) -> torch.Tensor:
-    """Fit a ``uint8`` (3, H, W) image (what :func:`~ff_core.data.media.decode_image` returns) to ``geometry``."""
+    """Fit a ``uint8`` (3, H, W) image (what :func:`~ff_core.data.media.decode.decode_image` returns) to
+    ``geometry``."""
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
         raise ValueError(f"fit_image expects a uint8 (3, H, W) image, got {image.dtype} {tuple(image.shape)}")
     if tuple(image.shape[1:]) == (geometry.height, geometry.width):
@@ -213,7 +216,7 @@ def fit_condition_image(
     """A ``uint8`` (3, H, W) condition image on the canvas (:func:`fit_condition_pil`).
 
     Args:
-        image: ``uint8`` (3, H, W), as :func:`~ff_core.data.media.decode_image` returns.
+        image: ``uint8`` (3, H, W), as :func:`~ff_core.data.media.decode.decode_image` returns.
         geometry: the canvas.
         resize: ``stretch`` (the pipelines) or ``cover`` (the target rule).
         resample: the stretch's PIL filter (the family pipeline's ``video_processor.config.resample``).
@@ -230,10 +233,10 @@ def fit_condition_image(
 def decode_target(item: MediaItem, geometry: MediaGeometry | None, *, referenced_by: Where = None) -> Any:
     """Decode one target item as its output's ``geometry`` asks, then fit it (:func:`fit_media`).
 
-    A video item under a clip geometry (``num_frames`` set) is decoded by :func:`~ff_core.data.media.decode_clip`:
-    only its window, on the geometry's frame grid (too short: an error, never stretched). Its soundtrack (a separate
-    ``audio_path``, else the embedded stream, if any) is cut to the same window of the file. Anything else is decoded
-    whole (:func:`~ff_core.data.media.decode_media`).
+    A video item under a clip geometry (``num_frames`` set) is decoded by
+    :func:`~ff_core.data.media.decode.decode_clip`: only its window, on the geometry's frame grid (too short: an error,
+    never stretched). Its soundtrack (a separate ``audio_path``, else the embedded stream, if any) is cut to the same
+    window of the file. Anything else is decoded whole (:func:`~ff_core.data.media.decode.decode_media`).
 
     Args:
         item: the target media item.

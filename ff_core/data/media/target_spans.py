@@ -1,15 +1,16 @@
 """Training targets too short for what the adapter cuts from them, found from their headers before weights load.
 
 An adapter that says what each output's targets must cover (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`:
-a video clip's :class:`~ff_core.data.geometry.MediaGeometry`, an audio :class:`~ff_core.data.geometry.AudioSpan`) has
-every training target's header read (``probe_media``: PyAV container metadata, no frame or sample decoded) at
-``ff fit``'s set-up and in ``ff data validate --model``; a target that falls short is reported there, naming file, line
-and field, instead of failing the run when its batch is decoded. Decoding keeps its own checks (a header may lie).
-The headers are cached across runs (:mod:`~ff_core.data.header_cache`): a later start reads only the files that
-changed, one ``stat`` for each of the others.
+a video clip's :class:`~ff_core.data.media.geometry.MediaGeometry`, an audio
+:class:`~ff_core.data.media.geometry.AudioSpan`) has every training target's header read (``probe_media``: PyAV
+container metadata, no frame or sample decoded) at ``ff fit``'s set-up and in ``ff data validate --model``; a target
+that falls short is reported there, naming file, line and field, instead of failing the run when its batch is decoded.
+Decoding keeps its own checks (a header may lie). The headers are cached across runs
+(:mod:`~ff_core.data.media.header_cache`): a later start reads only the files that changed, one ``stat`` for each of the
+others.
 
-* video: the clip's whole frame grid must lie inside the file (:func:`~ff_core.data.buckets.fits`, the rule
-  :func:`~ff_core.data.media.decode_clip` applies);
+* video: the clip's whole frame grid must lie inside the file (:func:`~ff_core.data.media.buckets.fits`, the rule
+  :func:`~ff_core.data.media.decode.decode_clip` applies);
 * audio: ``start + seconds - tolerance`` on the target's clock: the header's duration, played at the manifest's
   ``sample_rate`` when it declares one (``seconds * file rate / declared rate``). Audio shorter than ``seconds`` but
   within the tolerance (LTX-2's default: any shortfall, ``math.inf``, right-padded with silence as Flow-Factory does)
@@ -24,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ff_core.contracts import MediaType
-from ff_core.data.buckets import fits
-from ff_core.data.geometry import AudioSpan, MediaGeometry
-from ff_core.data.header_cache import HEADER_CACHE_FOLDER, HeaderCache
-from ff_core.data.media import MediaHeader
+from ff_core.data.media.buckets import fits
+from ff_core.data.media.decode import MediaHeader
+from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+from ff_core.data.media.header_cache import HEADER_CACHE_FOLDER, HeaderCache
 from ff_core.data.records import Record
-from ff_core.data.records_base import CANDIDATE_FIELDS
+from ff_core.data.records.base import CANDIDATE_FIELDS
 from ff_core.errors import DatasetError, DatasetNote
 
 _EPS = 1e-6  # header durations are rationals printed as floats
@@ -61,9 +62,9 @@ def target_span_problems(
         records: the records (those without candidates, prompts, are skipped).
         geometry: per output of the contract, what its targets must cover (``None``: not checked).
         skip_first: leave the first output alone (``data.buckets`` assigns it a geometry of its own, checked by
-            :func:`~ff_core.data.buckets.assign_buckets`).
+            :func:`~ff_core.data.media.buckets.assign_buckets`).
         cache_dir: ff's cache folder (the condition cache's): the headers are cached in its ``headers/``
-            (:class:`~ff_core.data.header_cache.HeaderCache`); ``None``: every header read from its file.
+            (:class:`~ff_core.data.media.header_cache.HeaderCache`); ``None``: every header read from its file.
     """
     headers = HeaderCache(None if cache_dir is None else Path(cache_dir).expanduser() / HEADER_CACHE_FOLDER)
     checks = []

@@ -3,7 +3,7 @@
 Spec dataset-guide, "Condition cache and target lifecycle" and "Preprocessing and cache flow": only the input side
 is cached. ``adapter.preprocess`` runs under no_grad over a split's records, ``preprocessing_batch_size`` at a time
 (1 for adapters whose contract takes one sample at a time), and its CPU tensors go to Arrow IPC files
-(:mod:`ff_core.data.cache_table`) that every rank memory-maps. Target, chosen and rejected media, their latents and
+(:mod:`ff_core.data.cache.table`) that every rank memory-maps. Target, chosen and rejected media, their latents and
 supervision metadata are never written.
 
 One cache holds one split of one dataset and lives in ``cache_dir/<key>/``, where ``key`` is the SHA-256 of its
@@ -20,11 +20,11 @@ files. A build killed midway leaves only a build folder, removed by the next bui
 dead. Two builders of one key (ranks of different nodes, or two jobs) write different build folders; the first
 rename wins and the other discards its copy, so no reader ever sees a mixed or partial cache.
 
-Integrity (:mod:`ff_core.data.cache_digest`): the manifest holds a SHA-256 per record batch of each part. An open
+Integrity (:mod:`ff_core.data.cache.digest`): the manifest holds a SHA-256 per record batch of each part. An open
 checks each part's footer and first batch, a reader every other batch before its first row; damage found at open
 is rebuilt with a loud warning, damage found while reading stops the run with one line and a ``corrupt.json`` note
 (the next start rebuilds), and a rebuilt cache damaged again is refused. A full disk during a build is one line
-(:class:`~ff_core.data.disk_full.DiskFullError`) and leaves no build folder.
+(:class:`~ff_core.disk_full.DiskFullError`) and leaves no build folder.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ff_core.atomic import replace_dir, write_bytes_atomic
 from ff_core.contracts import PipelineIOContract
-from ff_core.data.cache_digest import DIGEST, CacheCorruptError, check_block, read_mark
-from ff_core.data.cache_group import BuildGroup
-from ff_core.data.cache_table import ID_BYTES, CachedConditions, PartWriter
-from ff_core.data.disk_full import disk_full_error, is_disk_full
-from ff_core.data.identity import MediaDigests, file_sha256, input_identity
+from ff_core.data.cache.digest import DIGEST, CacheCorruptError, check_block, read_mark
+from ff_core.data.cache.group import BuildGroup
+from ff_core.data.cache.identity import MediaDigests, file_sha256, input_identity
+from ff_core.data.cache.table import ID_BYTES, CachedConditions, PartWriter
 from ff_core.data.records import Record
+from ff_core.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import DatasetError
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def read_manifest(folder: Path, key: str, rows: int) -> dict[str, Any] | None:
 def inspect_cache(folder: Path, key: str, rows: int) -> tuple[str, dict[str, Any] | None]:
     """What an open finds in a cache folder: ``("ok", None)``, ``("missing", None)`` (absent or incomplete), or
     ``("corrupt", note)``: a reader left a ``corrupt.json`` note, or the blocks checked at every open (each part's
-    footer and first record batch, :mod:`ff_core.data.cache_digest`) do not match. ``note["previous"]`` is the
+    footer and first record batch, :mod:`ff_core.data.cache.digest`) do not match. ``note["previous"]`` is the
     corruption this cache was itself rebuilt after, if any."""
     manifest = read_manifest(folder, key, rows)
     if manifest is None:
@@ -296,7 +296,7 @@ def open_or_build(
 
     def step(action: Callable[[], None]) -> None:
         """Run ``action`` (when this rank builds), then agree: if any rank failed, every rank raises. A full disk
-        is a one-line :class:`~ff_core.data.disk_full.DiskFullError`; the build folder is removed either way."""
+        is a one-line :class:`~ff_core.disk_full.DiskFullError`; the build folder is removed either way."""
         error = None
         if building:
             try:
@@ -334,11 +334,11 @@ def open_or_build(
 
 
 def adapter_preprocess(adapter: Adapter) -> Callable[[list[Record]], list[dict[str, Any]]]:
-    """Records -> their conditions: inputs decoded (:func:`~ff_core.data.processors.condition_input`), then
+    """Records -> their conditions: inputs decoded (:func:`~ff_core.data.samples.condition_input`), then
     ``adapter.preprocess`` under no_grad."""
     import torch
 
-    from ff_core.data.processors import condition_input
+    from ff_core.data.samples import condition_input
 
     def run(records: list[Record]) -> list[dict[str, Any]]:
         # Condition media are decoded a chunk at a time, so only one chunk's pixels are ever held.

@@ -12,7 +12,7 @@ Ordinary media paths resolve against their media directory; Ref2VA reference pat
 ``dataset_dir``. Every other column is reward metadata (spec: datasets carry "prompts, and optional reward
 metadata"; Flow-Factory packs every column it does not preprocess into the sample's ``metadata``): it is kept
 on :attr:`Record.metadata`, never a model input. Which columns a given adapter accepts (FL2VA: 1 or 2 images;
-T2VA: none) is checked in :mod:`ff_core.data.validation`.
+T2VA: none) is checked in :mod:`ff_core.data.records.validation`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ff_core.contracts import MediaType, ReferenceSpec
-from ff_core.data.records_base import FieldReader, MediaItem, Record, join, kind, resolve
+from ff_core.data.records.base import FieldReader, MediaItem, Record, join, kind, resolve
 
 MEDIA_COLUMNS: dict[str, MediaType] = {
     "image": MediaType.IMAGE,

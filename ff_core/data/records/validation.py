@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ff_core.contracts import MediaType, NegativePrompt, PipelineIOContract
-from ff_core.data.records_base import CANDIDATE_FIELDS, MediaItem, Record
+from ff_core.data.records.base import CANDIDATE_FIELDS, MediaItem, Record
 from ff_core.errors import ContractError, DatasetError, DatasetWarning, raise_collected
 
 Problem = tuple[str, str]

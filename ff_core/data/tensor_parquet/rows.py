@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ff_core.data.condition_collation import check_rules, collate_conditions
+from ff_core.data.cache.collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, RawItemProcessor
 from ff_core.data.dataflow.lazy import LazyValue, stack
 from ff_core.errors import DatasetError, raise_collected
 
 if TYPE_CHECKING:  # pyarrow is only needed once shards are opened
-    from ff_core.data.sources import DatasetConfig
+    from ff_core.data.records.sources import DatasetConfig
     from ff_core.data.tensor_parquet import TensorParquetDataset
 
 
@@ -283,7 +283,7 @@ class TensorRowCollator(BatchCollator):
     shape within a batch (one resolution per batch, as the loader fits media targets to one geometry): a packing
     batcher over mixed sizes needs a family collator that pads or packs.
 
-    Conditions collate by the adapter's ``condition_collation`` (:mod:`ff_core.data.condition_collation`: a text
+    Conditions collate by the adapter's ``condition_collation`` (:mod:`ff_core.data.cache.collation`: a text
     embedding stored without padding can be padded per batch, with a mask).
 
     Args:
@@ -427,7 +427,7 @@ def open_shards(
         adapter: the adapter's name, for messages.
         cache_dir: where the readers cache their row indexes (``None``: beside the data when writable).
         cached_groups: decoded multi-row row groups each reader keeps per process (at least the two-level shuffle's
-            window, :mod:`ff_core.data.shard_order`).
+            window, :mod:`ff_core.data.tensor_parquet.order`).
         supervision: ``demonstration`` or ``preference`` (latent columns prefixed ``chosen_`` / ``rejected_``).
         hand_off: loader workers hand uncompressed tensors to the main process as file ranges, read there when
             ``DataflowLoader`` materialises the batch (``TensorParquetDataset(hand_off=True)``); ``False``: the

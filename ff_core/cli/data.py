@@ -1,7 +1,7 @@
 """``ff data ...``: dataset tools that need no weights and no GPU (but ``preprocess``).
 
 ``ff data preprocess --config recipe.yaml`` builds a recipe's condition caches ahead of training; it loads the
-model (see :mod:`ff_core.data.preprocess`).
+model (see :mod:`ff_core.cli.preprocess`).
 
 ``ff data validate DATASET_DIR [--model NAME] [--trainer sft|offline-dpo|grpo] [--split train|test]
 [--check-media]`` reads a dataset folder exactly as training would (spec: dataset-guide, "Directory and
@@ -12,7 +12,7 @@ prints every diagnostic as ``path:line: field: reason``. Warnings (``path:line: 
 what was kept but deserves a look, and never change the exit status.
 
 ``ff data inspect DATASET_DIR [--split train|test] [--json]`` describes each split (rows, formats, metadata
-keys, media per role and type, header ranges of the files; :mod:`ff_core.data.inspection`). Problems that stop
+keys, media per role and type, header ranges of the files; :mod:`ff_core.cli.inspection`). Problems that stop
 it reading (a missing split, a bad row, a missing or unreadable file) are printed as ``validate`` prints them,
 with exit status 2.
 
@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ff_core.cli.inspection import SplitInspection, inspect_split
 from ff_core.contracts import MediaType, PipelineIOContract
-from ff_core.data.inspection import SplitInspection, inspect_split
-from ff_core.data.media import check_media, missing_files
+from ff_core.data.media.decode import check_media, missing_files
 from ff_core.data.records import Record
-from ff_core.data.records_legacy import closest_column
-from ff_core.data.sources import DatasetConfig, Split, folder_error, load_split, split_file
+from ff_core.data.records.legacy import closest_column
+from ff_core.data.records.sources import DatasetConfig, Split, folder_error, load_split, split_file
+from ff_core.data.records.validation import conform, record_errors, record_warnings
 from ff_core.data.tensor_parquet.format import I2V_SCHEMA, I2V_TRACK_SCHEMA, T2V_SCHEMA
 from ff_core.data.tensor_parquet.inspect import inspect_tensor_parquet, is_tensor_parquet_root
-from ff_core.data.validation import conform, record_errors, record_warnings
 from ff_core.errors import DatasetError, DatasetWarning
 
 EXIT_OK, EXIT_INVALID = 0, 2
@@ -148,12 +148,12 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         out: where to print (default: stdout).
     """
     out = out or sys.stdout
-    if list(argv[:1]) == ["preprocess"]:  # a LightningCLI command line: ff_core.data.preprocess parses it
-        from ff_core.data.preprocess import main as preprocess
+    if list(argv[:1]) == ["preprocess"]:  # a LightningCLI command line: ff_core.cli.preprocess parses it
+        from ff_core.cli.preprocess import main as preprocess
 
         return preprocess(argv[1:], out)
     if list(argv[:1]) == ["preprocess-latents"]:  # its own flags, then a LightningCLI command line
-        from ff_core.data.preprocess_latents import main as preprocess_latents
+        from ff_core.cli.preprocess_latents import main as preprocess_latents
 
         return preprocess_latents(argv[1:], out)
     try:
@@ -288,7 +288,7 @@ def validate(args: argparse.Namespace, out: TextIO) -> int:
         # (evaluation splits hold legacy prompt rows, without targets: target_span_errors would skip them anyway).
         if geometry and split == "train" and len(errors) == before:
             from ff_core.data.datamodule import cache_root
-            from ff_core.data.target_spans import target_span_problems
+            from ff_core.data.media.target_spans import target_span_problems
 
             span_errors, span_notes = target_span_problems(records, geometry, cache_dir=cache_root())  # `ff fit`
             errors.extend(span_errors)  # reuses the headers
@@ -382,7 +382,7 @@ def _tensor_parquet(args: argparse.Namespace, out: TextIO, command: str) -> int:
 def _model_columns(model: str, root: str, out: TextIO, pretrained: str | None = None) -> list[DatasetError] | int:
     """``validate --model`` on a tensor-parquet root: the tensor columns the adapter trains from that it lacks."""
     from ff_core.data.tensor_parquet import TensorParquetDataset
-    from ff_core.data.tensor_rows import column_problems
+    from ff_core.data.tensor_parquet.rows import column_problems
     from ff_core.pretrained import resolve_tensor_columns
 
     found = _resolve(model, pretrained, resolve_tensor_columns, out)
@@ -432,7 +432,7 @@ def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSum
     return summary, errors
 
 
-if __name__ == "__main__":  # `python -m ff_core.data.commands validate ...`: `ff data` without the `ff` dispatch
+if __name__ == "__main__":  # `python -m ff_core.cli.data validate ...`: `ff data` without the `ff` dispatch
     from ff_core.cli import pipe_safe
 
     sys.exit(pipe_safe(lambda: main(sys.argv[1:])))

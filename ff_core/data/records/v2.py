@@ -13,7 +13,7 @@
 Format rules live here, as strict as Flow-Factory's pydantic V2 schema (``extra="forbid"``, ``strict=True``,
 ``allow_inf_nan=False``): ``prompt`` is any string (empty too), ``negative_prompt`` a string or null,
 ``sample_rate`` a JSON integer, ``metadata`` finite JSON. What a given adapter accepts (slots, output order,
-required rates, a prompt, a negative prompt) is checked in :mod:`ff_core.data.validation`.
+required rates, a prompt, a negative prompt) is checked in :mod:`ff_core.data.records.validation`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ff_core.contracts import MediaType
-from ff_core.data.records_base import FieldReader, MediaItem, Record, join, kind, resolve
+from ff_core.data.records.base import FieldReader, MediaItem, Record, join, kind, resolve
 
 # Spec: "Every V2 media object uses type as its only public discriminator"; an image has no fps, a video no
 # sample_rate (its soundtrack is not part of the V2 vocabulary), and only inputs take a slot.

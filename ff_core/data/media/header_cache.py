@@ -1,9 +1,9 @@
 """Media headers kept across runs, so that a later ``ff fit`` start costs one ``stat`` per training target.
 
-``ff fit`` reads every training target's header at each start (:mod:`ff_core.data.target_spans`: a PyAV container
+``ff fit`` reads every training target's header at each start (:mod:`ff_core.data.media.target_spans`: a PyAV container
 probe, ~1.3 ms a file, some 4 minutes for 100k pairs). :class:`HeaderCache` keeps what
-:func:`~ff_core.data.media.probe_media` returned, keyed by ``(media type, resolved path)`` and valid while the file's
-``(size, mtime_ns, inode, ctime_ns)`` are the ones it had when probed; a file that changed is probed again (the
+:func:`~ff_core.data.media.decode.probe_media` returned, keyed by ``(media type, resolved path)`` and valid while the
+file's ``(size, mtime_ns, inode, ctime_ns)`` are the ones it had when probed; a file that changed is probed again (the
 inode and ctime catch a same-size replacement whose mtime was kept, e.g. ``cp -p`` or ``rsync -a``: ``utime`` cannot
 set ctime). One JSON file per record source (a split's manifest) in ``<cache dir>/headers/``, the cache dir being the
 condition cache's (``data.cache_dir``, else ``$FF_CACHE_DIR``, else ``~/.cache/ff/datasets``), written atomically
@@ -26,8 +26,8 @@ import av
 
 from ff_core.atomic import write_bytes_atomic
 from ff_core.contracts import MediaType
-from ff_core.data.media import MediaHeader, probe_media
-from ff_core.data.records_base import Record
+from ff_core.data.media.decode import MediaHeader, probe_media
+from ff_core.data.records.base import Record
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ HEADER_CACHE_FOLDER = "headers"
 
 
 class HeaderCache:
-    """:func:`~ff_core.data.media.probe_media` with the results kept on disk (module docstring); thread-safe.
+    """:func:`~ff_core.data.media.decode.probe_media` with the results kept on disk (module docstring); thread-safe.
 
     Args:
         folder: where the cache files live (``<cache dir>/headers``); ``None``: nothing cached, every header probed.
@@ -55,7 +55,7 @@ class HeaderCache:
         self._lock = threading.Lock()
 
     def probe(self, path: str | os.PathLike, mtype: MediaType, record: Record, field: str | None) -> MediaHeader:
-        """``path``'s header, as :func:`~ff_core.data.media.probe_media` reads it (the same errors, naming the
+        """``path``'s header, as :func:`~ff_core.data.media.decode.probe_media` reads it (the same errors, naming the
         ``record`` and ``field`` that referenced it), from the cache while the file's size and mtime are unchanged."""
         if self.folder is None:
             return self._probe(path, mtype, record, field)

@@ -66,9 +66,9 @@ def read_recipe(argv: Sequence[str], out: TextIO) -> tuple[Any, Any, Any] | int:
         argv: LightningCLI's arguments (``--config``, ``--data.*``, ``--model.*``).
         out: where problems are printed.
     """
+    from ff_core.cli.flow_cli import FlowCLI
     from ff_core.data.datamodule import FlowDataModule
     from ff_core.errors import DatasetErrors
-    from ff_core.lightning_cli import FlowCLI
     from ff_core.module import FlowModule
 
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=list(argv))

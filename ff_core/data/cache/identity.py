@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ff_core.data.records_base import MediaItem, Record
+from ff_core.data.records.base import MediaItem, Record
 
 _CHUNK = 1 << 20
 

@@ -5,7 +5,7 @@ Per split: rows; the formats found (``txt`` prompts, ``legacy jsonl`` rows, ``v2
 number of rows carrying each; media references per role (``input``, ``references``, ``target``, ``chosen``,
 ``rejected``) and type, a video's separate Ref2VA ``audio_path`` counting as audio; and, over the distinct files
 of each type, the ranges their headers give (image and frame sizes, durations, fps, sample rates, channels).
-Headers are read with Pillow / PyAV (:func:`~ff_core.data.media.probe_media`); no file is decoded in full.
+Headers are read with Pillow / PyAV (:func:`~ff_core.data.media.decode.probe_media`); no file is decoded in full.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ff_core.contracts import MediaType
-from ff_core.data.media import MediaHeader, probe_media
+from ff_core.data.media.decode import MediaHeader, probe_media
 from ff_core.data.records import CANDIDATE_FIELDS, MediaItem, Record
 from ff_core.errors import DatasetError
 
@@ -122,7 +122,7 @@ def inspect_split(split: str, file: Path, records: list[Record]) -> tuple[SplitI
     Args:
         split: ``train`` or ``test``.
         file: the split file the records came from.
-        records: its records (:func:`~ff_core.data.sources.load_split`).
+        records: its records (:func:`~ff_core.data.records.sources.load_split`).
 
     Returns:
         the summary, and one error per reference to a file that is missing or whose header cannot be read

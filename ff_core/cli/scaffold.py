@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from string import Template
 
-TEMPLATE_DIR = Path(__file__).parent / "templates" / "plugin"
+TEMPLATE_DIR = Path(__file__).parents[1] / "templates" / "plugin"
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*([-_][a-z0-9]+)*")  # adapter names: sd3-5, wan2_t2v
 
 

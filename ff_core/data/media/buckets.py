@@ -1,12 +1,12 @@
 """Geometry buckets for mixed resolutions and durations: each training record is assigned, from its target's header
 alone (``probe_media``: width, height, duration, frame rate; nothing decoded; cached across runs,
-:mod:`~ff_core.data.header_cache`), to one of a recipe's bucket
-geometries, and its target is then decoded and fitted to that bucket (:class:`~ff_core.data.processors.
+:mod:`~ff_core.data.media.header_cache`), to one of a recipe's bucket
+geometries, and its target is then decoded and fitted to that bucket (:class:`~ff_core.data.samples.
 RecordProcessor`). Batches are drawn per bucket (:class:`~ff_core.data.dataflow.BucketBatcher`), so no batch mixes
 shapes and no token is padded.
 
 Assignment rule (deterministic, per record): among the buckets the target can fill — an image always; a video when
-the bucket's whole frame grid lies inside the clip (:func:`~ff_core.data.media.clip_source_frames`, the same rule
+the bucket's whole frame grid lies inside the clip (:func:`~ff_core.data.media.decode.clip_source_frames`, the same rule
 decoding applies, so an assigned clip is never rejected as too short) — take the one whose aspect ratio is closest
 to the target's (``|log(w/h) - log(W/H)|``: the least cropped), then the longest clip (most frames), then the largest
 area, then the first listed. A record no bucket can take is an error naming its file and line, before any weight
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ff_core.contracts import MediaType
-from ff_core.data.geometry import MediaGeometry
-from ff_core.data.header_cache import HEADER_CACHE_FOLDER, HeaderCache
-from ff_core.data.media import MediaHeader, clip_source_frames
+from ff_core.data.media.decode import MediaHeader, clip_source_frames
+from ff_core.data.media.geometry import MediaGeometry
+from ff_core.data.media.header_cache import HEADER_CACHE_FOLDER, HeaderCache
 from ff_core.data.records import Record
 from ff_core.errors import DatasetError, raise_collected
 
@@ -102,7 +102,7 @@ def assign_buckets(records: Sequence[Record], geometries: Sequence[MediaGeometry
         records: the training records (demonstrations or preference pairs: both arms must fit the same bucket).
         geometries: the buckets' geometries.
         cache_dir: ff's cache folder: the headers are cached in its ``headers/`` across runs
-            (:class:`~ff_core.data.header_cache.HeaderCache`); ``None``: every header read from its file.
+            (:class:`~ff_core.data.media.header_cache.HeaderCache`); ``None``: every header read from its file.
     """
     headers = HeaderCache(None if cache_dir is None else Path(cache_dir).expanduser() / HEADER_CACHE_FOLDER)
     out, errors = [], []
