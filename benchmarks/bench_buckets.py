@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ff_core.contracts import MediaGeometry
 from ff_core.data.dataflow import BucketBatcher, DataflowLoader, MapDistributor, SimpleBatcher
 from ff_core.data.media.buckets import assign_buckets
-from ff_core.data.media.geometry import MediaGeometry
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.testing.clips import write_clip_dataset

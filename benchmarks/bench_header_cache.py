@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ff_core.callbacks.media_log import audio_to_wav
-from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+from ff_core.contracts import AudioSpan, MediaGeometry
 from ff_core.data.media.target_spans import target_span_errors
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.testing.moving_shapes import write_mp4

@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,20 +26,16 @@ import torch
 from torch import Tensor, nn
 
 from ff_core.atomic import replace_dir
-from ff_core.contracts import PipelineIOContract
-from ff_core.data.tensor_parquet.rows import TensorColumns
+from ff_core.contracts import Condition, ConditionInput, LatentState, PipelineIOContract, TensorColumns
 from ff_core.sampling import sample_ode, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
     from peft import LoraConfig
 
-    from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+    from ff_core.contracts import AudioSpan, MediaGeometry
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The LoRA file :meth:`Adapter.save_lora` writes (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
-
-Condition = dict[str, Any]
-"""A prepared condition: adapter-owned tensors for one batch (prompt embeddings, condition latents, ...)."""
 
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -96,62 +91,6 @@ def move_condition(batch: dict[str, Tensor], device: torch.device, dtype: torch.
     """``batch`` on ``device``, floating tensors cast to ``dtype`` (the denoiser's), others (ids, masks) keeping
     theirs: the usual :meth:`Adapter.prepare_condition`."""
     return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in batch.items()}
-
-
-@dataclass
-class ConditionInput:
-    """The input side of one sample, before preprocessing.
-
-    Attributes:
-        prompt: the text prompt.
-        negative_prompt: CFG negative prompt (only for contracts that accept one).
-        media: decoded condition media in record order (V2 ``input.media``; legacy ``image(s)`` / ``video(s)`` /
-            ``audio(s)`` columns or Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``: ``type`` is
-            ``"image"``, ``"video"`` or ``"audio"``; ``data`` what :func:`ff_core.data.media.decode.decode_media`
-            returns (image: ``uint8`` (3, H, W) tensor at the file's size; ``DecodedVideo``; ``DecodedAudio``); ``path``
-            the file; ``slot`` the contract slot the item binds to, whether written in the record or filled in
-            declaration order (absent for references and grouped inputs, which bind by list order); ``fps``,
-            ``sample_rate`` and ``audio_path`` the record's declared overrides and a video's separate soundtrack file,
-            present only where the record wrote them.
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    media: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class LatentState:
-    """Ordered named latent components, batch-first (``latent``, or ``video`` then ``audio``).
-
-    Each component is the latent as the family's codec gives it, normalised (``(z - shift_factor) * scaling_factor``)
-    and **unpacked**: images (B, C, h, w), videos (B, C, f, h, w). Noise, masks, losses and Euler steps act on it
-    element by element and :meth:`Adapter.decode` inverts :meth:`Adapter.encode_output`; a denoiser that takes packed
-    tokens (FLUX.1's 2 x 2 patches) packs inside :meth:`Adapter.velocity` and unpacks its prediction there.
-
-    Attributes:
-        components: name -> tensor of shape (B, ...); insertion order is the pipeline's output order.
-        masks: optional name -> {0,1} tensor broadcastable to the component; 1 marks elements that are
-            generated (trained), 0 elements pinned by a condition (e.g. an I2AV first-frame latent).
-    """
-
-    components: dict[str, Tensor]
-    masks: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def batch_size(self) -> int:
-        return next(iter(self.components.values())).shape[0]
-
-    def map(self, fn: Callable[[Tensor], Tensor]) -> LatentState:
-        return LatentState({k: fn(v) for k, v in self.components.items()}, dict(self.masks))
-
-    def zip_map(self, other: LatentState, fn: Callable[[Tensor, Tensor], Tensor]) -> LatentState:
-        if list(self.components) != list(other.components):
-            raise ValueError(f"latent components differ: {list(self.components)} vs {list(other.components)}")
-        return LatentState({k: fn(v, other.components[k]) for k, v in self.components.items()}, dict(self.masks))
-
-    def randn_like(self, generator: torch.Generator | None = None) -> LatentState:
-        return self.map(lambda t: torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype))
 
 
 class Adapter(nn.Module):
@@ -661,9 +600,9 @@ class Adapter(nn.Module):
         (``model.sampling.scheduler: checkpoint``), its timesteps set for ``num_steps`` steps; ``None``: ff's Euler
         steps on :meth:`sampling_schedules` (the pipeline's sampler where the checkpoint's scheduler is Euler).
 
-        Default: :func:`ff_core.scheduler_sampling.checkpoint_schedulers` of the adapter's ``scheduler`` attribute, a
-        fresh copy per component, unless it is an Euler one (:data:`~ff_core.scheduler_sampling.EULER_SCHEDULERS`)
-        or not a flow one (:func:`~ff_core.scheduler_sampling.is_flow_scheduler`: ``prediction_type`` other than
+        Default: :func:`ff_core.sampling.schedulers.checkpoint_schedulers` of the adapter's ``scheduler`` attribute, a
+        fresh copy per component, unless it is an Euler one (:data:`~ff_core.sampling.schedulers.EULER_SCHEDULERS`)
+        or not a flow one (:func:`~ff_core.sampling.schedulers.is_flow_scheduler`: ``prediction_type`` other than
         ``flow_prediction`` and no ``FlowMatch*`` class; an epsilon / v-prediction scheduler would misread the
         velocity, so Euler it is, logged): released Wan checkpoints' ``UniPCMultistepScheduler`` samples as
         ``WanPipeline`` does. Every component gets a copy of the ONE scheduler, so the same schedule: a family whose
@@ -677,7 +616,7 @@ class Adapter(nn.Module):
             num_steps: sampler steps.
             shift: ``model.sampling.shift`` (replaces the scheduler's ``flow_shift`` / ``shift``); ``None``: its own.
         """
-        from ff_core.scheduler_sampling import checkpoint_schedulers
+        from ff_core.sampling.schedulers import checkpoint_schedulers
 
         return checkpoint_schedulers(getattr(self, "scheduler", None), state, num_steps, shift)
 

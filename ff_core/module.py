@@ -34,7 +34,7 @@ from ff_core.preemption import PreemptionGuard
 from ff_core.pretrained import check_adapter_kwargs, load_pretrained, resolve_contract
 from ff_core.rewards import RewardBatch, Rewards, RewardSpec
 from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_guidance, check_kept_weights, guides
-from ff_core.scheduler_sampling import check_sampling_scheduler
+from ff_core.sampling.schedulers import check_sampling_scheduler
 from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
@@ -98,7 +98,7 @@ class SamplingConfig:
             ``guidance_scale`` on every step. An error for a checkpoint with one denoiser.
         scheduler: ``checkpoint`` (default): sample with the checkpoint's own scheduler where it is not Euler
             (released Wan checkpoints' ``UniPCMultistepScheduler``), so samples equal the family pipeline's default
-            output for the seed (:mod:`ff_core.scheduler_sampling`); checkpoints with an Euler scheduler sample as
+            output for the seed (:mod:`ff_core.sampling.schedulers`); checkpoints with an Euler scheduler sample as
             with ``euler``. ``euler``: ff's Euler steps at the scheduler's shift, whatever the checkpoint ships.
     """
 

@@ -24,9 +24,7 @@ from ff_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
-    from ff_core.contracts import PipelineIOContract
-    from ff_core.data.media.geometry import AudioSpan, MediaGeometry
-    from ff_core.data.tensor_parquet.rows import TensorColumns
+    from ff_core.contracts import AudioSpan, MediaGeometry, PipelineIOContract, TensorColumns
 
 KEY = "model.pretrained_model_name_or_path"
 

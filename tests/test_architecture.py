@@ -85,6 +85,8 @@ def graph() -> dict[str, dict[str, int]]:
 
 
 def part_of(name: str) -> tuple[int, str]:
+    if name == ROOT_PACKAGE:  # the version constants: the base of everything
+        return len(LEVELS) - 1, "base"
     matches = [
         (len(prefix), level, part)
         for level, parts in enumerate(LEVELS)

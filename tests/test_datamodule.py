@@ -80,8 +80,9 @@ def test_preference_records_give_chosen_and_rejected_fitted_to_the_geometry(shap
     """A preference record's batch carries both arms (no ``target``), each decoded and fitted to the output geometry
     as a target is (the fitting itself is checked against Pillow in tests/data/test_geometry.py); a batch that mixes
     supervision types is refused."""
+    from ff_core.contracts import MediaGeometry
     from ff_core.data.media.decode import decode_media
-    from ff_core.data.media.geometry import MediaGeometry, fit_media
+    from ff_core.data.media.geometry import fit_media
 
     records = load_split(DatasetConfig(name="pairs", dataset_dir=str(shapes_dpo_dir)), "train", "offline-dpo")
     table = ConditionedRecords(records, [{"embeds": torch.zeros(2)} for _ in records])

@@ -1,4 +1,4 @@
-"""ff_core.scheduler_sampling: evaluation sampling with the checkpoint's own diffusers scheduler, generic over families
+"""ff_core.sampling.schedulers: evaluation sampling with the checkpoint's own diffusers scheduler, generic over families
 (one copy per latent component, pinned elements kept), against the pipelines' denoising loop transcribed with
 diffusers' own schedulers; Euler checkpoints keep ff's Euler path bit for bit."""
 
@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from ff_core.adapter import Adapter, LatentState
 from ff_core.sampling import sample_ode
-from ff_core.scheduler_sampling import _note_not_flow, checkpoint_schedulers, is_euler_scheduler
+from ff_core.sampling.schedulers import _note_not_flow, checkpoint_schedulers, is_euler_scheduler
 
 
 def unipc(**kwargs) -> UniPCMultistepScheduler:
@@ -141,10 +141,10 @@ def test_a_scheduler_that_takes_no_velocity_keeps_ffs_euler_path(scheduler, capl
     would give garbage silently. It keeps ff's Euler steps, bit for bit, and one info line says why."""
     _note_not_flow.cache_clear()
     adapter, cond = VideoAudio(scheduler), {"c": torch.tensor([[1.0], [-0.5]])}
-    with caplog.at_level("INFO", logger="ff_core.scheduler_sampling"):
+    with caplog.at_level("INFO", logger="ff_core.sampling.schedulers"):
         assert adapter.sampling_schedulers(adapter.initial_noise(cond), 4) is None
         assert adapter.sampling_schedulers(adapter.initial_noise(cond), 4, shift=2.0) is None  # Euler takes the shift
-    lines = [r.getMessage() for r in caplog.records if r.name == "ff_core.scheduler_sampling"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ff_core.sampling.schedulers"]
     assert len(lines) == 1 and type(scheduler).__name__ in lines[0] and "not a flow scheduler" in lines[0]
     assert scheduler.config.prediction_type in lines[0]
     a = sample_ode(adapter, cond, num_steps=4, generator=torch.Generator().manual_seed(1))

@@ -40,8 +40,8 @@ from ff_core.disk_full import DiskFullError, disk_full_error, is_disk_full
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
+    from ff_core.contracts import TensorColumns
     from ff_core.data.records import Record
-    from ff_core.data.tensor_parquet.rows import TensorColumns
 
 USAGE = ("ff data preprocess-latents --config recipe.yaml --output ROOT [--overwrite] [--rows-per-file N] "
          "[--dtype keep|float32|bfloat16|float16] [--compression CODEC] [--seed N] [--section.key value ...]")
@@ -214,9 +214,9 @@ def encode_rows(
     """
     from torch.utils.data import default_collate
 
+    from ff_core.contracts import LATENT_BATCH_KEYS
     from ff_core.data.dataflow import derive_seed
     from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
-    from ff_core.data.tensor_parquet.rows import LATENT_BATCH_KEYS
 
     conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
     processor = RecordProcessor(adapter.output_geometry())  # the training loader's decoding and fitting

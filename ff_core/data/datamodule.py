@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ff_core.adapter import Adapter
-from ff_core.contracts import PipelineIOContract
+from ff_core.contracts import MediaGeometry, PipelineIOContract
 from ff_core.data.bad_samples import BadSampleLog
 from ff_core.data.cache.group import BuildGroup
 from ff_core.data.cache.identity import MediaDigests, records_identity
@@ -52,7 +52,6 @@ from ff_core.data.dataflow import (
 )
 from ff_core.data.media.buckets import Bucket, assign_buckets
 from ff_core.data.media.decode import check_files_exist
-from ff_core.data.media.geometry import MediaGeometry
 from ff_core.data.media.target_spans import target_span_errors
 from ff_core.data.records import Record
 from ff_core.data.records.sources import (

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from ff_core.adapter import ConditionInput
-from ff_core.contracts import PipelineIOContract
+from ff_core.contracts import MediaGeometry, PipelineIOContract
 from ff_core.data.cache.collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
 from ff_core.data.dataflow.loader import BAD_SAMPLES_KEY
 from ff_core.data.media.decode import decode_media
-from ff_core.data.media.geometry import MediaGeometry, decode_target
+from ff_core.data.media.geometry import decode_target
 from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.data.records.validation import bind_slots
 from ff_core.errors import DatasetError, raise_collected

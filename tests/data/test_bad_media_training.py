@@ -22,8 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
+from ff_core.contracts import MediaGeometry
 from ff_core.data.dataflow import DataflowLoader, MapDistributor
-from ff_core.data.media.geometry import MediaGeometry
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.errors import DatasetError

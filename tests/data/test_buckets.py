@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from ff_core.adapter import Adapter
-from ff_core.contracts import MediaType
+from ff_core.contracts import MediaGeometry, MediaType
 from ff_core.data.dataflow import BucketBatcher, DataflowLoader, MapDistributor
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.media.buckets import assign_buckets, choose_bucket
 from ff_core.data.media.decode import MediaHeader
-from ff_core.data.media.geometry import MediaGeometry
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator
 from ff_core.errors import DatasetErrors

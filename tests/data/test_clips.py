@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ff_core.contracts import MediaType
+from ff_core.contracts import MediaGeometry, MediaType
 from ff_core.data.media.decode import clip_source_frames, decode_clip
-from ff_core.data.media.geometry import MediaGeometry, decode_target
+from ff_core.data.media.geometry import decode_target
 from ff_core.data.records import MediaItem
 from ff_core.errors import DatasetError
 from ff_core.testing.clips import write_grey_mp4

@@ -18,9 +18,10 @@ import torch
 from PIL import Image
 
 from ff_core.cli.flow_cli import FlowCLI
+from ff_core.contracts import MediaGeometry
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.media.decode import DecodedAudio, DecodedVideo, decode_image
-from ff_core.data.media.geometry import MediaGeometry, fit_image, fit_media
+from ff_core.data.media.geometry import fit_image, fit_media
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecords, RecordProcessor
 from ff_core.module import FlowModule

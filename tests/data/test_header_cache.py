@@ -12,10 +12,9 @@ import torch
 
 from ff_core import atomic
 from ff_core.callbacks.media_log import audio_to_wav
-from ff_core.contracts import MediaType
+from ff_core.contracts import AudioSpan, MediaType
 from ff_core.data import header_cache
 from ff_core.data.media.decode import probe_media
-from ff_core.data.media.geometry import AudioSpan
 from ff_core.data.media.header_cache import HeaderCache
 from ff_core.data.media.target_spans import target_span_errors
 from ff_core.data.records.sources import DatasetConfig, load_split

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ff_core.contracts import MediaType
+from ff_core.contracts import MediaGeometry, MediaType
 from ff_core.data.media.decode import MediaHeader, clip_source_frames
-from ff_core.data.media.geometry import MediaGeometry
 from ff_core.data.media.header_cache import HEADER_CACHE_FOLDER, HeaderCache
 from ff_core.data.records import Record
 from ff_core.errors import DatasetError, raise_collected

@@ -20,13 +20,13 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ff_core.contracts import MediaType
+from ff_core.contracts import FRAME_RULES, FrameRule, MediaType
 from ff_core.data.records.base import MediaItem, Record
 from ff_core.errors import DatasetError, raise_collected
 
@@ -265,8 +265,6 @@ def decode_video(
 
 
 #: How a clip's frame grid picks source frames (:func:`clip_source_frames`).
-FRAME_RULES = ("nearest", "fps_filter", "floor")
-FrameRule = Literal["nearest", "fps_filter", "floor"]
 # Grid arithmetic is in floats (24.0 fps, a 30000/1001 clock): a value within this many frames of a whole or half
 # frame counts as on it, so exact ties are decided by the rule, never by rounding noise.
 _EPS = 1e-6

@@ -21,100 +21,24 @@ themselves, and the model was trained on what they give. :func:`fit_condition_im
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
+from ff_core.contracts import AudioSpan as AudioSpan  # re-exported: its home before ff_core.contracts
+from ff_core.contracts import MediaGeometry as MediaGeometry  # re-exported: as AudioSpan
 from ff_core.contracts import MediaType
 from ff_core.data.media.decode import (
-    FRAME_RULES,
     DecodedAudio,
     DecodedVideo,
-    FrameRule,
     Where,
     decode_audio,
     decode_clip,
     decode_media,
 )
 from ff_core.data.records.base import MediaItem
-
-
-@dataclass(frozen=True)
-class MediaGeometry:
-    """The frame (and, for a video, the clip) one output is encoded at (picklable: it travels to the loader workers).
-
-    A video output with ``num_frames`` is a *decode specification*: the workers decode only the clip's time window
-    (PyAV seeking, :func:`~ff_core.data.media.decode.decode_clip`) and put its frames on the grid ``t_k = start + k /
-    fps`` (``k < num_frames``) of the clip's clock, taking at each ``t_k`` the source frame ``frame_rule`` picks
-    (default: the nearest one). A clip too short for the grid is rejected, never stretched. Images ignore the temporal
-    fields.
-
-    Attributes:
-        height: pixel rows of an image, or of each video frame.
-        width: pixel columns.
-        num_frames: frames of a video clip (``None``: every frame the file has, as decoded).
-        fps: the frame rate of the grid (``None``: the clip's own clock, i.e. ``num_frames`` consecutive frames).
-        start: seconds into the clip (on its clock) where the grid starts.
-        frame_rule: how grid times pick source frames (:func:`~ff_core.data.media.decode.clip_source_frames`):
-            ``nearest`` (the nearest source frame, ``np.rint``: ties to the even one), ``fps_filter`` (ffmpeg's
-            ``fps`` filter, MiniMax H3's official decode) or ``floor`` (the frame at or before, ff's rule before
-            issue 23).
-    """
-
-    height: int
-    width: int
-    num_frames: int | None = None
-    fps: float | None = None
-    start: float = 0.0
-    frame_rule: FrameRule = "nearest"
-
-    def __post_init__(self) -> None:
-        for key in ("height", "width"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MediaGeometry.{key} must be an integer >= 1, got {value!r}")
-        n = self.num_frames
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"MediaGeometry.num_frames must be an integer >= 1 or None, got {n!r}")
-        if self.fps is not None and (isinstance(self.fps, bool) or not self.fps > 0):
-            raise ValueError(f"MediaGeometry.fps must be > 0 or None, got {self.fps!r}")
-        if self.fps is not None and n is None:
-            raise ValueError("MediaGeometry.fps needs num_frames (the grid's length)")
-        if isinstance(self.start, bool) or not self.start >= 0:
-            raise ValueError(f"MediaGeometry.start must be >= 0 seconds, got {self.start!r}")
-        if self.frame_rule not in FRAME_RULES:
-            raise ValueError(f"MediaGeometry.frame_rule must be one of {FRAME_RULES}, got {self.frame_rule!r}")
-
-    @property
-    def is_clip(self) -> bool:
-        """Whether a video output is decoded as a fixed clip (``num_frames`` set) rather than whole."""
-        return self.num_frames is not None
-
-
-@dataclass(frozen=True)
-class AudioSpan:
-    """How much sound an audio output's training target must hold (:meth:`~ff_core.adapter.Adapter.
-    resolve_output_geometry`): checked from the file's header before weights load, on the target's clock (its manifest
-    ``sample_rate`` when declared: the samples are played at that rate).
-
-    Attributes:
-        seconds: the length the adapter cuts (LTX-2: the video clip's ``num_frames / frame_rate``).
-        start: where the cut starts, seconds on the clock.
-        tolerance: how many seconds short of ``seconds`` the adapter still accepts (and pads with silence).
-    """
-
-    seconds: float
-    start: float = 0.0
-    tolerance: float = 0.0
-
-    def __post_init__(self) -> None:
-        for key in ("seconds", "start", "tolerance"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"AudioSpan.{key} must be >= 0 seconds, got {value!r}")
 
 
 def resized_size(height: int, width: int, geometry: MediaGeometry) -> tuple[int, int]:

@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ff_core.contracts import MediaType
+from ff_core.contracts import AudioSpan, MediaGeometry, MediaType
 from ff_core.data.media.buckets import fits
 from ff_core.data.media.decode import MediaHeader
-from ff_core.data.media.geometry import AudioSpan, MediaGeometry
 from ff_core.data.media.header_cache import HEADER_CACHE_FOLDER, HeaderCache
 from ff_core.data.records import Record
 from ff_core.data.records.base import CANDIDATE_FIELDS

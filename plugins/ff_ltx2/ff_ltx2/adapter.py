@@ -50,8 +50,7 @@ from ff_core.adapter import (
     scheduler_sigma_table,
 )
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
-from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.media.geometry import AudioSpan, MediaGeometry
+from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, AudioSpan, MediaGeometry, MediaType, PipelineIOContract, SlotSpec
 from ff_core.errors import ConfigError
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 from ff_ltx2.audio import log_mel

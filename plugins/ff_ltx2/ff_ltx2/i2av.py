@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput, LatentState
-from ff_core.contracts import PipelineIOContract
-from ff_core.data.media.geometry import ConditionResize, MediaGeometry, fit_condition_image
+from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.data.media.geometry import ConditionResize, fit_condition_image
 from ff_ltx2.adapter import I2AV_CONTRACT, LTX2T2AVAdapter
 
 

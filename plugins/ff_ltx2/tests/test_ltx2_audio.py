@@ -210,8 +210,8 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_clip_starts_after_0(adapt
     the file's seconds (the video window's 0.5 s) would start it at 8000."""
     import av
 
-    from ff_core.contracts import MediaType
-    from ff_core.data.media.geometry import MediaGeometry, decode_target
+    from ff_core.contracts import MediaGeometry, MediaType
+    from ff_core.data.media.geometry import decode_target
     from ff_core.data.records.base import MediaItem
     from ff_core.testing.clips import write_offset_streams
 

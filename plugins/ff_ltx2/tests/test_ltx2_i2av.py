@@ -106,7 +106,8 @@ def test_off_canvas_images_are_prepared_as_the_pipeline_prepares_them(i2av, pipe
 
 def test_cover_keeps_the_old_rule(adapter, monkeypatch):
     """``condition_resize = "cover"``: the target rule (ff's condition rule before issue 23), keyed apart."""
-    from ff_core.data.media.geometry import MediaGeometry, fit_image
+    from ff_core.contracts import MediaGeometry
+    from ff_core.data.media.geometry import fit_image
 
     monkeypatch.setattr(adapter, "image_crf", 0)
     image = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))

@@ -18,7 +18,7 @@ from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
 from ff_core.callbacks.media_log import audio_to_wav
 from ff_core.cli import main
-from ff_core.data.media.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_core.module import FlowModule
 from ff_core.objectives import SFTObjective

@@ -18,7 +18,7 @@ from ltx2_geometry import ADAPTER_KWARGS, AUDIO_LATENTS, FPS, FRAMES, PLAIN_GUID
 from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput, LatentState
-from ff_core.data.media.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry
 
 PROMPTS = ["a red square with a low tone", "  a blue square moving left with a high beep "]
 NEGATIVE = ["blurry", "a green humming"]

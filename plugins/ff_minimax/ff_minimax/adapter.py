@@ -49,8 +49,7 @@ from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media, resolve_dtype
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
-from ff_core.contracts import PipelineIOContract
-from ff_core.data.media.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry, PipelineIOContract
 from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import (

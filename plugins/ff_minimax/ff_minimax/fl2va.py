@@ -30,8 +30,8 @@ from PIL import Image
 from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
-from ff_core.contracts import PipelineIOContract
-from ff_core.data.media.geometry import MediaGeometry, fit_condition_pil
+from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.data.media.geometry import fit_condition_pil
 from ff_minimax.adapter import PIXEL_MEAN, PIXEL_STD, MiniMaxH3Adapter
 from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
 from ff_minimax.prefix import ANCHOR_CODES, TEXT_TAG, VIDEO_TAG, realise_prefix

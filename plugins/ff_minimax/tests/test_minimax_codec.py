@@ -72,8 +72,8 @@ def test_the_audio_cut_follows_the_clip_clock_when_the_streams_start_after_0(ada
     import av
     import numpy as np
 
-    from ff_core.contracts import MediaType
-    from ff_core.data.media.geometry import MediaGeometry, decode_target
+    from ff_core.contracts import MediaGeometry, MediaType
+    from ff_core.data.media.geometry import decode_target
     from ff_core.data.records.base import MediaItem
     from ff_core.testing.clips import write_offset_streams
 

@@ -33,7 +33,7 @@ def test_a_bucket_is_compared_with_the_rounded_clip():
     """``num_frames: 120`` trains at 124 frames (17 n + 5): a 124-frame bucket is that clip, a 120-frame one is not."""
     from ff_minimax.adapter import MiniMaxH3T2VAAdapter
 
-    from ff_core.data.media.geometry import MediaGeometry
+    from ff_core.contracts import MediaGeometry
 
     kwargs = {"height": 16, "width": 16, "num_frames": 120}
     MiniMaxH3T2VAAdapter.check_bucket(None, kwargs, MediaGeometry(16, 16, num_frames=124, fps=24.0))

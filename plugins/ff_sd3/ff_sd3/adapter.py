@@ -32,9 +32,7 @@ from ff_core.adapter import (
     resolve_dtype,
     scheduler_sigma_table,
 )
-from ff_core.contracts import IMAGE_OUT, PipelineIOContract
-from ff_core.data.media.geometry import MediaGeometry
-from ff_core.data.tensor_parquet.rows import TensorColumns
+from ff_core.contracts import IMAGE_OUT, MediaGeometry, PipelineIOContract, TensorColumns
 from ff_core.image_latents import decode_images, encode_images, stack_image_targets
 
 

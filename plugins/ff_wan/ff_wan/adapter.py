@@ -36,9 +36,8 @@ from ff_core.adapter import (
     reject_input_media,
     resolve_dtype,
 )
-from ff_core.contracts import VIDEO_OUT, MediaType, PipelineIOContract, SlotSpec
-from ff_core.data.media.geometry import ConditionResize, MediaGeometry, fit_condition_image
-from ff_core.data.tensor_parquet.rows import TensorColumns
+from ff_core.contracts import VIDEO_OUT, MediaGeometry, MediaType, PipelineIOContract, SlotSpec, TensorColumns
+from ff_core.data.media.geometry import ConditionResize, fit_condition_image
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 
 FIRST = SlotSpec("first_frame", MediaType.IMAGE)

@@ -165,7 +165,8 @@ def test_off_canvas_condition_images_are_prepared_as_the_pipeline_prepares_them(
 def test_cover_keeps_the_old_rule_and_keys_another_cache(adapters, monkeypatch):
     """``condition_resize = "cover"`` (a subclass's class attribute) puts the image on the canvas by the target rule
     (ff before issue 23) and hands CLIP that canvas image; the rule is part of the condition cache's identity."""
-    from ff_core.data.media.geometry import MediaGeometry, fit_image
+    from ff_core.contracts import MediaGeometry
+    from ff_core.data.media.geometry import fit_image
 
     adapter = adapters["i2v"]
     image = _off_canvas(48, 64, 3)

@@ -11,7 +11,7 @@ from ff_wan import WanI2VAdapter, WanT2VAdapter
 from ff_wan.testing import write_moving_squares
 from wan_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
-from ff_core.data.media.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_core.testing.recipes import fit_tiny
 

@@ -12,7 +12,7 @@ from torch.utils.data import default_collate
 from wan_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
 
 from ff_core.adapter import ConditionInput, LatentState
-from ff_core.data.media.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry
 
 PROMPTS = ["a red square moving left", "  a blue   circle &amp; a big square moving right  "]  # cleaned like Wan
 

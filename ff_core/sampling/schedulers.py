@@ -42,9 +42,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from ff_core.sampling.guidance import guided_velocity
+from ff_core.sampling.steps import keep_pinned
+
 if TYPE_CHECKING:
-    from ff_core.adapter import Adapter, Condition, LatentState
-    from ff_core.sampling import Guidance
+    from ff_core.contracts import Condition, LatentState
+    from ff_core.sampling.denoiser import Denoiser
+    from ff_core.sampling.guidance import Guidance
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ def checkpoint_schedulers(
 
 
 def sample_with_schedulers(
-    adapter: Adapter,
+    adapter: Denoiser,
     state: LatentState,
     schedulers: Mapping[str, Any],
     condition: Condition,
@@ -147,8 +151,6 @@ def sample_with_schedulers(
         guidance_rescale: guidance rescale, one or per component.
         guidance_scale_2: the low-noise expert's CFG scale (Wan2.2 A14B), or ``None``.
     """
-    from ff_core.sampling import guided_velocity, keep_pinned
-
     if list(schedulers) != list(state.components):
         raise ValueError(f"{adapter.name}: sampling_schedulers must give one scheduler for each of "
                          f"{list(state.components)}, got {list(schedulers)}")  # fmt: skip
