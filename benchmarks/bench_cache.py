@@ -60,7 +60,8 @@ def child(args: argparse.Namespace) -> None:
 
     from ff_core.data.datamodule import FlowDataModule
     from ff_core.data.records.sources import DatasetConfig
-    from ff_core.module import FlowModule, LoRAConfig
+    from ff_core.lora import LoRAConfig
+    from ff_core.module import FlowModule
 
     batch = 8 if args.child == "ttfb" else 32
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=1,

@@ -36,7 +36,8 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
 
     from ff_core.data.datamodule import FlowDataModule
-    from ff_core.module import FlowModule, LoRAConfig
+    from ff_core.lora import LoRAConfig
+    from ff_core.module import FlowModule
 
     entry = ({"name": "shards", "tensor_parquet_dir": args.data} if args.variant == "shards"
              else {"name": "folder", "dataset_dir": args.data})

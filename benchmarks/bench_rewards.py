@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ff_core.rewards import RewardBatch, Rewards
+from ff_core.objectives.rewards import Rewards
+from ff_core.rewards import RewardBatch
 
 REPO = Path(__file__).resolve().parents[1]
 

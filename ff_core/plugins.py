@@ -73,12 +73,27 @@ class PluginFailure:
     error: str
 
 
+class BuiltinRewards:
+    """ff_core's own rewards, registered (as the plugin ``ff-core``) through the same ``ff_rewards`` hook as any
+    plugin's (STYLE 11)."""
+
+    @staticmethod
+    @hookspecs.hookimpl
+    def ff_rewards() -> list[type[Reward]]:
+        # Only classes: the CLIP model loads when a recipe builds the reward (transformers imports lazily, in __init__).
+        from ff_core.rewards.audio import AudioLoudnessReward
+        from ff_core.rewards.clip import ClipScoreReward
+        from ff_core.rewards.image import BrightnessReward, ColourReward, JpegCompressibilityReward
+
+        return [ColourReward, BrightnessReward, JpegCompressibilityReward, AudioLoudnessReward, ClipScoreReward]
+
+
 @dataclass
 class PluginRegistry:
     """Adapters and rewards found through entry points (plus dotted paths resolved on demand).
 
-    ff_core's built-in rewards (:mod:`ff_core.rewards.builtin`) register first, through the same hook, also when
-    autoload is disabled.
+    ff_core's built-in rewards (:class:`BuiltinRewards`) register first, through the same hook, also when autoload is
+    disabled.
 
     Args:
         entry_points: entry points to load; default: the installed ``ff`` group, or none when
@@ -94,8 +109,7 @@ class PluginRegistry:
     def __post_init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
-        self._register(BUILTIN_PLUGIN, BUILTIN_DISTRIBUTION, _core_version(), lambda: importlib.import_module(
-            "ff_core.rewards.builtin"))
+        self._register(BUILTIN_PLUGIN, BUILTIN_DISTRIBUTION, _core_version(), lambda: BuiltinRewards)
         eps = self.entry_points
         if eps is None:
             eps = () if os.environ.get(DISABLE_ENV) else md.entry_points(group=ENTRY_POINT_GROUP)

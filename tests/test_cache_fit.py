@@ -21,7 +21,8 @@ from ff_core.data import commands
 from ff_core.data.cache.store import MANIFEST, ConditionSource, open_or_build
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.records.sources import DatasetConfig, load_split, split_file
-from ff_core.module import FlowModule, LoRAConfig
+from ff_core.lora import LoRAConfig
+from ff_core.module import FlowModule
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"

@@ -184,7 +184,8 @@ def test_the_reexport_decision_is_rank_zeros_broadcast(tmp_path, monkeypatch):
 def test_a_full_disk_while_exporting_the_lora_is_one_error_and_keeps_the_old_export(tiny_sd3, small_disk):
     """The LoRA export of a real tiny SD3 module onto a disk filled up after a first export: one DatasetError naming
     the folder and the OS's reason, no hidden folder left, the previous `last.lora` whole."""
-    from ff_core.module import FlowModule, LoRAConfig
+    from ff_core.lora import LoRAConfig
+    from ff_core.module import FlowModule
 
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
     module.configure_model()

@@ -17,7 +17,8 @@ from ff_core.data.datamodule import STAMP_KEY, FlowDataModule
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecords, RecordProcessor, SampleCollator, process_and_collate
 from ff_core.errors import DatasetErrors
-from ff_core.module import FlowModule, LoRAConfig
+from ff_core.lora import LoRAConfig
+from ff_core.module import FlowModule
 
 BATCH_KEYS = {"index", "prompt", "condition", "target", "metadata"}
 REPO = Path(__file__).resolve().parents[1]

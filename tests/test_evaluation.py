@@ -144,7 +144,7 @@ def test_objective_supplies_default_eval_rewards_and_training_reward_checks(tmp_
     from ff_core.data.records.base import Record
     from ff_core.errors import DatasetErrors
     from ff_core.objectives import SFTObjective
-    from ff_core.rewards import Rewards
+    from ff_core.objectives.rewards import Rewards
 
     class Online(SFTObjective):
         def training_rewards(self):

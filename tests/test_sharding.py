@@ -17,7 +17,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from ff_core.data.dataflow import DataParallelCoords
 from ff_core.errors import ConfigError
-from ff_core.module import FlowModule, LoRAConfig, lora_state_dicts
+from ff_core.lora import LoRAConfig, lora_state_dicts
+from ff_core.module import FlowModule
 from ff_core.sharding import ShardingConfig, clean_name, data_parallel_mesh
 
 

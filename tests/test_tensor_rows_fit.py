@@ -23,7 +23,8 @@ from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
 from ff_core.data.tensor_parquet import TensorParquetDataset
 from ff_core.data.tensor_parquet.rows import TensorRowCollator, TensorRowProcessor, TensorRows
-from ff_core.module import FlowModule, LoRAConfig
+from ff_core.lora import LoRAConfig
+from ff_core.module import FlowModule
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 6  # rows compared; the fixture's shards hold all 24 records, encoded in one batch (preprocessing_batch_size 32)

@@ -12,7 +12,8 @@ from ff_core.callbacks import SampleLog, read_sample_log
 from ff_core.data.dataflow import derive_seed
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.data.records.sources import DatasetConfig
-from ff_core.module import NOISE_SEED_KEY, FlowModule, LoRAConfig, micro_batch_seed
+from ff_core.lora import LoRAConfig
+from ff_core.module import NOISE_SEED_KEY, FlowModule, micro_batch_seed
 
 
 def test_micro_batch_seed_differs_by_rank_step_and_micro_batch_and_is_stable():

@@ -14,7 +14,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransform
 from torch import Tensor, nn
 
 from ff_core.adapter import LORA_WEIGHT_NAME, Adapter, LatentState
-from ff_core.module import FlowModule, LoRAConfig, lora_configs, lora_state_dicts
+from ff_core.lora import LoRAConfig, lora_configs, lora_state_dicts
+from ff_core.module import FlowModule
 from ff_core.testing.contracts import SUPPORT_TABLE
 from tests.test_sharding import trainer_with_mesh
 

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ff_core.atomic import TEMP_SUFFIX, open_atomic, remove_leftovers
 from ff_core.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import ConfigError
-from ff_core.module import lora_configs, lora_state_dicts
+from ff_core.lora import lora_configs, lora_state_dicts
 from ff_core.sharding import summoned
 
 log = logging.getLogger(__name__)

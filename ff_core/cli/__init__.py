@@ -12,14 +12,14 @@ reader that stops early (``ff data validate DIR | head``) ends quietly.
 from __future__ import annotations
 
 import difflib
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
+from ff_core.cli.pipes import EXIT_BROKEN_PIPE as EXIT_BROKEN_PIPE  # re-exported: ff_core.cli named it first
+from ff_core.cli.pipes import pipe_safe
+
 EXIT_USAGE = 2
-EXIT_BROKEN_PIPE = 141
-"""128 + SIGPIPE: the status a shell reports for a writer whose reader went away (``yes | head``)."""
 
 # Lightning's subcommands as ff uses them (docs/config.md, "Subcommands"); LightningCLI parses their options.
 TRAINER_COMMANDS = {
@@ -152,30 +152,6 @@ def _trainer_command(args: list[str] | None) -> int:
         print(f"ff fit: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def pipe_safe(command: Callable[[], int]) -> int:
-    """Run a command that prints to stdout; end quietly with :data:`EXIT_BROKEN_PIPE` if the reader goes away.
-
-    Python's recipe (docs of :mod:`signal`, "Note on SIGPIPE"): catch BrokenPipeError and point stdout at devnull
-    so the interpreter's final flush does not print a second error. SIGPIPE is not reset to its default instead:
-    that would also kill ``ff fit`` on any broken socket.
-
-    Args:
-        command: returns the exit status (a ``SystemExit`` from ``--help`` passes through once flushed).
-    """
-    try:
-        try:
-            return command()
-        finally:
-            sys.stdout.flush()  # inside the guard: a small output is only written here
-    except BrokenPipeError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):  # stdout is not a file (captured by a caller): nothing left to flush
-            pass
-        return EXIT_BROKEN_PIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

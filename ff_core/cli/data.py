@@ -433,6 +433,6 @@ def _summarise(name: str, records: list[Record], decode: bool) -> tuple[SplitSum
 
 
 if __name__ == "__main__":  # `python -m ff_core.cli.data validate ...`: `ff data` without the `ff` dispatch
-    from ff_core.cli import pipe_safe
+    from ff_core.cli.pipes import pipe_safe
 
     sys.exit(pipe_safe(lambda: main(sys.argv[1:])))

@@ -13,7 +13,8 @@ from ff_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter
-    from ff_core.rewards import Rewards, RewardSpec
+    from ff_core.objectives.rewards import Rewards
+    from ff_core.rewards import RewardSpec
 
 
 @dataclass
@@ -97,14 +98,14 @@ class Objective:
         """The rewards this objective trains on (online objectives such as GRPO), or ``None``.
 
         ``FlowModule.setup`` checks, before any weight loads, that every training record carries the metadata fields
-        they read (:meth:`ff_core.rewards.Rewards.check_records`).
+        they read (:meth:`ff_core.objectives.rewards.Rewards.check_records`).
         """
         return None
 
     def default_eval_rewards(self) -> Rewards | list[RewardSpec] | None:
         """The rewards validation computes when the recipe sets no ``model.eval_rewards``: specs to build, or a built
-        :class:`~ff_core.rewards.Rewards` to share (an online objective returns its training rewards, so a model-based
-        reward is loaded once); ``None``: none."""
+        :class:`~ff_core.objectives.rewards.Rewards` to share (an online objective returns its training rewards, so a
+        model-based reward is loaded once); ``None``: none."""
         return None
 
     def training_step(self, module: Any, batch: dict[str, Any], generator: torch.Generator) -> None:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from ff_core.data.dataflow.distributors import derive_seed
 from ff_core.sampling import COMPONENT_WEIGHTS_KEY, component_mean, euler_step, keep_pinned, shift_sigma  # noqa: F401
+from ff_core.seeding import derive_seed
 
 if TYPE_CHECKING:
     from ff_core.adapter import Adapter, Condition, LatentState

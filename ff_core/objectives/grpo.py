@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ff_core.data.dataflow import check_grouping
 from ff_core.errors import ConfigError
+from ff_core.groups import check_grouping
 from ff_core.objectives.base import LossOutput, Objective
 from ff_core.objectives.flow_matching import (
     CONDITION_STREAM,
@@ -44,7 +44,8 @@ from ff_core.objectives.flow_matching import (
 )
 from ff_core.objectives.grpo_loss import clipped_policy_loss, group_advantages, tied_groups, zero_std_ratio
 from ff_core.objectives.reference import ReferenceModel
-from ff_core.rewards.base import RewardBatch, Rewards
+from ff_core.objectives.rewards import Rewards
+from ff_core.rewards.base import RewardBatch
 from ff_core.sampling import (
     StochasticSampling,
     Trajectory,

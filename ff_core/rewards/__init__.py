@@ -1,13 +1,9 @@
-"""Rewards over decoded media and prompts (see :mod:`ff_core.rewards.base` and docs/objectives.md, "Rewards")."""
+"""The reward interface and ff_core's own rewards (see :mod:`ff_core.rewards.base` and docs/objectives.md, "Rewards").
 
-from ff_core.rewards.base import (
-    GROUPWISE,
-    POINTWISE,
-    Reward,
-    RewardBatch,
-    Rewards,
-    RewardScores,
-    RewardSpec,
-)
+A recipe's configured set of rewards (names resolved through the plugin registry, weights, scoring and combining) is
+:class:`ff_core.objectives.rewards.Rewards`.
+"""
 
-__all__ = ["GROUPWISE", "POINTWISE", "Reward", "RewardBatch", "RewardScores", "RewardSpec", "Rewards"]
+from ff_core.rewards.base import GROUPWISE, POINTWISE, Reward, RewardBatch, RewardSpec
+
+__all__ = ["GROUPWISE", "POINTWISE", "Reward", "RewardBatch", "RewardSpec"]

@@ -56,7 +56,7 @@ from torch.utils.data import default_collate
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, scheduler_sigma_table
 from ff_core.contracts import MediaGeometry, MediaType, PipelineIOContract
-from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
+from ff_core.lora import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
 from ff_core.sampling import guided_velocity, guides

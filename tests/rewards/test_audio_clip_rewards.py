@@ -11,7 +11,8 @@ from PIL import Image
 from torch.testing import assert_close
 
 from ff_core.errors import ConfigError
-from ff_core.rewards import RewardBatch, Rewards
+from ff_core.objectives.rewards import Rewards
+from ff_core.rewards import RewardBatch
 from ff_core.rewards.audio import AudioLoudnessReward, rms_dbfs
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's normalisation (CLIP paper's preprocessing)

@@ -9,7 +9,8 @@ import torch
 from PIL import Image
 from torch.testing import assert_close
 
-from ff_core.rewards import RewardBatch, Rewards
+from ff_core.objectives.rewards import Rewards
+from ff_core.rewards import RewardBatch
 from ff_core.rewards.image import BrightnessReward, ColourReward, JpegCompressibilityReward, hue_degrees
 
 

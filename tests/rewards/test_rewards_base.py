@@ -12,8 +12,9 @@ from torch.testing import assert_close
 from ff_core.data.records.base import Record
 from ff_core.errors import ConfigError, DatasetErrors
 from ff_core.hookspecs import hookimpl
+from ff_core.objectives.rewards import Rewards
 from ff_core.plugins import PluginRegistry, get_reward_class
-from ff_core.rewards import GROUPWISE, Reward, RewardBatch, Rewards, RewardSpec
+from ff_core.rewards import GROUPWISE, Reward, RewardBatch, RewardSpec
 
 
 class MeanPixel(Reward):

@@ -4,6 +4,9 @@ Implements ``spec/composable-dataloader-guide.md`` under ff's names (``DataflowL
 see docs/dataflow.md for recipes and the resume guarantees.
 """
 
+from ff_core.groups import check_grouping
+from ff_core.seeding import derive_seed
+
 from .base import (
     BatchCollator,
     Cursor,
@@ -23,9 +26,8 @@ from .distributors import (
     RankPartitionedDistributor,
     SamplerDistributor,
     apportion_ranks,
-    derive_seed,
 )
-from .grouped import GroupedDistributor, GroupedItem, check_grouping
+from .grouped import GroupedDistributor, GroupedItem
 from .joint import JointDataflowLoader
 from .lazy import LazyValue, materialize
 from .loader import DataflowLoader

@@ -14,24 +14,9 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from ff_core.seeding import derive_seed
+
 from .base import Cursor, DataDistributor, IndexedDistributor, stream_slot
-
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that depends only on ``parts`` (splitmix64 chain), identical in every process.
-
-    Args:
-        parts: Integers such as (seed, epoch) or (seed, step).
-    """
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x + (int(p) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x ^= x >> 31
-    return x >> 1
 
 
 class _MapCursor(Cursor):

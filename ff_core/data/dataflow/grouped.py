@@ -37,24 +37,6 @@ class GroupedItem:
     item: Any
 
 
-def check_grouping(prompts_per_step: int, group_size: int, dp_world_size: int) -> int:
-    """Samples per rank and step, ``P * K / W``; a clear error when ``W`` does not divide ``P * K``.
-
-    Args:
-        prompts_per_step: P.
-        group_size: K.
-        dp_world_size: W.
-    """
-    total = prompts_per_step * group_size
-    if total % dp_world_size:
-        raise ValueError(
-            f"GRPO: prompts_per_step * group_size = {prompts_per_step} * {group_size} = {total} samples per step do "
-            f"not divide over {dp_world_size} data-parallel ranks; change model.objective.prompts_per_step or "
-            "model.objective.group_size"
-        )
-    return total // dp_world_size
-
-
 class GroupedDistributor(MapDistributor):
     """A map-style dataset as a global order of prompt groups (module docstring), reshuffled every prompt epoch.
 

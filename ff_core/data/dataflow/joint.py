@@ -11,7 +11,8 @@ import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .distributors import derive_seed
+from ff_core.seeding import derive_seed
+
 from .loader import DataflowLoader
 from .state import JOINT_FORMAT, StateHistory, check_state
 

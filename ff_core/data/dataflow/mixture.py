@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ff_core.seeding import derive_seed
+
 from .base import Cursor, DataDistributor, IndexedDistributor
-from .distributors import derive_seed
 
 BLOCK = 1024  # positions drawn per generator call; part of the order, so changing it changes every mixture
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ff_core.data.dataflow.distributors import derive_seed
+from ff_core.seeding import derive_seed
 
 
 def two_level_order(group_bounds: np.ndarray, seed: int, epoch: int, window: int = 4) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from torch.utils.data import default_collate
 
 from ff_core.adapter import ConditionInput
-from ff_core.module import LoRAConfig, apply_lora
+from ff_core.lora import LoRAConfig, apply_lora
 from ff_core.objectives.grpo import GRPOObjective, UpdateStats
 from ff_core.objectives.reference import lora_disabled
 from ff_core.sampling import StochasticSampling, step_gaussian

@@ -252,7 +252,7 @@ def test_decode_matches_the_pipeline(adapter, pipe, condition):
 def test_lora_export_loads_through_load_lora_weights(t2av, adapter, condition, tmp_path):
     """A LoRA (random lora_B: as if trained) exported by ff, loaded by ``LTX2Pipeline.load_lora_weights``, gives the
     adapter's velocity on both streams, and changes it."""
-    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+    from ff_core.lora import LoRAConfig, apply_lora, lora_config, lora_state_dict
 
     tuned = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
     apply_lora(tuned, LoRAConfig(rank=2, alpha=6))
@@ -286,7 +286,7 @@ def test_the_audio_stream_can_be_frozen(t2av, condition):
     not. (The video prediction still reads the noisy audio through audio-to-video attention, as at inference.)"""
     from ff_ltx2.adapter import VIDEO_LORA_TARGETS
 
-    from ff_core.module import LoRAConfig, apply_lora
+    from ff_core.lora import LoRAConfig, apply_lora
     from ff_core.objectives import SFTObjective
 
     adapter = LTX2T2AVAdapter.from_pretrained(t2av, **ADAPTER_KWARGS)
@@ -313,7 +313,7 @@ def test_frozen_audio_leaves_the_audio_out_of_lora_and_the_loss(t2av, condition)
     LoRA, and the SFT loss is the video stream's term alone, ``0.5 m_video`` (the default weights, 0.5 each, minus
     the frozen audio's term: the loss is sum_k w_k m_k, unnormalised), computed here by hand from the same sigma and
     noise draws."""
-    from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
+    from ff_core.lora import LoRAConfig, apply_lora, frozen_parameters
     from ff_core.objectives import SFTObjective
     from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
 
@@ -348,7 +348,7 @@ def test_freezing_is_about_parameters_and_the_loss_follows_component_weights(t2a
     ``{video: 1, audio: 1}`` is the sum of both streams' mean errors (by hand), and ``{video: 0, audio: 1}`` (the audio
     error alone) still trains the video stream's LoRA through the cross-modal path (``video_to_audio_attn``, frozen
     with the audio, reads the video's hidden states), while no audio parameter gets a gradient."""
-    from ff_core.module import LoRAConfig, apply_lora, frozen_parameters
+    from ff_core.lora import LoRAConfig, apply_lora, frozen_parameters
     from ff_core.objectives import DPOObjective, SFTObjective
     from ff_core.objectives.flow_matching import monte_carlo_draws, noise_state, velocity_target
 

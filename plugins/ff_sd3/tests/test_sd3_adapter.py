@@ -281,7 +281,7 @@ def test_exported_lora_fuses_in_diffusers_to_the_trained_weights(tiny_sd3, tmp_p
     (``W + alpha / rank * B @ A``), not the update at scale 1 that a file without its alpha would give."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+    from ff_core.lora import LoRAConfig, apply_lora, lora_config, lora_state_dict
 
     adapter = SD3Adapter.from_pretrained(tiny_sd3, resolution=RES)
     apply_lora(adapter, LoRAConfig(rank=rank, alpha=alpha, target_modules=targets))
@@ -321,7 +321,7 @@ class SD3WithContainers(SD3Adapter):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_train_switches_the_trained_networks_and_keeps_nested_frozen_modules_in_eval(tiny_sd3, lora):
-    from ff_core.module import LoRAConfig, apply_lora
+    from ff_core.lora import LoRAConfig, apply_lora
 
     adapter = SD3WithContainers.from_pretrained(tiny_sd3, resolution=RES)
     adapter.requires_grad_(False)

@@ -319,7 +319,7 @@ def test_a14b_loras_of_both_experts_load_into_the_pipeline(tiny_wan, tmp_path):
     samples with both LoRAs."""
     from diffusers import WanImageToVideoPipeline
 
-    from ff_core.module import LoRAConfig, apply_lora, lora_configs, lora_state_dicts
+    from ff_core.lora import LoRAConfig, apply_lora, lora_configs, lora_state_dicts
 
     adapter = WanI2VAdapter.from_pretrained(tiny_wan("a14b"), **ADAPTER_KWARGS)
     apply_lora(adapter, LoRAConfig(rank=2, alpha=4))

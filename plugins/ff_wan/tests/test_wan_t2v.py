@@ -259,7 +259,7 @@ def test_exported_lora_loads_into_wan_pipeline_and_changes_the_output_alike(t2v,
     fused gives ``W + alpha / r * B @ A`` (by hand), and the pipeline then generates what ff samples."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from ff_core.module import LoRAConfig, apply_lora, lora_config, lora_state_dict
+    from ff_core.lora import LoRAConfig, apply_lora, lora_config, lora_state_dict
 
     adapter = WanT2VAdapter.from_pretrained(t2v, **ADAPTER_KWARGS)
     apply_lora(adapter, LoRAConfig(rank=4, alpha=8))
