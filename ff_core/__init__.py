@@ -22,3 +22,7 @@ replays call it when components step on their own schedules).
 ``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with
 ``sample``'s ``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only
 when set."""
+
+from ff_core import moved as _moved  # noqa: E402 - after the constants above, which plugins read first
+
+_moved.install()  # old module paths (before the data layer's folders) keep importing: ff_core/moved.py

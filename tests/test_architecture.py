@@ -35,7 +35,7 @@ LEVELS: list[dict[str, tuple[str, ...]]] = [
         ),
     },
 ]  # fmt: skip
-ROOT_PACKAGE = "ff_core"  # ff_core/__init__.py: the version constants only; imports nothing of ff_core
+ROOT_PACKAGE = "ff_core"  # ff_core/__init__.py: the version constants and the moved-module aliases (base)
 
 
 def module_name(path: Path) -> str:
@@ -106,15 +106,9 @@ def test_every_module_has_a_part():
             part_of(name)
 
 
-def test_root_package_imports_nothing_of_ff_core():
-    assert imports_of(ROOT_PACKAGE, ROOT / "__init__.py", set(modules())) == {}
-
-
 def test_imports_run_downward():
     upward = []
     for name, targets in graph().items():
-        if name == ROOT_PACKAGE:
-            continue
         level, part = part_of(name)
         for target, line in targets.items():
             target_level, target_part = part_of(target)
@@ -176,3 +170,33 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
     assert edges["ff_core.errors"] == {"ff_core.module": 3}
     assert part_of("ff_core.errors") > part_of("ff_core.module")  # so the downward test refuses errors -> module
 
+
+
+def test_moved_modules_are_the_new_modules():
+    """Every old module path imports (with a DeprecationWarning naming the new one) the very module of its new path."""
+    import subprocess
+    import sys
+
+    from ff_core.moved import MOVED_MODULES
+
+    script = """
+import importlib, sys, warnings
+from ff_core.moved import MOVED_MODULES
+for old, new in MOVED_MODULES.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new), old
+    assert module.__spec__.name == new, (old, module.__spec__.name)
+    assert any(new in str(w.message) and w.category is DeprecationWarning for w in caught), (old, caught)
+    assert sys.modules[old] is module
+from ff_core.data.geometry import MediaGeometry
+from ff_core.contracts import MediaGeometry as new
+assert MediaGeometry is new
+print("ok", len(MOVED_MODULES))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", str(len(MOVED_MODULES))]
+    for old, new in MOVED_MODULES.items():  # the table points at modules that exist, never at another old path
+        assert new in modules() and new not in MOVED_MODULES and old not in modules(), (old, new)
