@@ -181,6 +181,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pipe_safe(lambda: _trainer_command(lightning_args))
     return _trainer_command(lightning_args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
