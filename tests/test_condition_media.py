@@ -15,9 +15,9 @@ from PIL import Image
 from ff_core.cli.flow_cli import FlowCLI
 from ff_core.contracts import IMAGE_OUT, MediaType, PipelineIOContract, ReferenceSpec
 from ff_core.data.datamodule import FlowDataModule
+from ff_core.data.media.conditions import condition_input
 from ff_core.data.media.decode import decode_image
 from ff_core.data.records.sources import DatasetConfig, load_split
-from ff_core.data.samples import condition_input
 from ff_core.errors import DatasetErrors
 from ff_core.module import FlowModule
 

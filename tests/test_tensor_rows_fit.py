@@ -19,8 +19,9 @@ from ff_core.cli.flow_cli import FlowCLI
 from ff_core.cli.preprocess_latents import write_latent_shards
 from ff_core.data.dataflow import derive_seed
 from ff_core.data.datamodule import FlowDataModule
+from ff_core.data.media.conditions import condition_input
 from ff_core.data.records.sources import DatasetConfig, load_split
-from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
+from ff_core.data.samples import ConditionedRecord, RecordProcessor
 from ff_core.data.tensor_parquet import TensorParquetDataset
 from ff_core.data.tensor_parquet.rows import TensorRowCollator, TensorRowProcessor, TensorRows
 from ff_core.lora import LoRAConfig

@@ -216,7 +216,8 @@ def encode_rows(
 
     from ff_core.contracts import LATENT_BATCH_KEYS
     from ff_core.data.dataflow import derive_seed
-    from ff_core.data.samples import ConditionedRecord, RecordProcessor, condition_input
+    from ff_core.data.media.conditions import condition_input
+    from ff_core.data.samples import ConditionedRecord, RecordProcessor
 
     conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
     processor = RecordProcessor(adapter.output_geometry())  # the training loader's decoding and fitting

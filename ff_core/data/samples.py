@@ -1,11 +1,11 @@
 """ff's dataflow roles for training records: record table → sample processor → batch collator.
 
-The condition side (prompts and decoded condition media, :func:`condition_input`) is preprocessed once in the main
-process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the supervision side (a demonstration's
-``target``, a preference's ``chosen`` and ``rejected``) is decoded by :class:`RecordProcessor` inside the loader's
-workers, on every access, fitted to the adapter's output geometry and never cached (spec dataset-guide: "Condition
-cache and target lifecycle"). A resumed run never calls the processor for the records it skips (docs/dataflow.md,
-"Resume").
+The condition side (prompts and decoded condition media, :func:`~ff_core.data.media.conditions.condition_input`) is
+preprocessed once in the main process (``adapter.preprocess``) and held in :class:`ConditionedRecords`; the supervision
+side (a demonstration's ``target``, a preference's ``chosen`` and ``rejected``) is decoded by :class:`RecordProcessor`
+inside the loader's workers, on every access, fitted to the adapter's output geometry and never cached (spec
+dataset-guide: "Condition cache and target lifecycle"). A resumed run never calls the processor for the records it skips
+(docs/dataflow.md, "Resume").
 """
 
 from __future__ import annotations
@@ -16,50 +16,16 @@ from typing import Any
 
 import torch
 
-from ff_core.adapter import ConditionInput
-from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.contracts import MediaGeometry
 from ff_core.data.cache.collation import check_rules, collate_conditions
 from ff_core.data.dataflow import BatchCollator, GroupedItem, RawItemProcessor
 from ff_core.data.dataflow.loader import BAD_SAMPLES_KEY
-from ff_core.data.media.decode import decode_media
+from ff_core.data.media.conditions import condition_input as condition_input  # re-exported: its home before
 from ff_core.data.media.geometry import decode_target
 from ff_core.data.records import CANDIDATE_FIELDS, Record
-from ff_core.data.records.validation import bind_slots
-from ff_core.errors import DatasetError, raise_collected
+from ff_core.errors import DatasetError
 
 #: The declared per-item fields :func:`condition_input` passes on beside the decoded media, when a record sets them.
-DECLARED_KEYS = ("fps", "sample_rate", "audio_path")
-
-
-def condition_input(record: Record, contract: PipelineIOContract) -> ConditionInput:
-    """The input side of one record for ``adapter.preprocess``: its prompts and its decoded condition media.
-
-    Media keep record order (``inputs``, or legacy Ref2VA ``references``), each ``{"type", "data", "path", "slot"?}``
-    plus the record's declared ``fps`` / ``sample_rate`` / ``audio_path`` where it wrote them (see
-    :class:`~ff_core.adapter.ConditionInput`). ``slot`` is the binding contract validation resolves
-    (:func:`~ff_core.data.records.validation.bind_slots`): an unslotted item that fills a declared slot carries that
-    name.
-
-    Args:
-        record: a record already checked against ``contract``.
-        contract: the adapter's IO contract.
-    """
-    items = (*record.inputs, *record.references)
-    slot_of: dict[int, str] = {}
-    if contract.slots:
-        bound, problems = bind_slots(record.inputs, contract)
-        raise_collected([DatasetError(record.source, record.line, field, reason) for field, reason in problems])
-        slot_of = {id(item): name for name, item in bound.items()}
-    media = []
-    for item in items:
-        entry = {"type": item.type.value, "data": decode_media(item, referenced_by=record.where), "path": item.path}
-        if id(item) in slot_of:
-            entry["slot"] = slot_of[id(item)]
-        # The record's own words, for an adapter that keeps them (H3 Ref2VA's reference_manifest): decoding reports
-        # the file's clocks beside the declared ones but not which file a soundtrack came from.
-        entry.update({k: v for k in DECLARED_KEYS if (v := getattr(item, k)) is not None})
-        media.append(entry)
-    return ConditionInput(record.prompt, record.negative_prompt, media)
 
 
 @dataclass(frozen=True)

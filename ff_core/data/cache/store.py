@@ -50,6 +50,7 @@ from ff_core.data.cache.digest import DIGEST, CacheCorruptError, check_block, re
 from ff_core.data.cache.group import BuildGroup
 from ff_core.data.cache.identity import MediaDigests, file_sha256, input_identity
 from ff_core.data.cache.table import ID_BYTES, CachedConditions, PartWriter
+from ff_core.data.media.conditions import condition_input
 from ff_core.data.records import Record
 from ff_core.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import DatasetError
@@ -334,11 +335,9 @@ def open_or_build(
 
 
 def adapter_preprocess(adapter: Adapter) -> Callable[[list[Record]], list[dict[str, Any]]]:
-    """Records -> their conditions: inputs decoded (:func:`~ff_core.data.samples.condition_input`), then
+    """Records -> their conditions: inputs decoded (:func:`~ff_core.data.media.conditions.condition_input`), then
     ``adapter.preprocess`` under no_grad."""
     import torch
-
-    from ff_core.data.samples import condition_input
 
     def run(records: list[Record]) -> list[dict[str, Any]]:
         # Condition media are decoded a chunk at a time, so only one chunk's pixels are ever held.

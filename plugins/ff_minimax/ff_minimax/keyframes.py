@@ -6,7 +6,8 @@ deduplicated or inferred from file names. Strict V2 records bind the generic slo
 which also express the last-only form a legacy row cannot. :data:`FL2VA_CONTRACT` states this as two optional image
 slots of which at least one is bound; :func:`ff_core.data.records.validation.bind_slots` binds a legacy row's images to
 them positionally (first, then last) and reports every violation with the record's file, line and field before any
-weights load; :func:`ff_core.data.samples.condition_input` hands each bound image to ``preprocess`` with its slot.
+weights load; :func:`ff_core.data.media.conditions.condition_input` hands each bound image to ``preprocess`` with its
+slot.
 
 diffusers' modular pipeline (``MiniMaxH3ResizeStep``) takes ``image`` (first) and ``last_image`` (last) and packs the
 keyframes present in that order, each with an anchor (``"first"`` / ``"last"``) that places its conditioning block at
@@ -41,7 +42,7 @@ FL2VA_CONTRACT = PipelineIOContract(
 def keyframes(item: ConditionInput, index: int, adapter: str = "minimax-h3-fl2va") -> list[tuple[str, Tensor]]:
     """The keyframes of one sample as ``(anchor, image)`` pairs in the pipeline's packed order (first, then last).
 
-    The data module has already bound every image to its slot (:func:`~ff_core.data.samples.condition_input`);
+    The data module has already bound every image to its slot (:func:`~ff_core.data.media.conditions.condition_input`);
     this re-checks what reaches ``preprocess`` from elsewhere (a hand-built :class:`ConditionInput`), so that an
     unslotted or doubly bound image can never be packed at a guessed position.
 

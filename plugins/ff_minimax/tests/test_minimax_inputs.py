@@ -26,9 +26,9 @@ from PIL import Image
 
 from ff_core.callbacks.media_log import audio_to_wav
 from ff_core.data.cache.identity import input_identity
+from ff_core.data.media.conditions import condition_input
 from ff_core.data.records.sources import DatasetConfig, load_split
 from ff_core.data.records.validation import record_errors
-from ff_core.data.samples import condition_input
 from ff_core.errors import DatasetErrors
 from ff_core.testing.clips import write_grey_mp4
 from ff_core.testing.contracts import SUPPORT_TABLE
