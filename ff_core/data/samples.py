@@ -25,9 +25,6 @@ from ff_core.data.media.geometry import decode_target
 from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.errors import DatasetError
 
-#: The declared per-item fields :func:`condition_input` passes on beside the decoded media, when a record sets them.
-
-
 @dataclass(frozen=True)
 class ConditionedRecord:
     """One raw item of the training order: a record, its position in the split and its preprocessed condition.

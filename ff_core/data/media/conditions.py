@@ -10,6 +10,7 @@ from ff_core.data.records import Record
 from ff_core.data.records.validation import bind_slots
 from ff_core.errors import DatasetError, raise_collected
 
+#: The declared per-item fields :func:`condition_input` passes on beside the decoded media, when a record sets them.
 DECLARED_KEYS = ("fps", "sample_rate", "audio_path")
 
 
