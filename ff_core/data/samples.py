@@ -25,6 +25,7 @@ from ff_core.data.media.geometry import decode_target
 from ff_core.data.records import CANDIDATE_FIELDS, Record
 from ff_core.errors import DatasetError
 
+
 @dataclass(frozen=True)
 class ConditionedRecord:
     """One raw item of the training order: a record, its position in the split and its preprocessed condition.
