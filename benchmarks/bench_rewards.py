@@ -7,7 +7,8 @@ Run: ``python benchmarks/bench_rewards.py [--batch 32] [--size 512] [--repeats 3
   here, so the figure is the preprocessing plus a small model, not a real ViT-B/32);
 * ``ff validate`` of the tiny SD3 demo model on 12 shapes prompts (10 Euler steps), without eval rewards and with the
   recipe's (``prompt_colour`` + ``green``): what the rewards add to an evaluation (best of 2, alternated). Run it
-  from a checkout where ``scripts/setup.sh`` built ``build/`` (the recipe's relative paths).
+  from a checkout where ``scripts/setup.sh`` and ``scripts/build_inputs.sh sd3`` built ``build/`` (the recipe's
+  relative paths).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU check of the strategies and one throughput figure (docs/scaling.md, "Checking on a GPU").
 
-1. Each plugin's tiny recipes (built by ``scripts/setup.sh`` into ``build/``) for a few steps under single-device,
+1. Each plugin's tiny recipes (``scripts/build_inputs.sh`` builds their inputs) for a few steps under single-device,
    FSDP1 (``FSDPStrategy``), FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2, each a separate ``ff fit``
    process: status, wall time, the last step's loss. DeepSpeed rows are skipped (with the reason) when it is not
    installed. SD3 runs the dedicated recipes (``configs/sd3/sft_tiny_{fsdp,fsdp2,deepspeed}.yaml``); Wan and LTX-2

@@ -7,14 +7,13 @@
 #
 #   ./benchmarks/gpu_check.sh [extra gpu_check.py arguments, e.g. --peak-tflops 989]
 #
-# Needs the tiny checkpoints and datasets of scripts/setup.sh in build/ (built here when missing) and a CUDA build
-# of torch; DeepSpeed rows are skipped unless `pip install deepspeed` was run.
+# Needs the tiny checkpoints and datasets of scripts/setup.sh and scripts/build_inputs.sh in build/ (built here when
+# missing) and a CUDA build of torch; DeepSpeed rows are skipped unless `pip install deepspeed` was run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU visible')"
-if [[ ! -d build/tiny-sd3 || ! -d build/tiny-wan-t2v ]]; then
-  ./scripts/setup.sh
-fi
+[ -d build/tiny-sd3 ] || ./scripts/setup.sh
+./scripts/build_inputs.sh  # keeps what exists
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec timeout 900 "$PYTHON" benchmarks/gpu_check.py "$@"

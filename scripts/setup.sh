@@ -1,19 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv with ff-core and every model plugin in editable mode (CPU torch pinned), then build the tiny
-# demo inputs: the synthetic shapes dataset (build/shapes), its preference pairs for offline DPO (build/shapes_dpo),
-# colourless shape prompts for GRPO (build/prompts) and a tiny SD3-architecture base (build/tiny-sd3) whose VAE is
-# trained to reconstruct those images; then the shapes training split as tensor-parquet shards of that base
-# (build/shapes_latents, for configs/sd3/sft_latents_tiny.yaml). For the Wan recipes (configs/wan/): tiny Wan2.1
-# T2V and I2V checkpoints (build/tiny-wan-t2v, build/tiny-wan-i2v) and moving-square MP4 datasets (build/wan-squares,
-# build/wan-squares-i2v with first frames, build/wan-squares-dpo preference pairs). For the LTX-2 recipes
-# (configs/ltx2/): tiny LTX-2 text/image-to-audio+video checkpoints (build/tiny-ltx2-t2av, build/tiny-ltx2-i2av) and
-# MP4+WAV clip datasets (build/ltx2-clips, build/ltx2-clips-dpo preference pairs, build/ltx2-clips-i2av[-dpo] with
-# first frames) and prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av). For the MiniMax H3 recipes
-# (configs/minimax/): a tiny text-to-video+audio checkpoint (build/tiny-minimax-t2va), MP4+WAV clip datasets
-# (build/minimax-clips, build/minimax-clips-dpo preference pairs) and prompt rows for GRPO (build/minimax-prompts);
-# FL2VA / Ref2VA checkpoints (build/tiny-minimax-fl2va, build/tiny-minimax-ref2va) and the same datasets with
-# keyframes (build/minimax-keyframes[-dpo], build/minimax-keyframe-prompts) or references (build/minimax-references[-dpo],
-# build/minimax-reference-prompts).
+# Create .venv with ff-core and every model plugin in editable mode (CPU torch pinned), then build the demo's inputs:
+# the synthetic shapes dataset (build/shapes) and a tiny SD3-architecture base (build/tiny-sd3) whose VAE is trained to
+# reconstruct those images. The other tiny recipes' inputs (configs/sd3 DPO/GRPO/shards, configs/wan, configs/ltx2,
+# configs/minimax) are built by scripts/build_inputs.sh; the test suite builds its own in temporary folders.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,34 +13,7 @@ pip install -q --disable-pip-version-check torch==2.13.0
 plugins=()
 for p in plugins/*/; do plugins+=(-e "$p"); done
 pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]" "${plugins[@]}"
+export HF_HUB_OFFLINE=1
 [ -f build/shapes/train.jsonl ] || python -m ff_core.testing.shapes build/shapes
-[ -f build/shapes_dpo/train.jsonl ] || python -m ff_core.testing.shapes build/shapes_dpo --preference
-[ -f build/prompts/train.txt ] || python -m ff_core.testing.shapes build/prompts --prompts
 [ -f build/tiny-sd3/model_index.json ] || python -m ff_sd3.testing --out build/tiny-sd3 --vae-train-dir build/shapes/images
-[ -d build/shapes_latents ] || ff data preprocess-latents --config configs/sd3/sft_tiny.yaml --output build/shapes_latents
-[ -f build/tiny-wan-t2v/model_index.json ] || python -m ff_wan.testing --out build/tiny-wan-t2v --variant t2v
-[ -f build/tiny-wan-i2v/model_index.json ] || python -m ff_wan.testing --out build/tiny-wan-i2v --variant i2v
-[ -f build/wan-squares/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares --dataset --n 16
-[ -f build/wan-squares-i2v/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-i2v --dataset --i2v --n 8
-[ -f build/wan-squares-dpo/train.jsonl ] || python -m ff_wan.testing --out build/wan-squares-dpo --dataset --preference --n 16
-[ -f build/tiny-ltx2-t2av/model_index.json ] || python -m ff_ltx2.testing --out build/tiny-ltx2-t2av --variant t2av
-[ -f build/tiny-ltx2-i2av/model_index.json ] || python -m ff_ltx2.testing --out build/tiny-ltx2-i2av --variant i2av
-[ -f build/ltx2-clips/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips --dataset --n 8
-[ -f build/ltx2-clips-dpo/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-dpo --dataset --preference --n 8
-[ -f build/ltx2-clips-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av --dataset --i2av --n 8
-[ -f build/ltx2-clips-i2av-dpo/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av-dpo --dataset --i2av --preference --n 8
-[ -f build/ltx2-prompts-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-prompts-i2av --dataset --i2av --prompts --n 8
-[ -f build/tiny-minimax-t2va/model_index.json ] || python -m ff_minimax.testing --out build/tiny-minimax-t2va --variant t2va
-[ -f build/minimax-clips/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips --dataset --n 8
-[ -f build/minimax-clips-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-clips-dpo --dataset --preference --n 8
-[ -f build/minimax-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-prompts --dataset --prompts --n 8
-for v in fl2va ref2va; do
-  [ -f build/tiny-minimax-$v/model_index.json ] || python -m ff_minimax.testing --out build/tiny-minimax-$v --variant $v
-done
-[ -f build/minimax-keyframes/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframes --dataset --condition keyframes --n 6
-[ -f build/minimax-keyframes-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframes-dpo --dataset --condition keyframes --preference --n 6
-[ -f build/minimax-keyframe-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-keyframe-prompts --dataset --condition keyframes --prompts --n 4
-[ -f build/minimax-references/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references --dataset --condition references --n 6
-[ -f build/minimax-references-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references-dpo --dataset --condition references --preference --n 6
-[ -f build/minimax-reference-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-reference-prompts --dataset --condition references --prompts --n 4
 echo "setup done: $(python -c 'import ff_core, torch; print("ff-core ready, torch", torch.__version__)')"
