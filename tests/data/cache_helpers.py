@@ -1,9 +1,11 @@
 """Helpers of the condition-cache tests: a weightless adapter whose conditions a test can compute by hand, a small
 V2 dataset with condition images, and a command-line builder the multi-process tests run in subprocesses.
 
-``python tests/data/cache_helpers.py DATASET CACHE_DIR [--delay S] [--log FILE] [--dist MODE RANK WORLD INIT]``
-builds (or opens) the cache of DATASET's training split and prints ``reused|built <folder>``; with ``--dist`` it
-joins a gloo group of WORLD processes (``global``: one node of WORLD ranks; ``local``: WORLD nodes of one rank).
+``python tests/data/cache_helpers.py DATASET CACHE_DIR [--delay S] [--log FILE] [--dist MODE RANK WORLD INIT]
+[--barrier DIR N]`` builds (or opens) the cache of DATASET's training split and prints ``reused|built <folder>``; with ``--dist`` it
+joins a gloo group of WORLD processes (``global``: one node of WORLD ranks; ``local``: WORLD nodes of one rank);
+with ``--barrier`` it starts building only once N helpers have written their ready file in DIR (so two helpers that
+import at different speeds still build at the same time).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,6 +113,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--log")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--dist", nargs=4, metavar=("MODE", "RANK", "WORLD", "INIT"))
+    parser.add_argument("--barrier", nargs=2, metavar=("DIR", "N"))
     args = parser.parse_args(argv)
     group, parallelism = BuildGroup(), "local"
     if args.dist:
@@ -123,6 +127,16 @@ def main(argv: list[str]) -> None:
             group = BuildGroup(rank, world, 0, 1, rank)
     # The class as the tests import it (its qualified name is part of the cache identity), not __main__'s copy.
     from cache_helpers import HashAdapter as Imported
+
+    if args.barrier:
+        ready, n = Path(args.barrier[0]), int(args.barrier[1])
+        ready.mkdir(parents=True, exist_ok=True)
+        (ready / f"{os.getpid()}.ready").touch()
+        deadline = time.monotonic() + 120
+        while len(list(ready.glob("*.ready"))) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"barrier {ready}: {n} helpers never got ready")
+            time.sleep(0.01)
 
     result = open_or_build(source(Path(args.dataset)), Imported(args.delay, args.log), cache_dir=args.cache_dir,
                            batch_size=args.batch_size, group=group, parallelism=parallelism)  # fmt: skip

@@ -282,9 +282,11 @@ def test_a_build_killed_midway_is_never_read_and_the_next_run_rebuilds(dataset, 
 
 def test_two_concurrent_builders_publish_one_complete_cache(dataset, tmp_path):
     """Two jobs build the same key at once: each writes its own build folder, the first rename wins, the other
-    keeps the winner's cache; both read every row (ids checked) and nothing else is left."""
-    cache = tmp_path / "cache"
-    procs = [subprocess.Popen(helper(dataset, cache, "--delay", "0.3"), stdout=subprocess.PIPE, text=True)
+    keeps the winner's cache; both read every row (ids checked) and nothing else is left. A barrier starts both builds
+    together (on a busy machine one helper's imports can otherwise outlast the other's whole build)."""
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
+    args = ("--delay", "0.3", "--barrier", str(ready), "2")
+    procs = [subprocess.Popen(helper(dataset, cache, *args), stdout=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
