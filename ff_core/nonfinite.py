@@ -65,28 +65,33 @@ SHOWN = 8  # samples named per rank in the one-line error (the skip list names t
 
 
 def gradients_finite(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Whether every gradient of ``parameters`` is finite, as a 0-dim bool tensor (no host synchronisation); ``None``
-    without any gradient. The gradients' largest magnitudes (``inf``-norms, fused per device): NaN or inf exactly
-    when an element is, and finite for any finite gradient (a 2-norm overflows on huge finite values). FSDP2's
-    gradients are checked on the rank's shard (``DTensor.to_local``).
+    """Whether every gradient of ``parameters`` is finite, as a 0-dim bool tensor (no host synchronisation on an
+    accelerator); ``None`` without any gradient. The gradients' largest magnitudes (``inf``-norms, fused per device
+    and dtype): NaN or inf exactly when an element is, and finite for any finite gradient (a 2-norm overflows on huge
+    finite values). On the CPU, where torch's inf-norm kernel is ~10x slower than its 2-norm and reading a result
+    costs no synchronisation, the 2-norms decide first (finite 2-norm: every element finite) and the inf-norms run
+    only when one is not (same answer, measured in benchmarks/RESULTS.md, "Per-step overhead"). FSDP2's gradients
+    are checked on the rank's shard (``DTensor.to_local``).
 
     Args:
         parameters: the trained parameters.
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in parameters:
         g = p.grad
         if g is None:
             continue
         g = g.to_local() if hasattr(g, "to_local") else g
         if g.numel():
-            by_device.setdefault(g.device, []).append(g)
-    if not by_device:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    if not groups:
         return None
     flags = []
-    for grads in by_device.values():
-        norms = torch._foreach_norm(grads, float("inf"))
-        flags.append(torch.stack([n.float() for n in norms]).isfinite().all())
+    for (device, _), grads in groups.items():
+        if device.type == "cpu" and bool(torch.stack(torch._foreach_norm(grads, 2.0)).isfinite().all()):
+            flags.append(torch.tensor(True))
+            continue
+        flags.append(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
     first = flags[0]
     return torch.stack([f.to(first.device) for f in flags]).all() if len(flags) > 1 else first
 

@@ -252,16 +252,19 @@ def test_grpo_nan_reward_stops_or_skips_before_the_weights_move(tiny_sd3, tmp_pa
 
 # -- the gradient check against the IEEE definition ------------------------------------------------------------------
 def test_gradients_finite_is_isfinite_of_every_element():
-    """``gradients_finite`` (inf-norms, fused) against ``torch.isfinite`` of every element: NaN, +-inf, and finite
-    values whose squares overflow float32 (a 2-norm would call them infinite)."""
+    """``gradients_finite`` (the CPU's 2-norms first, inf-norms where they are not finite) against ``torch.isfinite``
+    of every element: NaN, +-inf, and finite values whose squares overflow (a 2-norm alone would call them
+    infinite), in float32 and bfloat16 gradients of one model (one group per dtype)."""
     from ff_core.nonfinite import gradients_finite
 
     cases = [[1.0, -2.0], [float("nan"), 0.0], [float("inf"), 1.0], [-float("inf"), 1.0], [3e38, -3e38]]
-    for values in cases:
-        params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3)),
-                  torch.nn.Parameter(torch.zeros(1))]  # fmt: skip
-        params[0].grad = torch.tensor(values)
-        params[1].grad = torch.ones(3)  # params[2]: no gradient
-        expected = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
-        assert bool(gradients_finite(params)) == expected, values
+    for dtype in (torch.float32, torch.bfloat16):
+        for values in cases:
+            params = [torch.nn.Parameter(torch.zeros(2, dtype=dtype)), torch.nn.Parameter(torch.zeros(3)),
+                      torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+            params[0].grad = torch.tensor(values, dtype=dtype)
+            params[1].grad = torch.ones(3)  # params[2]: no gradient
+            params[3].grad = torch.full((2,), 1e30, dtype=torch.bfloat16)  # a finite 2-norm would overflow
+            expected = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+            assert bool(gradients_finite(params)) == expected, (dtype, values)
     assert gradients_finite([torch.nn.Parameter(torch.zeros(1))]) is None
