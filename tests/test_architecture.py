@@ -20,8 +20,8 @@ LEVELS: list[dict[str, tuple[str, ...]]] = [
     {"cli": ("ff_core.cli",)},  # `ff …`: Lightning's subcommands and ff's own (data, plugins, the scaffold)
     {
         "training": (  # the LightningModule and LightningDataModule and what Lightning calls around them
-            "ff_core.module", "ff_core.data.datamodule", "ff_core.callbacks", "ff_core.lora", "ff_core.sharding",
-            "ff_core.nonfinite", "ff_core.preemption", "ff_core.run_folder", "ff_core.ckpt_path",
+            "ff_core.module", "ff_core.evaluation", "ff_core.data.datamodule", "ff_core.callbacks", "ff_core.lora",
+            "ff_core.sharding", "ff_core.nonfinite", "ff_core.preemption", "ff_core.run_folder", "ff_core.ckpt_path",
         ),
     },
     {"objectives": ("ff_core.objectives",), "data": ("ff_core.data",)},
@@ -171,7 +171,6 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
     assert part_of("ff_core.errors") > part_of("ff_core.module")  # so the downward test refuses errors -> module
 
 
-
 def test_moved_modules_are_the_new_modules():
     """Every old module path imports (with a DeprecationWarning naming the new one) the very module of its new path."""
     import subprocess
@@ -200,3 +199,26 @@ print("ok", len(MOVED_MODULES))
     assert result.stdout.split() == ["ok", str(len(MOVED_MODULES))]
     for old, new in MOVED_MODULES.items():  # the table points at modules that exist, never at another old path
         assert new in modules() and new not in MOVED_MODULES and old not in modules(), (old, new)
+
+
+def test_checkpoints_written_before_a_class_moved_still_load(tmp_path, monkeypatch):
+    """Hyper-parameters pickle their classes by path: a checkpoint written when ``LoRAConfig`` and ``SamplingConfig``
+    lived in ``ff_core.module`` loads under ``torch.load(weights_only=True)`` (Lightning's default), with the classes
+    of their new homes."""
+    import torch
+
+    from ff_core.evaluation import SamplingConfig
+    from ff_core.lora import LoRAConfig
+    from ff_core.module import CHECKPOINT_CLASSES
+
+    hparams = {"lora": LoRAConfig(rank=4, alpha=8.0), "sampling": SamplingConfig(num_steps=3)}
+    with monkeypatch.context() as patch:  # what a checkpoint of the old layout holds
+        for cls in (LoRAConfig, SamplingConfig):
+            patch.setattr(cls, "__module__", "ff_core.module")
+        torch.save({"hyper_parameters": hparams}, tmp_path / "old.ckpt")
+    torch.save({"hyper_parameters": hparams}, tmp_path / "new.ckpt")
+    assert b"ff_core.module" in (tmp_path / "old.ckpt").read_bytes()
+    for name in ("old.ckpt", "new.ckpt"):
+        loaded = torch.load(tmp_path / name, weights_only=True)["hyper_parameters"]
+        assert loaded == hparams and type(loaded["lora"]) is LoRAConfig, name
+    assert {cls.__module__ for cls in CHECKPOINT_CLASSES} == {"ff_core.lora", "ff_core.evaluation", "ff_core.sharding"}
