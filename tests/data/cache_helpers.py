@@ -3,9 +3,9 @@ V2 dataset with condition images, and a command-line builder the multi-process t
 
 ``python tests/data/cache_helpers.py DATASET CACHE_DIR [--delay S] [--log FILE] [--dist MODE RANK WORLD INIT]
 [--barrier DIR N]`` builds (or opens) the cache of DATASET's training split and prints ``reused|built <folder>``;
-with ``--dist`` it joins a gloo group of WORLD processes (``global``: one node of WORLD ranks; ``local``: WORLD nodes of one rank);
-with ``--barrier`` it starts building only once N helpers have written their ready file in DIR (so two helpers that
-import at different speeds still build at the same time).
+with ``--dist`` it joins a gloo group of WORLD processes (``global``: one node of WORLD ranks; ``local``: WORLD
+nodes of one rank); with ``--barrier`` it starts building only once N helpers have written their ready file in DIR
+(so two helpers that import at different speeds still build at the same time).
 """
 
 from __future__ import annotations
