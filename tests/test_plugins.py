@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from site import getsitepackages
 
 import pytest
 
@@ -159,15 +160,33 @@ def test_ff_plugins_lists_sd3_and_reports_a_broken_plugin(tmp_path):
     assert any(line.startswith("FAILED plugin 'toy-bad' from toy-bad: ModuleNotFoundError") for line in lines), lines
 
 
-def test_uninstalling_ff_sd3_removes_its_adapter():
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "uninstall", "-y", "ff-sd3"], check=True, capture_output=True)
-    try:
-        result = ff("plugins")
-        assert result.returncode == 0 and "sd3-5" not in result.stdout, result.stdout
-    finally:
-        subprocess.run(
-            [*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(REPO / "plugins" / "ff_sd3")],
-            check=True, capture_output=True,
-        )
-    assert "sd3-5  [ff-sd3" in ff("plugins").stdout
+def test_uninstalling_ff_sd3_removes_its_adapter(tmp_path):
+    """``pip install -e plugins/ff_sd3`` lists ``sd3-5``; ``pip uninstall ff-sd3`` removes it. In a throwaway venv
+    that sees this environment's packages, less ff-sd3's own install, through links (``site-view``): the shared
+    environment is never changed, so the tests running beside this one (pytest-xdist) keep their plugins."""
+    view, venv = tmp_path / "site-view", tmp_path / "venv"
+    view.mkdir()
+    own = ("ff_sd3-", "__editable__.ff_sd3-", "__editable___ff_sd3_")
+    for parent in (Path(p) for p in getsitepackages() if Path(p).is_dir()):
+        for entry in parent.iterdir():
+            if not entry.name.startswith(own) and not (view / entry.name).exists():
+                (view / entry.name).symlink_to(entry)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    Path(purelib, "_ff_site_view.pth").write_text(f"import site; site.addsitedir({str(view)!r})\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PIP_NO_INDEX": "1", "PIP_NO_CACHE_DIR": "1",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # fmt: skip
+    env.pop("FF_DISABLE_PLUGIN_AUTOLOAD", None)
+
+    def run(*args: str) -> str:
+        result = subprocess.run([python, *args], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert "sd3-5" not in run("-m", "ff_core.cli", "plugins")  # the view really lacks ff-sd3
+    run("-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO / "plugins" / "ff_sd3"))
+    assert "sd3-5  [ff-sd3" in run("-m", "ff_core.cli", "plugins")
+    run("-m", "pip", "uninstall", "-q", "-y", "ff-sd3")
+    assert "sd3-5" not in run("-m", "ff_core.cli", "plugins")
