@@ -19,7 +19,8 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    # Condition caches of the session (and of its `ff fit` subprocesses) go to a temporary folder, never ~/.cache.
+    # Condition caches of the session (and of its `ff fit` subprocesses) go to a temporary folder, never ~/.cache:
+    # one per process, so each pytest-xdist worker has its own.
     if "FF_CACHE_DIR" not in os.environ:
         config._ff_cache_dir = tempfile.mkdtemp(prefix="ff-cache-")
         os.environ["FF_CACHE_DIR"] = config._ff_cache_dir
