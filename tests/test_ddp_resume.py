@@ -42,10 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str, grid: bool = False
-           ) -> subprocess.Popen:
+def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra: str, grid: bool = False,
+           devices: int = 2) -> subprocess.Popen:
     """Start `ff fit` under 2-process DDP in its own process group; its rank 1 is Lightning's child of it.
-    ``grid``: also validate once at the end (6 prompts, 2 per batch, sharded over the ranks) into a SampleGrid."""
+    ``grid``: also validate once at the end (6 prompts, 2 per batch, sharded over the ranks) into a SampleGrid.
+    ``devices=1``: one process, no DDP."""
     dataset = {"name": "shapes", "dataset_dir": str(shapes_dir), **({"eval": {}} if grid else {})}
     if grid:
         # A CSVLogger writing into the run folder itself (name and version empty): the recipe's eval rewards, reduced
@@ -66,7 +67,8 @@ def ff_fit(tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps: int, *extra:
         "--model.pretrained_model_name_or_path", str(tiny_sd3),
         "--data.datasets", json.dumps([dataset]),
         "--data.per_device_batch_size", "2",
-        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+        "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.devices", str(devices),
+        "--trainer.accelerator", "cpu",
         "--trainer.max_steps", str(max_steps),
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         # The recipe's callbacks are replaced: checkpoints every 2 steps, the id log, the loss curve (no validation).
@@ -124,6 +126,38 @@ def runs(tiny_sd3, shapes_dir, tmp_path_factory):
     timings["resumed"] = time.monotonic() - start
     print(f"DDP run timings (s): {timings}; killed run got to step {rows(killed, 0)[-1]['step']}")
     return uninterrupted, killed, resumed
+
+
+def epoch_zero(*parts: list[dict]) -> list[int]:
+    return [i for part in parts for r in part if r["epoch"] == 0 for i in r["ids"]]
+
+
+def test_a_run_killed_on_two_processes_resumes_on_one(runs, tiny_sd3, shapes_dir, tmp_path):
+    """A (2 ranks, killed after its step-2 checkpoint: 8 of the 24 records of epoch 0 consumed) resumed on one
+    process: the rest of epoch 0 (16 records, 8 steps of 2) serves every record the two ranks had not, each once;
+    Lightning's epoch ends with it (step 10), and step 11 begins epoch 1."""
+    _, killed, _ = runs
+    [ckpt] = (killed / "ckpt").glob(f"*step={KILL_AT}.ckpt")
+    finish(ff_fit(tiny_sd3, shapes_dir, tmp_path, KILL_AT + 9, "--ckpt_path", str(ckpt), devices=1), tmp_path)
+    before = [rows(killed, rank, KILL_AT) for rank in (0, 1)]
+    after = rows(tmp_path, 0)
+    assert [r["step"] for r in after] == list(range(KILL_AT + 1, KILL_AT + 10))
+    assert [r["epoch"] for r in after] == [0] * 8 + [1]
+    assert sorted(epoch_zero(*before, after)) == list(range(24))
+
+
+def test_a_run_on_one_process_resumes_on_two(tiny_sd3, shapes_dir, tmp_path):
+    """One process to its step-4 checkpoint (8 records of epoch 0), resumed under 2-process DDP: the 16 others dealt
+    over the two ranks (4 steps of 2 each), every record of epoch 0 once; then epoch 1 on two ranks."""
+    single, both = tmp_path / "single", tmp_path / "both"
+    single.mkdir(), both.mkdir()
+    finish(ff_fit(tiny_sd3, shapes_dir, single, 4, devices=1), single)
+    [ckpt] = (single / "ckpt").glob("*step=4.ckpt")
+    finish(ff_fit(tiny_sd3, shapes_dir, both, 9, "--ckpt_path", str(ckpt)), both)
+    after = [rows(both, rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert [(r["step"], r["epoch"]) for r in after[rank]] == [(s, 0) for s in range(5, 9)] + [(9, 1)]
+    assert sorted(epoch_zero(rows(single, 0), *after)) == list(range(24))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

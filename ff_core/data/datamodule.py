@@ -269,6 +269,7 @@ class FlowDataModule(L.LightningDataModule):
         self.tensor_columns: TensorColumns | None = None
         self._train_loader: DataflowLoader | None = None
         self._train_loader_key: tuple[int, int] | None = None
+        self._saved_loader_state: dict[str, Any] | None = None  # from a checkpoint (load_state_dict)
         self._sources: dict[str, list[ConditionSource]] = {"train": [], "test": []}
         self._digests = MediaDigests()  # every media file is streamed once per run (cache keys, resume identity)
         self._conditions: dict[str, Sequence[dict[str, torch.Tensor]]] = {}
@@ -525,8 +526,24 @@ class FlowDataModule(L.LightningDataModule):
                 **batching,
             )
             self._train_loader_key = key
+            if self._saved_loader_state is not None:
+                self._train_loader.load_state_dict(self._saved_loader_state)
+                self._saved_loader_state = None
             self._check_accumulation(len(self._train_loader))
         return self._train_loader
+
+    # A run resumed on another number of ranks (resume mode "epoch") has another epoch length: the rest of the
+    # interrupted epoch is dealt over the new ranks. Lightning sizes the epoch (``len(loader)``) before it restores the
+    # loader's state from the loop's, so the data module also keeps that state and restores it as it builds the loader;
+    # Lightning's own restore then loads the same state again.
+    def state_dict(self) -> dict[str, Any]:
+        loader = self._train_loader
+        if loader is not None and loader.mode == "epoch":
+            return {"train_loader": loader.state_dict()}
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_loader_state = state_dict.get("train_loader")
 
     def _bad_sample_log(self) -> BadSampleLog | None:
         """``data.bad_samples: skip``: the list in the run folder (``trainer.log_dir``, else the working directory)."""

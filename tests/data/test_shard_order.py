@@ -123,6 +123,34 @@ def test_grouped_orders_resume_exactly(grouped_rows, grouped):
     assert resumed.fingerprint()["distributor"]["window"] == 2
 
 
+@pytest.mark.parametrize(("world", "new_world"), [(2, 1), (1, 3), (3, 2)])
+def test_grouped_epoch_resumed_on_another_world_size_serves_the_rest_once(grouped_rows, world, new_world):
+    """Killed after 2 batches of 3 on ``world`` ranks, resumed on ``new_world``: the rest of the epoch is the two-level
+    order less each rank's consumed prefix, in contiguous blocks again (hand reference below); the next epoch is the
+    ordinary one of the new world size."""
+    def loaders(w):
+        return [DataflowLoader(GroupedSamplerDistributor(grouped_rows, window=2, seed=9, name="train"),
+                               TensorRowProcessor(grouped_rows, COLUMNS), collator=TensorRowCollator(),
+                               batch_size=3, coords=DataParallelCoords(r, w)) for r in range(w)]  # fmt: skip
+
+    first = loaders(world)
+    its = [iter(dl) for dl in first]
+    consumed = [[i for _ in range(2) for i in next(it)["index"].tolist()] for it in its]
+    state = json.loads(json.dumps(first[0].state_dict()))
+    order = two_level_order(grouped_rows.group_bounds, 9, 0, 2).tolist()
+    per_rank = -(-26 // world)
+    taken = {p for r in range(world) for p in range(r * per_rank, r * per_rank + 6) if p < 26}
+    assert sorted(i for c in consumed for i in c) == sorted(order[p] for p in taken)
+    rest = [order[p] for p in range(26) if p not in taken]
+    per_new = -(-len(rest) // new_world)
+    padded = (rest * 2)[: per_new * new_world]
+    resumed = loaders(new_world)
+    for rank, dl in enumerate(resumed):
+        dl.load_state_dict(state)
+        assert [i for b in dl for i in b["index"].tolist()] == padded[rank * per_new : (rank + 1) * per_new]
+        assert [i for b in dl for i in b["index"].tolist()] == dl.distributor.rank_indices(1, rank, new_world)
+
+
 def test_row_group_window_is_checked():
     roots = [DatasetConfig(name="a", tensor_parquet_dir="a")]
     with pytest.raises(ValueError, match="row_group_window must be an integer >= 1"):

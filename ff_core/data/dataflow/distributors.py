@@ -165,6 +165,67 @@ class SamplerDistributor(DataDistributor):
             self._indices[key] = list(sampler)
         return self._indices[key]
 
+    # -- an epoch resumed under another world size ----------------------------------------------------------------
+    # A DistributedSampler epoch is the epoch's order padded to a multiple of W (position p holds order[p % n]), each
+    # rank taking its positions (stride W here; contiguous blocks in GroupedSamplerDistributor). After k batches of B
+    # on every rank, the consumed positions are each rank's first k·B; the rest of the epoch is the order's other
+    # positions below n, in order, laid out the same way over the new world size (padded again, so that every rank
+    # still yields the same number of batches). ``segments`` lists the earlier layouts of the epoch: (W, samples each
+    # rank took under it), oldest first.
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s order before padding: ``DistributedSampler``'s with one replica.
+
+        Args:
+            epoch: Data epoch.
+        """
+        return self.rank_indices(epoch, 0, 1)
+
+    @staticmethod
+    def rank_positions(n: int, dp_rank: int, dp_world_size: int) -> range:
+        """Positions of the padded order (length ``ceil(n / W) * W``) that rank ``dp_rank`` takes, in order: every
+        ``W``-th from ``dp_rank``, as ``DistributedSampler`` takes them.
+
+        Args:
+            n: Length of the order before padding.
+            dp_rank: Data-parallel rank.
+            dp_world_size: Number of data-parallel ranks.
+        """
+        return range(dp_rank, math.ceil(n / dp_world_size) * dp_world_size, dp_world_size)
+
+    def remaining_order(self, epoch: int, segments: tuple[tuple[int, int], ...]) -> list[int]:
+        """What is left of epoch ``epoch``'s order after ``segments`` (each ``(W, samples per rank)``) were served.
+
+        Args:
+            epoch: Data epoch.
+            segments: Earlier layouts of this epoch, oldest first.
+        """
+        key = ("rest", epoch, segments)
+        if key not in self._indices:
+            order = self.epoch_order(epoch)
+            for world, taken in segments:
+                n = len(order)
+                consumed = {p for r in range(world) for p in self.rank_positions(n, r, world)[:taken] if p < n}
+                order = [index for p, index in enumerate(order) if p not in consumed]
+            self._indices.clear()
+            self._indices[key] = order
+        return self._indices[key]
+
+    def segment_indices(self, epoch: int, dp_rank: int, dp_world_size: int,
+                        segments: tuple[tuple[int, int], ...]) -> list[int]:
+        """Rank ``dp_rank``'s indices for the rest of epoch ``epoch`` after ``segments`` (no segment: exactly
+        :meth:`rank_indices`, torch's).
+
+        Args:
+            epoch: Data epoch.
+            dp_rank: Data-parallel rank.
+            dp_world_size: Number of data-parallel ranks now.
+            segments: Earlier layouts of this epoch as ``(W, samples per rank)``, oldest first.
+        """
+        if not segments:
+            return self.rank_indices(epoch, dp_rank, dp_world_size)
+        rest = self.remaining_order(epoch, segments)
+        return [rest[p % len(rest)] for p in self.rank_positions(len(rest), dp_rank, dp_world_size)]
+
     def fetch(self, index: int) -> Any:
         return self.dataset[index]
 

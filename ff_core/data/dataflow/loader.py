@@ -12,7 +12,10 @@ Resume modes (chosen at construction, see docs/dataflow.md):
   exact under the same world size and worker count (both are in the fingerprint).
 * ``"epoch"`` — a :class:`SamplerDistributor`: every epoch is one complete traversal sharded by torch's
   ``DistributedSampler`` (the offline trainers' epochs); the state is (epoch, batches delivered in it), the same on
-  every rank; exact under the same world size and batch size (both are in the fingerprint), any worker count.
+  every rank; exact under the same batch size (in the fingerprint) and any worker count. Under another world size
+  the rest of the interrupted epoch (the order less each rank's consumed prefix) is dealt over the new ranks, padded
+  as ``DistributedSampler`` pads, and the next epochs are ``DistributedSampler`` epochs of the new size: every
+  sample of the epoch is served once across the two runs, besides the padding repeats of each layout.
 * ``"none"`` — streaming source, or ``resumable=False``: a resumed run restarts the source.
 
 Bad samples (issue 24): a processor that cannot build a sample (a truncated image) marks it instead of raising in the
@@ -135,7 +138,7 @@ class DataflowLoader(DataLoader):
         self._stream = DataflowStream(distributor, processor, batcher, self.collator)
         self._state: dict[str, Any] = {"format": FORMAT, "mode": self.mode, "step": 0, "epoch": 0,
                                        "epoch_step": 0, "cursor": None, "origin": 0, "streams": {}, "dropped": 0,
-                                       "skipped": 0}
+                                       "skipped": 0, "segments": []}
         self._history = StateHistory()
         super().__init__(self._stream, batch_size=None, collate_fn=_passthrough, num_workers=num_workers,
                          pin_memory=pin_memory, timeout=timeout,
@@ -194,9 +197,21 @@ class DataflowLoader(DataLoader):
         elif self.mode == "stream":
             plan.origin, plan.streams = st["origin"], st["streams"]
         elif self.mode == "epoch":
-            per_epoch = self.distributor.batches_per_epoch(c.world_size, self.batcher.fixed_batch_size)  # type: ignore
-            plan.epoch_step, plan.steps = st["epoch_step"], per_epoch - st["epoch_step"]
+            B, segments = self.batcher.fixed_batch_size, self._segments()
+            if segments:  # resumed onto another world size: the rest of the epoch, laid out over this one
+                rest = len(self.distributor.remaining_order(st["epoch"], segments))  # type: ignore[attr-defined]
+                per_epoch = math.ceil(math.ceil(rest / c.world_size) / B)  # type: ignore[operator]
+            else:
+                per_epoch = self.distributor.batches_per_epoch(c.world_size, B)  # type: ignore[attr-defined]
+            plan.segments = segments
+            plan.epoch_step = st["epoch_step"] - sum(s["batches"] for s in st["segments"])
+            plan.steps = per_epoch - plan.epoch_step
         return plan
+
+    def _segments(self) -> tuple[tuple[int, int], ...]:
+        """Mode "epoch": the current epoch's earlier layouts as ``(W, samples each rank took)``."""
+        B = self.batcher.fixed_batch_size
+        return tuple((s["world"], s["batches"] * B) for s in self._state["segments"])  # type: ignore[operator]
 
     @property
     def epoch_step(self) -> int:
@@ -249,6 +264,7 @@ class DataflowLoader(DataLoader):
         if last:
             st["epoch"] += 1
             st["epoch_step"] = 0
+            st["segments"] = []
         if self.stamp_key is not None:
             self._history.record(st["step"], st)
 
@@ -284,8 +300,8 @@ class DataflowLoader(DataLoader):
         if self.mode == "stream":
             c = self.resolve_coords()
             fp.update(batcher=self.batcher.fingerprint(), dp_world_size=c.world_size, num_workers=self.num_streams)
-        elif self.mode == "epoch":
-            fp.update(batcher=self.batcher.fingerprint(), dp_world_size=self.resolve_coords().world_size)
+        elif self.mode == "epoch":  # the world size is in the state: another one re-deals the epoch's rest
+            fp.update(batcher=self.batcher.fingerprint())
         return fp
 
     def local_state_dict(self) -> dict[str, Any]:
@@ -293,6 +309,8 @@ class DataflowLoader(DataLoader):
         base = self._history.committed if self.stamp_key is not None and self._history.committed else self._state
         state = copy.deepcopy(base)
         state["fingerprint"] = self.fingerprint()
+        if self.mode == "epoch":
+            state["world"] = self.resolve_coords().world_size
         if self.mode == "stream":
             rank = self.resolve_coords().rank
             state["streams"] = {k: v for k, v in state["streams"].items() if k.split("/")[0] == str(rank)}
@@ -322,13 +340,34 @@ class DataflowLoader(DataLoader):
         if self.mode == "none" or state.get("mode") == "none":
             log.warning("DataflowLoader: the source is not resumable (mode 'none'); restarting it from the start")
             return
+        state = copy.deepcopy(dict(state))
+        if self.mode == "epoch" and isinstance(state.get("fingerprint"), Mapping):
+            # States written before the world size left the fingerprint (ff.dataflow/1 all the same) hold it there.
+            saved_world = state["fingerprint"].pop("dp_world_size", None)
+            state.setdefault("world", saved_world)
         check_state(state, FORMAT, self.fingerprint(), "DataflowLoader")
-        self._state = copy.deepcopy(dict(state))
+        self._state = state
         self._state.pop("fingerprint", None)
+        if self.mode == "epoch":
+            self._reshard(self._state.pop("world", None))
         self.dropped_samples = self._state.get("dropped", 0)
         self._state.setdefault("skipped", 0)  # a state saved before bad samples were counted
         self.skipped_samples = self._state["skipped"]
         self._history = StateHistory()
+
+    def _reshard(self, saved_world: int | None) -> None:
+        """Mode "epoch": a state saved under ``saved_world`` ranks, loaded under another number, keeps the samples
+        the epoch served so far (recorded as a segment) and deals the rest over this world size."""
+        st, world = self._state, self.resolve_coords().world_size
+        st.setdefault("segments", [])
+        if saved_world is None or saved_world == world:
+            return
+        done = st["epoch_step"] - sum(s["batches"] for s in st["segments"])
+        if done:
+            st["segments"].append({"world": int(saved_world), "batches": done})
+        log.info("DataflowLoader: resuming epoch %d, step %d of it, on %d data-parallel ranks (saved on %d): the "
+                 "epoch's remaining samples are dealt over the new ranks", st["epoch"], st["epoch_step"], world,
+                 saved_world)
 
 
 def _init_worker(user_init: Any, worker_id: int) -> None:

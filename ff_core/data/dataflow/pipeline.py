@@ -33,7 +33,10 @@ class Plan:
         origin: Mode "stream": global index at which the stream sharding started.
         streams: Mode "stream": ``{"rank/stream": {"cursor", "pending"}}``.
         epoch: Loader epoch; mode "none" over a resumable source serves that epoch of its order.
-        epoch_step: Mode "epoch": batches of ``epoch`` this rank delivered before this iteration.
+        epoch_step: Mode "epoch": batches of ``epoch`` this rank delivered before this iteration (in its current
+            layout).
+        segments: Mode "epoch": the epoch's earlier layouts as ``(W, samples each rank took)`` when it was resumed
+            under another world size (``SamplerDistributor.segment_indices``); empty otherwise.
     """
 
     mode: str
@@ -47,6 +50,7 @@ class Plan:
     streams: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
     epoch_step: int = 0
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 def _owned(sample: Any) -> Any:
@@ -111,7 +115,7 @@ class DataflowStream(IterableDataset):
         # short); worker w serves the iteration's steps s ≡ w (mod N), the DataLoader's round-robin, so the delivered
         # order is the one a DataLoader(batch_size=B, sampler=DistributedSampler(...)) yields.
         B, dist = self.batcher.fixed_batch_size, self.distributor
-        indices = dist.rank_indices(plan.epoch, plan.rank, plan.world_size)  # type: ignore[attr-defined]
+        indices = dist.segment_indices(plan.epoch, plan.rank, plan.world_size, plan.segments)  # type: ignore
         for s in range(worker_id, plan.steps, plan.num_streams):
             k = plan.epoch_step + s
             samples = [_owned(self.processor.process(dist.fetch(i))) for i in indices[k * B : (k + 1) * B]]  # type: ignore

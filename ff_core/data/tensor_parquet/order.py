@@ -53,16 +53,23 @@ class GroupedSamplerDistributor(SamplerDistributor):
         self.window = _check_window(window)
         self.bounds = dataset.group_bounds
 
+    def epoch_order(self, epoch: int) -> list[int]:
+        return (two_level_order(self.bounds, self.seed, epoch, self.window) if self.shuffle
+                else torch.arange(len(self.dataset))).tolist()  # fmt: skip
+
+    @staticmethod
+    def rank_positions(n: int, dp_rank: int, dp_world_size: int) -> range:
+        """Rank ``dp_rank``'s contiguous block of the padded order (length ``ceil(n / W) * W``)."""
+        per_rank = math.ceil(n / dp_world_size)
+        return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
     def rank_indices(self, epoch: int, dp_rank: int, dp_world_size: int) -> list[int]:
         key = (epoch, dp_rank, dp_world_size)
         if key not in self._indices:
             self._indices.clear()
-            n = len(self.dataset)
-            order = (two_level_order(self.bounds, self.seed, epoch, self.window) if self.shuffle
-                     else torch.arange(n)).tolist()
-            per_rank = math.ceil(n / dp_world_size)
-            padded = (order * math.ceil(per_rank * dp_world_size / n))[: per_rank * dp_world_size]
-            self._indices[key] = padded[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+            order = self.epoch_order(epoch)
+            self._indices[key] = [order[p % len(order)] for p in self.rank_positions(len(order), dp_rank,
+                                                                                      dp_world_size)]
         return self._indices[key]
 
     def fingerprint(self) -> dict[str, Any]:

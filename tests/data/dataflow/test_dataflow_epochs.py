@@ -106,11 +106,102 @@ def test_resume_at_any_batch_continues_the_uninterrupted_run(n, batch, world, wo
         assert rest[rank] == full[rank][cut : cut + len(rest[rank])]
 
 
-def test_resume_under_another_world_size_is_refused_naming_the_field():
+def interrupted(n, batch, world, cut, seed, distributor=SamplerDistributor):
+    """``world`` ranks stopped after ``cut`` batches of epoch 0: (their batches, the state every rank saves)."""
+    loaders = make_loaders(lambda: distributor(records(n), seed=seed), world, 1, batch_size=batch)
+    its = [iter(dl) for dl in loaders]
+    consumed = [[ids(next(it)) for _ in range(cut)] for it in its]
+    states = [dl.state_dict() for dl in loaders]
+    assert all(s == states[0] for s in states)
+    return consumed, states[0]
+
+
+def resumed(n, batch, world, state, seed, epochs=1, distributor=SamplerDistributor):
+    """``world`` fresh ranks loaded from ``state``: per rank, the batches of the rest of the epoch (then ``epochs - 1``
+    more), each list of epochs per rank."""
+    loaders = make_loaders(lambda: distributor(records(n), seed=seed), world, 1, batch_size=batch)
+    for dl in loaders:
+        dl.load_state_dict(state)
+    return [[[ids(b) for b in dl] for _ in range(epochs)] for dl in loaders]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), batch=st.integers(1, 6), world=st.integers(1, 4), new_world=st.integers(1, 4),
+       cut=st.integers(0, 40), seed=st.integers(0, 5))
+def test_an_epoch_resumed_on_another_world_size_serves_every_sample_once(n, batch, world, new_world, cut, seed):
+    """Killed on ``world`` ranks after ``cut`` batches, resumed on ``new_world``: the first part is torch's own
+    DistributedSampler epoch (the reference); the two parts together serve every sample of the epoch, each once,
+    besides the padding repeats of the resumed layout (``DistributedSampler``'s rule: ``ceil(m / W') * W' - m`` of
+    the ``m`` samples left, repeated); every new rank has the same number of batches; the next epoch is torch's epoch
+    for the new world size."""
+    per_epoch = math.ceil(math.ceil(n / world) / batch)
+    cut = cut % per_epoch  # mid-epoch (a cut on the boundary is an ordinary start of epoch 1)
+    consumed, state = interrupted(n, batch, world, cut, seed)
+    for rank in range(world):
+        assert consumed[rank] == torch_epoch(n, batch, world, rank, 0, seed)[:cut]
+    rest = resumed(n, batch, new_world, state, seed, epochs=2)
+    first = [i for batches in consumed for b in batches for i in b]
+    second = [i for ranks in rest for b in ranks[0] for i in b]
+    left = n - len(first)
+    assert len(set(first)) == len(first)  # a stopped epoch never reached DistributedSampler's padding
+    if new_world == world:  # the same layout: simply the rest of torch's epoch
+        assert all(consumed[r] + rest[r][0] == torch_epoch(n, batch, world, r, 0, seed) for r in range(world))
+    else:  # the rest, each sample once, its own first samples repeated as padding
+        assert sorted(set(first) | set(second)) == list(range(n)) and not set(first) & set(second)
+        assert len(second) == math.ceil(left / new_world) * new_world
+    assert len({len(ranks[0]) for ranks in rest}) == 1 and len(rest[0][0]) == math.ceil(math.ceil(left / new_world)
+                                                                                          / batch)
+    for rank in range(new_world):
+        assert rest[rank][1] == torch_epoch(n, batch, new_world, rank, 1, seed)
+
+
+def test_an_epoch_resumed_on_another_world_size_keeps_its_order():
+    """The rest of the epoch is the epoch's order less what was served, dealt as DistributedSampler deals (every
+    W'-th), by hand: 10 records unshuffled, batch 2, two ranks stop after one batch ([0, 2] and [1, 3] served)."""
+    consumed, state = interrupted(10, 2, 2, 1, 0, distributor=lambda d, seed: SamplerDistributor(d, shuffle=False))
+    assert consumed == [[[0, 2]], [[1, 3]]]
+    one = resumed(10, 2, 1, state, 0, distributor=lambda d, seed: SamplerDistributor(d, shuffle=False))
+    assert one == [[[[4, 5], [6, 7], [8, 9]]]]
+    three = resumed(10, 2, 3, state, 0, distributor=lambda d, seed: SamplerDistributor(d, shuffle=False))
+    assert three == [[[[4, 7]]], [[[5, 8]]], [[[6, 9]]]]
+
+
+def test_world_size_changing_twice_in_one_epoch():
+    """2 ranks → 1 → 3 within one epoch of 31 shuffled records: every record served, the repeats only padding."""
+    n, batch, seed = 31, 2, 4
+    consumed, state = interrupted(n, batch, 2, 3, seed)
+    loaders = make_loaders(lambda: SamplerDistributor(records(n), seed=seed), 1, 1, batch_size=batch)
+    loaders[0].load_state_dict(state)
+    it = iter(loaders[0])
+    middle = [ids(next(it)) for _ in range(4)]
+    state = loaders[0].state_dict()
+    assert state["segments"] == [{"world": 2, "batches": 3}] and state["epoch_step"] == 7
+    last = resumed(n, batch, 3, state, seed)
+    served = [i for part in (*consumed, middle, *(r[0] for r in last)) for b in part for i in b]
+    left = n - 12 - 8
+    assert sorted(set(served)) == list(range(n)) and len(served) == n + (math.ceil(left / 3) * 3 - left)
+
+
+def test_a_state_saved_before_the_world_size_left_the_fingerprint_still_loads():
+    [dl] = make_loaders(lambda: SamplerDistributor(records(10)), 1, 1, batch_size=2)
+    first = ids(next(iter(dl)))
+    state = dl.state_dict()
+    del state["world"]
+    state["fingerprint"]["dp_world_size"] = 1  # as ff.dataflow/1 states were written until 2026-12
+    same = make_loaders(lambda: SamplerDistributor(records(10)), 1, 1, batch_size=2)[0]
+    same.load_state_dict(state)
+    assert len(same) == 4
+    other = make_loaders(lambda: SamplerDistributor(records(10)), 2, 1, batch_size=2)
+    for o in other:
+        o.load_state_dict(state)
+    assert sorted(i for o in other for b in o for i in ids(b)) == sorted(set(range(10)) - set(first))
+
+
+def test_another_batch_size_is_refused_naming_the_field():
     [dl] = make_loaders(lambda: SamplerDistributor(records(10)), 1, 1, batch_size=2)
     next(iter(dl))
-    other = make_loaders(lambda: SamplerDistributor(records(10)), 2, 1, batch_size=2)[0]
-    with pytest.raises(ValueError, match=r"fingerprint field 'dp_world_size' is 1 in the checkpoint but 2"):
+    other = make_loaders(lambda: SamplerDistributor(records(10)), 1, 1, batch_size=3)[0]
+    with pytest.raises(ValueError, match=r"fingerprint field 'batcher\.batch_size' is 2 in the checkpoint but 3"):
         other.load_state_dict(dl.state_dict())
 
 
