@@ -39,11 +39,14 @@ from ff_core.rewards import RewardSpec
 from ff_core.sampling import COMPONENT_WEIGHTS_KEY, check_kept_weights
 from ff_core.seeding import derive_seed
 from ff_core.sharding import (
+    STRATEGY_NAMES,
     ShardingConfig,
     check_sharded,
     clean_name,
     data_parallel_mesh,
+    fully_shard_copies,
     fully_shard_networks,
+    strategy_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -208,10 +211,11 @@ class FlowModule(Evaluation, L.LightningModule):
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
         check_nonfinite_strategy(self.nonfinite_guard.policy, strategy)
-        sharding = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
-        if sharding and not self.objective.sharded_training:
-            raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on one device or under DDP "
-                              f"(trainer.strategy: ddp), not under {type(strategy).__name__}")  # fmt: skip
+        kind, allowed = strategy_kind(strategy), self.objective.sharding_strategies
+        if kind is not None and kind not in allowed:
+            runs = ", ".join(["one device", "DDP", *(STRATEGY_NAMES[k] for k in sorted(allowed))])
+            raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on {runs}, not under "
+                              f"{STRATEGY_NAMES[kind]}")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
             data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:
@@ -309,8 +313,11 @@ class FlowModule(Evaluation, L.LightningModule):
                               f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
                               "a step); use DDP (trainer.strategy: ddp)")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
-            self._check_unsharded_reference()
-            fully_shard_networks(adapter, data_parallel_mesh(strategy), self.sharding or ShardingConfig())
+            mesh, config = data_parallel_mesh(strategy), self.sharding or ShardingConfig()
+            copies = self._reference_copies()
+            if copies:  # before the networks: its blocks are found by their names inside them
+                fully_shard_copies(adapter, copies, mesh, config)
+            fully_shard_networks(adapter, mesh, config)
             check_sharded(self)  # a trained parameter outside every sharded network would never be reduced
         elif isinstance(strategy, FSDPStrategy):
             # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
@@ -323,18 +330,20 @@ class FlowModule(Evaluation, L.LightningModule):
             if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
                 strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
 
-    def _check_unsharded_reference(self) -> None:
-        """Full fine-tuning with a reference policy (offline DPO) copies the trained networks whole; FSDP2 would shard
-        the policy but leave a whole fp32 copy of it on every rank (more memory than DDP's share of the policy's),
-        computed outside ``model.sharding``'s dtype. Refused until the copies are sharded too (docs/scaling.md)."""
+    def _reference_copies(self) -> list[torch.nn.Module]:
+        """The frozen copies of a full fine-tuning's reference policy (offline DPO, GRPO with ``kl_beta``), which FSDP2
+        shards as it shards the networks they copy (:func:`~ff_core.sharding.fully_shard_copies`); refused when they
+        are offloaded to the CPU (``reference_offload``: sharding already divides them over the ranks)."""
         from ff_core.objectives.reference import ReferenceModel
 
         reference = getattr(self.objective, "reference", None)
-        if isinstance(reference, ReferenceModel) and reference.copies():
-            raise ConfigError("model.lora", f"{type(self.objective).__name__} fine-tunes fully (no model.lora) under "
-                              "ModelParallelStrategy (FSDP2), whose reference copy would stay whole on every rank: "
-                              "train a LoRA (its reference is the base with the LoRA disabled, sharded with it), or "
-                              "use trainer.strategy: ddp")  # fmt: skip
+        if not isinstance(reference, ReferenceModel) or not reference.copies():
+            return []
+        if reference.offload:
+            raise ConfigError("model.objective.init_args.reference_offload", "true is not supported under "
+                              "ModelParallelStrategy (FSDP2): the reference copy is sharded over the ranks there, as "
+                              "the policy is; drop it")  # fmt: skip
+        return reference.copies()
 
     def _check_micro_batch(self) -> None:
         """An objective that batches its own forwards (GRPO's ``micro_batch_size``: samples per rollout and replay

@@ -92,6 +92,21 @@ class ShardingConfig:
                 "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}  # fmt: skip
 
 
+STRATEGY_NAMES = {"fsdp2": "FSDP2 (ModelParallelStrategy)", "fsdp1": "FSDP1 (FSDPStrategy)",
+                  "deepspeed": "DeepSpeed (DeepSpeedStrategy)"}  # fmt: skip
+"""The sharding strategies ff knows, by :func:`strategy_kind`, as messages name them."""
+
+
+def strategy_kind(strategy: Any) -> str | None:
+    """``fsdp2`` (Lightning's ``ModelParallelStrategy``), ``fsdp1`` (``FSDPStrategy``), ``deepspeed``
+    (``DeepSpeedStrategy``, ff's CPU subclass included), or ``None``: a strategy that replicates the model (one
+    device, DDP)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    kinds = ((ModelParallelStrategy, "fsdp2"), (FSDPStrategy, "fsdp1"), (DeepSpeedStrategy, "deepspeed"))
+    return next((kind for cls, kind in kinds if isinstance(strategy, cls)), None)
+
+
 def data_parallel_mesh(strategy: Any) -> Any:
     """The data-parallel dimension of a ``ModelParallelStrategy``'s device mesh, after checking that the run is
     purely data-parallel: ff has no tensor-parallel plan, so a ``tensor_parallel_size`` above 1 would give the ranks
@@ -126,16 +141,42 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
         mesh: the 1-D data-parallel device mesh (:func:`data_parallel_mesh`).
         config: the FSDP2 settings.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = config.fsdp_kwargs()
     blocks = adapter.sharding_blocks()
     for name, network in adapter.denoisers().items():
-        for block in blocks.get(name, ()):
-            fully_shard(block, mesh=mesh, **kwargs)
-        fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
-        if config.param_dtype is not None:
-            cast_forward_inputs(network, TORCH_DTYPES[config.param_dtype], adapter.full_precision_inputs)
+        shard_network(network, blocks.get(name, ()), mesh, config, adapter.full_precision_inputs)
+
+
+def fully_shard_copies(adapter: Adapter, copies: list[nn.Module], mesh: Any, config: ShardingConfig) -> None:
+    """FSDP2 over the frozen copies of the trained networks (a full fine-tuning's reference policy,
+    :class:`~ff_core.objectives.reference.ReferenceModel`), unit for unit as :func:`fully_shard_networks` shards the
+    networks they copy: each rank holds ``1 / mesh.size()`` of the copy, all-gathered block by block in its forwards
+    (no gradient: nothing to reduce), computed in ``config.param_dtype`` as the policy is. Call it before the trained
+    networks are sharded (the copies' blocks are found by their names inside the network).
+
+    Args:
+        adapter: the loaded adapter whose ``trained_networks()`` the copies are, in that order.
+        copies: the copies (``ReferenceModel.copies()``).
+        mesh: the 1-D data-parallel device mesh.
+        config: the FSDP2 settings of the trained networks.
+    """
+    blocks = adapter.sharding_blocks()
+    names = {id(network): name for name, network in adapter.denoisers().items()}
+    for network, copy in zip(adapter.trained_networks(), copies):
+        paths = {id(m): path for path, m in network.named_modules()}
+        units = [copy.get_submodule(paths[id(block)]) for block in blocks.get(names.get(id(network)), ())]
+        shard_network(copy, units, mesh, config, adapter.full_precision_inputs)
+
+
+def shard_network(network: nn.Module, blocks: Any, mesh: Any, config: ShardingConfig, keep: tuple[str, ...]) -> None:
+    """``fully_shard`` each of ``blocks``, then ``network`` as their root, its forward inputs cast to
+    ``config.param_dtype`` except the keyword inputs named in ``keep`` (:func:`cast_forward_inputs`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **config.fsdp_kwargs())
+    fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
+    if config.param_dtype is not None:
+        cast_forward_inputs(network, TORCH_DTYPES[config.param_dtype], keep)
 
 
 def check_sharded(module: nn.Module) -> None:

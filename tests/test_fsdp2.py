@@ -83,14 +83,20 @@ def ff_fit(recipe: Path, tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps
         {"class_path": "tests.test_fsdp2.ShardReport", "init_args": {"dirpath": str(root / "shards")}},
     ]
     strategy = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if ddp else []
-    cmd = [
-        sys.executable, "-m", "ff_core.cli", "fit", "--config", str(recipe), *strategy,
+    return launch(root, [
+        "--config", str(recipe), *strategy,
         "--model.pretrained_model_name_or_path", str(tiny_sd3),
         "--data.datasets", json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}]),
         "--data.per_device_batch_size", "2", "--trainer.max_steps", str(max_steps),
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.limit_val_batches", "0", "--trainer.callbacks", json.dumps(callbacks), *extra,
-    ]  # fmt: skip
+    ])  # fmt: skip
+
+
+def launch(root: Path, args: list[str]) -> list[subprocess.Popen]:
+    """`ff fit ARGS` on 2 ranks started at once (LOCAL_RANK set, as torchrun does: Lightning launches nothing), each
+    in its own process group, logging to ROOT/ff_fit.rank<r>.log."""
+    cmd = [sys.executable, "-m", "ff_core.cli", "fit", *args]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                WORLD_SIZE="2", NODE_RANK="0", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))

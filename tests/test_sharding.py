@@ -98,6 +98,15 @@ def test_sharding_config_names_a_bad_dtype():
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16 and kwargs["mp_policy"].reduce_dtype == torch.float32
 
 
+def deepspeed(stage: int):
+    """A ``DeepSpeedStrategy`` built without its ``__init__`` (only the attributes ff reads set)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    strategy.exclude_frozen_parameters, strategy.config = True, {"zero_optimization": {"stage": stage}}
+    return strategy
+
+
 def trainer_with_mesh(dp: int, tp: int):
     """A Trainer under ModelParallelStrategy whose device mesh is the one its setup_environment would build
     (lightning.fabric.strategies.model_parallel._setup_device_mesh)."""
@@ -138,14 +147,16 @@ def test_a_tensor_parallel_mesh_is_refused_before_weights_load(fake_world, tiny_
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ConfigError, match="model.sharding"):
         module.setup("validate")
-    # GRPO all-reduces its own gradients (a DDP wrapper's job it switches off): refused under sharding strategies.
+    # GRPO trains under FSDP2 (tests/test_grpo_fsdp2.py), not (yet) under DeepSpeed or FSDP1: refused, naming both.
     from ff_core.objectives import GRPOObjective
 
     grpo = GRPOObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2)
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=grpo)
     module.trainer = trainer_with_mesh(2, 1)
-    with pytest.raises(ConfigError, match="GRPOObjective runs on one device or under DDP"):
-        module.setup("validate")
+    module.setup("validate")
+    with pytest.raises(ConfigError, match=r"GRPOObjective runs on one device, DDP, FSDP2 \(ModelParallelStrategy\), "
+                       r"not under DeepSpeed \(DeepSpeedStrategy\)"):  # fmt: skip
+        module._check_strategy(deepspeed(2))
 
 
 STRATEGY_RECIPES = {
@@ -266,16 +277,33 @@ def test_resuming_another_lora_is_refused_without_a_state_dict(tiny_sd3):
     assert module.adapter is None
 
 
-def test_fsdp2_refuses_full_fine_tuning_dpo(fake_world, tiny_sd3):
-    """Offline DPO without LoRA copies the denoiser as its reference: under FSDP2 the copy stayed whole (and fp32) on
-    every rank beside the sharded policy. Refused once the copy exists, naming model.lora."""
+def test_fsdp2_shards_a_full_fine_tunings_reference_copy(fake_world, tiny_sd3):
+    """Offline DPO without LoRA copies the denoiser as its reference: under FSDP2 the copy is sharded unit for unit as
+    the policy is (it stayed whole, in fp32, on every rank, and was refused before issue 26), frozen, in the
+    policy's compute dtype; an offloaded copy is refused, naming the key. Sharded over a fake 2-rank group (no
+    collective runs while sharding; tests/test_dpo_fsdp2.py trains it)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     from ff_core.objectives import DPOObjective
 
     fake_world(0)
-    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=DPOObjective())
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=DPOObjective(),
+                        sharding=ShardingConfig(param_dtype="bfloat16"))  # fmt: skip
     module.trainer = trainer_with_mesh(2, 1)
-    with pytest.raises(ConfigError, match="model.lora"):
-        module.configure_model()
+    module.configure_model()
+    (copy,) = module.objective.reference.copies()
+    policy = module.adapter.transformer
+    assert isinstance(copy, FSDPModule) and isinstance(policy, FSDPModule) and copy is not policy
+    assert all(isinstance(p, DTensor) and not p.requires_grad for p in copy.parameters())
+    units = [n for n, m in copy.named_modules() if isinstance(m, FSDPModule) and n]
+    assert units == [n for n, m in policy.named_modules() if isinstance(m, FSDPModule) and n] and units
+    assert copy._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+    offloaded = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
+                           objective=DPOObjective(reference_offload=True))  # fmt: skip
+    offloaded.trainer = trainer_with_mesh(2, 1)
+    with pytest.raises(ConfigError, match="reference_offload"):
+        offloaded.configure_model()
 
 
 def test_detached_frozen_components_stay_in_eval_mode(tiny_sd3):
@@ -294,13 +322,6 @@ def test_deepspeed_zero3_refusal_names_a_setting_that_is_accepted(tiny_sd3):
     """The ZeRO-3 refusal suggested deepspeed_stage_2, whose exclude_frozen_parameters=False is refused too. DeepSpeed
     is not installed here, so the strategies are built without their __init__ (only the read attributes set)."""
     import re
-
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    def deepspeed(stage: int) -> DeepSpeedStrategy:
-        strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
-        strategy.exclude_frozen_parameters, strategy.config = True, {"zero_optimization": {"stage": stage}}
-        return strategy
 
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, lora=LoRAConfig(rank=2, alpha=2.0))
     with pytest.raises(ConfigError, match=re.escape("{stage: 2, exclude_frozen_parameters: true}")):

@@ -46,9 +46,10 @@ class Objective:
     automatic_optimization: ClassVar[bool] = True
     """``False``: the objective optimises itself (GRPO's rollout + several optimiser steps per batch): FlowModule
     turns Lightning's manual optimisation on and calls :meth:`training_step` instead of :meth:`training_loss`."""
-    sharded_training: ClassVar[bool] = True
-    """``False``: the objective runs on one device or under DDP only; ``FlowModule`` refuses a sharding strategy
-    (FSDP2, FSDP1, DeepSpeed) before any weight loads (docs/scaling.md)."""
+    sharding_strategies: ClassVar[frozenset[str]] = frozenset({"fsdp2", "fsdp1", "deepspeed"})
+    """The sharding strategies the objective trains under (:func:`ff_core.sharding.strategy_kind`: ``fsdp2``
+    Lightning's ``ModelParallelStrategy``, ``fsdp1`` its ``FSDPStrategy``, ``deepspeed`` its ``DeepSpeedStrategy``);
+    ``FlowModule`` refuses any other before any weight loads (docs/scaling.md). One device and DDP always run."""
 
     def check_run(self, dp_world_size: int) -> None:
         """Check the objective's settings against the run before any weights load (``FlowModule.setup`` calls it when

@@ -176,7 +176,9 @@ class GRPOObjective(Objective):
     supports_frozen_components = True
     automatic_optimization = False
     curve_metric = "reward_mean"  # it logs no single "loss": LossCurve draws the batch's mean reward
-    sharded_training = False  # it all-reduces its accumulated gradients itself, a DDP wrapper's job switched off
+    # Under DDP it all-reduces its accumulated gradients itself (the wrapper's per-backward sync switched off); under
+    # FSDP2 the shards' reduce-scatter does, every rank replaying every micro-batch (_gradient_sync).
+    sharding_strategies = frozenset({"fsdp2"})
 
     def __init__(
         self,
@@ -246,6 +248,7 @@ class GRPOObjective(Objective):
         self.component_weights = check_component_weights(component_weights)
         self.reference: ReferenceModel | None = None
         self._rewards_device: torch.device | None = None
+        self._sync: Literal["none", "manual", "strategy"] = "none"  # set per step: _gradient_sync
 
     @property
     def grouping(self) -> tuple[int, int]:
@@ -300,7 +303,7 @@ class GRPOObjective(Objective):
             generator: the rollout noise generator of this rank and step.
         """
         adapter = module.adapter
-        _take_over_gradient_sync(module)
+        self._sync = _gradient_sync(module)
         if self._rewards_device != module.device:  # reward models score where the policy runs
             self.rewards.to(module.device)
             self._rewards_device = module.device
@@ -384,20 +387,23 @@ class GRPOObjective(Objective):
         optimizer, scheduler = module.optimizers(), module.lr_schedulers()
         stats = UpdateStats()
         chunks = [c for c in _split(rollouts, self.mini_batches) if c]
+        # Sharded parameters are all-gathered in every forward and reduce-scattered in every backward: every rank must
+        # run the same forwards and backwards, so a micro-batch filtered out whole is replayed with weight 0.
+        lockstep = self._sync == "strategy"
         for _ in range(self.num_inner_epochs):
             for chunk in chunks:
                 # Every kept (sample, transition) weighs the same in the optimiser step: the mean over them.
                 terms = sum(len(r.trajectory.transitions) * r.kept for r in chunk)
                 guard = getattr(module, "nonfinite_guard", None)  # ff_core.nonfinite: model.nonfinite
                 for r in chunk:
-                    if not r.kept:  # filtered out whole (filter_zero_std): nothing to replay
+                    if not r.kept and not lockstep:  # filtered out whole (filter_zero_std): nothing to replay
                         continue
                     for t in r.trajectory.transitions:
                         loss = self.transition_loss(adapter, r, t, stats)
                         if guard is not None:
                             guard.observe_loss(loss)
-                        module.manual_backward(loss * r.kept / terms)
-                if _average_gradients(module, terms) == 0:  # no rank kept a sample (filter_zero_std)
+                        module.manual_backward(loss * r.kept / terms if r.kept else loss)  # loss: 0 when unkept
+                if _average_gradients(module, terms, self._sync) == 0:  # no rank kept a sample (filter_zero_std)
                     _count_step_without_stepping(optimizer)
                 elif guard is not None and _nonfinite_skip(module, guard, optimizer):  # before any weight moves
                     _count_step_without_stepping(optimizer)
@@ -412,7 +418,11 @@ class GRPOObjective(Objective):
         return stats
 
     def transition_loss(self, adapter: Adapter, rollout: Rollout, t, stats: UpdateStats) -> Tensor:
-        """The mean over the micro-batch of one transition's clipped surrogate plus the KL term, with gradient."""
+        """The mean over the micro-batch's kept samples of one transition's clipped surrogate plus the KL term, with
+        gradient; a micro-batch with no kept sample (replayed under FSDP2 only to keep the ranks' collectives in step)
+        gives a zero loss with a zero gradient and no statistics."""
+        if not rollout.kept:
+            stats = UpdateStats()  # thrown away
         trajectory = rollout.trajectory
         sigmas = t.levels or (t.sigma, t.sigma_next)
         v = guided_velocity(adapter, t.state, t.velocity_levels, rollout.condition, rollout.negative,
@@ -436,7 +446,7 @@ class GRPOObjective(Objective):
         stats.clipped_high.append(policy.clipped_high[keep])
         stats.policy_loss.append(policy.loss.detach()[keep])
         stats.approx_kl.append((0.5 * (step.log_prob.detach() - t.log_prob) ** 2)[keep])
-        return loss[keep].mean()
+        return loss[keep].mean() if rollout.kept else loss.sum() * 0
 
     def kl(self, adapter: Adapter, rollout: Rollout, t, v, step) -> Tensor:
         """Per sample, the KL term to the reference at this transition (``kl_on``, ``kl_scale``), with gradient:
@@ -504,29 +514,38 @@ def _gather_objects(module: Any, obj: Any) -> list[Any]:
     return out
 
 
-def _take_over_gradient_sync(module: Any) -> None:
-    """Under DDP, turn the wrapper's per-backward gradient all-reduce off; :func:`_average_gradients` averages once
-    per optimiser step instead.
+def _gradient_sync(module: Any) -> Literal["none", "manual", "strategy"]:
+    """Who averages the replayed gradients over the data-parallel ranks: ``none`` (one process), ``manual`` (DDP:
+    :func:`_average_gradients`, once per optimiser step) or ``strategy`` (FSDP2: each backward's reduce-scatter).
 
-    Under manual optimisation Lightning re-arms DDP's reducer before every ``manual_backward``, so each replayed
-    transition would all-reduce the whole gradient; GRPO accumulates over every transition of a run first (as
-    Flow-GRPO does under accelerate's ``accumulate``), so it sets DDP's ``require_backward_grad_sync`` off (the flag
-    ``no_sync`` sets, which Lightning's ``prepare_for_backward`` honours) and averages the accumulated gradients in one
-    flat all-reduce. Multi-process strategies that shard parameters (FSDP, DeepSpeed) are refused.
+    Under DDP, the wrapper's per-backward all-reduce is turned off: under manual optimisation Lightning re-arms DDP's
+    reducer before every ``manual_backward``, so each replayed transition would all-reduce the whole gradient; GRPO
+    accumulates over every transition of a run first (as Flow-GRPO does under accelerate's ``accumulate``), so it sets
+    DDP's ``require_backward_grad_sync`` off (the flag ``no_sync`` sets, which Lightning's ``prepare_for_backward``
+    honours) and averages the accumulated gradients in one flat all-reduce.
+
+    Under FSDP2 each backward reduce-scatters the gradients of the blocks it ran into the rank's shards, which
+    accumulate over the step's transitions: the mean over ranks of each rank's accumulated gradient, as DDP's, without
+    a full gradient ever held whole (``set_requires_gradient_sync(False)`` would save the communication at the cost of
+    an unsharded gradient per rank). Every rank must then run the same forwards and backwards (:meth:`update`).
     """
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
-        return
+        return "none"
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
+    if any(isinstance(p, DTensor) for p in module.parameters() if p.requires_grad):  # FSDP2's shards
+        return "strategy"
     wrapper = getattr(trainer.strategy, "model", None)
     if not isinstance(wrapper, DistributedDataParallel):
-        raise ValueError(f"GRPO runs on one device or under DDP (trainer.strategy: ddp); got "
+        raise ValueError(f"GRPO runs on one device, under DDP (trainer.strategy: ddp) or FSDP2; got "
                          f"{type(trainer.strategy).__name__}")  # fmt: skip
     wrapper.require_backward_grad_sync = False
+    return "manual"
 
 
-def _average_gradients(module: Any, terms: int) -> int:
+def _average_gradients(module: Any, terms: int, sync: Literal["none", "manual", "strategy"] = "manual") -> int:
     """Average the trainable parameters' gradients over the data-parallel ranks; returns the (sample, transition)
     terms back-propagated for the step on all ranks together (``terms`` on one process).
 
@@ -536,7 +555,8 @@ def _average_gradients(module: Any, terms: int) -> int:
     terms); the gradients are then averaged over exactly the parameters some rank trained (a rank without one adds
     zeros), in one flat all-reduce of the same tensors on every rank. A parameter no rank trained keeps no gradient
     (``None``), so the optimiser leaves it and its state alone, as on one process: a zero gradient would not (AdamW's
-    weight decay and momentum still move it).
+    weight decay and momentum still move it). Under ``sync="strategy"`` (FSDP2, :func:`_gradient_sync`) the shards
+    are already averaged: only the terms are summed.
     """
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
@@ -544,6 +564,10 @@ def _average_gradients(module: Any, terms: int) -> int:
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    if sync == "strategy":  # the shards' reduce-scatter averaged them: only the count remains
+        count = torch.tensor([float(terms)], device=module.device)
+        dist.all_reduce(count)
+        return int(count.item())
     params = [p for p in module.parameters() if p.requires_grad]
     flags = torch.tensor([float(p.grad is not None) for p in params] + [float(terms)], device=params[0].device)
     dist.all_reduce(flags)
