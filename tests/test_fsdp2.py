@@ -25,6 +25,7 @@ named the frozen base too (the resume failed: "Missing key in checkpoint state_d
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -45,6 +46,7 @@ from tests.test_ddp_resume import LAUNCHER_VARS, free_port
 REPO = Path(__file__).resolve().parents[1]
 DDP_RECIPE = REPO / "configs" / "sd3" / "sft_tiny.yaml"
 FSDP2_RECIPE = REPO / "configs" / "sd3" / "sft_tiny_fsdp2.yaml"
+DPO_RECIPE = REPO / "configs" / "sd3" / "offline_dpo_tiny.yaml"
 KILL_AT, MAX_STEPS, FULL_STEPS = 2, 6, 4  # FULL_STEPS: a multiple of the checkpoint interval (2)
 # The LoRA runs write sharded checkpoints (one file per rank, nothing gathered); full fine-tuning the recipe's
 # gathered file.
@@ -67,6 +69,10 @@ class ShardReport(L.Callback):
             "submodules": sorted(name for name, _ in pl_module.adapter.named_children()),
             "detached": sorted(pl_module.adapter.detached_modules()),
         }
+        reference = getattr(pl_module.objective, "reference", None)
+        copies = [p for c in reference.copies() for p in c.parameters()] if reference is not None else []
+        report["reference_local"] = sum(local_numel(p) for p in copies)
+        report["reference_total"] = sum(p.numel() for p in copies)
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -207,12 +213,44 @@ def full_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     return ddp, fsdp2, resumed
 
 
-def assert_same_run(fsdp2_rows: list[dict], ddp_rows: list[dict]) -> None:
-    """The same batches and noise at every step; the losses within float tolerance."""
+@pytest.fixture(scope="module")
+def dpo_full_runs(tiny_sd3, shapes_dpo_dir, tmp_path_factory):
+    """Full fine-tuning offline DPO (a frozen reference copy of the denoiser) under DDP and FSDP2, 2 steps, side by
+    side."""
+    base = tmp_path_factory.mktemp("dpo_fsdp2")
+    ddp, fsdp2 = base / "DD", base / "DF"
+    fsdp2_strategy = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                 "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}})  # fmt: skip
+    full = ("--model.lora", "null", "--model.optimizer.init_args.lr", "1.0e-4")
+    wait({**start(DPO_RECIPE, tiny_sd3, shapes_dpo_dir, ddp, KILL_AT, *full, ddp=True),
+          **start(DPO_RECIPE, tiny_sd3, shapes_dpo_dir, fsdp2, KILL_AT, *full, "--trainer.strategy", fsdp2_strategy,
+                  "--trainer.devices", "2")})  # fmt: skip
+    return ddp, fsdp2
+
+
+def test_fsdp2_full_fine_tuning_dpo_shards_its_reference_and_trains_as_ddp(dpo_full_runs):
+    """Offline DPO without LoRA (refused under FSDP2 before issue 26): the frozen reference copy is sharded like the
+    policy (half per rank; whole on every DDP rank), and the run takes DDP's samples, noise, per-sample losses and
+    final weights. The losses within 1e-4: DPO's beta (5000) multiplies the float rounding of the policy-reference
+    gap (a reference computed with the policy's weights would give log 2 at step 2, as at step 1)."""
+    ddp, fsdp2 = dpo_full_runs
+    for rank in (0, 1):
+        assert rows(ddp, rank)[0]["loss"] == pytest.approx(math.log(2))  # the policy starts as its reference
+        assert rows(ddp, rank)[1]["loss"] > 2 * math.log(2)
+        assert_same_run(rows(fsdp2, rank), rows(ddp, rank), rel=1e-4)
+        sharded, whole = report(fsdp2, rank), report(ddp, rank)
+        assert whole["reference_local"] == whole["reference_total"] == sharded["reference_total"] > 0
+        assert sharded["reference_local"] == pytest.approx(sharded["reference_total"] / 2, rel=0.05)
+        assert sharded["unsharded"] == 0
+    assert_same_weights(weights(fsdp2), weights(ddp))
+
+
+def assert_same_run(fsdp2_rows: list[dict], ddp_rows: list[dict], rel: float = 1e-5) -> None:
+    """The same batches and noise at every step; the losses within float tolerance (``rel``)."""
     strip = [{k: v for k, v in r.items() if k != "loss"} for r in fsdp2_rows]
     assert strip == [{k: v for k, v in r.items() if k != "loss"} for r in ddp_rows]
     got, want = [r["loss"] for r in fsdp2_rows], [r["loss"] for r in ddp_rows]
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert got == pytest.approx(want, rel=rel, abs=1e-6)
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
