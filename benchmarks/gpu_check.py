@@ -42,7 +42,7 @@ FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStr
                                   "save_distributed_checkpoint": False}})  # fmt: skip
 FSDP1 = json.dumps({"class_path": "lightning.pytorch.strategies.FSDPStrategy",
                     "init_args": {"sharding_strategy": "FULL_SHARD", "state_dict_type": "full"}})
-DEEPSPEED = json.dumps({"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
+DEEPSPEED = json.dumps({"class_path": "ff_core.strategies.DeepSpeedStrategy",
                         "init_args": {"stage": 2, "exclude_frozen_parameters": True}})
 STRATEGIES = {"single": [], "fsdp": ["--trainer.strategy", FSDP1], "fsdp2": ["--trainer.strategy", FSDP2],
               "deepspeed": ["--trainer.strategy", DEEPSPEED]}  # fmt: skip

@@ -12,7 +12,7 @@ pip install -q --disable-pip-version-check --upgrade pip
 pip install -q --disable-pip-version-check torch==2.13.0
 plugins=()
 for p in plugins/*/; do plugins+=(-e "$p"); done
-pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test]" "${plugins[@]}"
+DS_BUILD_OPS=0 pip install -q --disable-pip-version-check transformers==5.24.0 ftfy -e ".[test,deepspeed]" "${plugins[@]}"
 export HF_HUB_OFFLINE=1
 [ -f build/shapes/train.jsonl ] || python -m ff_core.testing.shapes build/shapes
 [ -f build/tiny-sd3/model_index.json ] || python -m ff_sd3.testing --out build/tiny-sd3 --vae-train-dir build/shapes/images
