@@ -176,6 +176,26 @@ class FlowModule(Evaluation, L.LightningModule):
         if value != self.objective.automatic_optimization:
             raise ValueError("FlowModule.automatic_optimization follows model.objective; it cannot be set")
 
+    @property
+    def strategy_reduces_gradients(self) -> bool:
+        """Whether each backward reduces the gradients over the data-parallel ranks itself (FSDP2's reduce-scatter
+        into the shards, DeepSpeed ZeRO's partitioned reduction), so that every rank must run the same forwards and
+        backwards: an objective that optimises itself (GRPO) then leaves the averaging to the strategy. ``False`` on
+        one device and under DDP (whose per-backward all-reduce an objective may switch off)."""
+        return self._trainer is not None and strategy_kind(self._trainer.strategy) in ("fsdp2", "deepspeed")
+
+    def mark_accumulation_boundary(self, last: bool) -> None:
+        """Say whether the next backward is the last before the optimiser step (a no-op but under DeepSpeed).
+
+        DeepSpeed's engine decides when to reduce and keep gradients by counting backwards against its
+        ``gradient_accumulation_steps`` (Lightning's ``accumulate_grad_batches``, 1): with several backwards per
+        optimiser step, ZeRO-2 kept the last backward's gradients only (measured: 2 ranks x 3 backwards of a linear
+        layer stepped by the mean of the last ones). An objective that back-propagates several times per step (GRPO:
+        every replayed transition) marks each, through the engine's ``set_gradient_accumulation_boundary``."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy_kind(strategy) == "deepspeed":
+            strategy.model.set_gradient_accumulation_boundary(last)
+
     # -- before weights: rewards and the records they read ---------------------------------------------
     def setup(self, stage: str) -> None:
         """Build the evaluation rewards and check that the records carry the metadata fields every configured reward
@@ -216,6 +236,8 @@ class FlowModule(Evaluation, L.LightningModule):
             runs = ", ".join(["one device", "DDP", *(STRATEGY_NAMES[k] for k in sorted(allowed))])
             raise ConfigError("trainer.strategy", f"{type(self.objective).__name__} runs on {runs}, not under "
                               f"{STRATEGY_NAMES[kind]}")  # fmt: skip
+        if kind == "deepspeed" and not self.objective.automatic_optimization:
+            self._clip_in_deepspeed(strategy)
         if isinstance(strategy, ModelParallelStrategy):
             data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:
@@ -242,6 +264,18 @@ class FlowModule(Evaluation, L.LightningModule):
                               "DeepSpeedStrategy, init_args: {stage: 2, exclude_frozen_parameters: true}; the "
                               "deepspeed_stage_2 shorthand keeps the frozen base in its checkpoints) or FSDP2 "
                               "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
+
+    def _clip_in_deepspeed(self, strategy: Any) -> None:
+        """DeepSpeed clips gradients inside its engine's step (``gradient_clipping`` in its config; Lightning's
+        ``clip_gradients`` does nothing under it): an objective that clips itself (GRPO's ``max_grad_norm``) has its
+        norm written there. A config that sets another value is refused, naming both keys."""
+        norm = getattr(self.objective, "max_grad_norm", None)
+        config = strategy.config
+        if config.get("gradient_clipping") not in (None, norm or 0.0):
+            raise ConfigError("trainer.strategy", f"the DeepSpeed config's gradient_clipping "
+                              f"({config['gradient_clipping']}) differs from model.objective.init_args.max_grad_norm "
+                              f"({norm}), which ff writes into it under DeepSpeed: drop one")  # fmt: skip
+        config["gradient_clipping"] = norm or 0.0
 
     @property
     def io_contract(self) -> PipelineIOContract:

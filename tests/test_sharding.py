@@ -147,16 +147,24 @@ def test_a_tensor_parallel_mesh_is_refused_before_weights_load(fake_world, tiny_
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ConfigError, match="model.sharding"):
         module.setup("validate")
-    # GRPO trains under FSDP2 (tests/test_grpo_fsdp2.py), not (yet) under DeepSpeed or FSDP1: refused, naming both.
+    # GRPO trains under FSDP2 and DeepSpeed (tests/test_grpo_sharded.py), not under FSDP1: refused, naming them.
     from ff_core.objectives import GRPOObjective
 
     grpo = GRPOObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2)
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32}, objective=grpo)
     module.trainer = trainer_with_mesh(2, 1)
     module.setup("validate")
-    with pytest.raises(ConfigError, match=r"GRPOObjective runs on one device, DDP, FSDP2 \(ModelParallelStrategy\), "
-                       r"not under DeepSpeed \(DeepSpeedStrategy\)"):  # fmt: skip
-        module._check_strategy(deepspeed(2))
+    zero2 = deepspeed(2)
+    module._check_strategy(zero2)  # DeepSpeed clips in its engine's step: GRPO's max_grad_norm goes into its config
+    assert zero2.config["gradient_clipping"] == grpo.max_grad_norm == 1.0
+    zero2.config["gradient_clipping"] = 0.5
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        module._check_strategy(zero2)
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ConfigError, match=r"GRPOObjective runs on one device, DDP, DeepSpeed \(DeepSpeedStrategy\), "
+                       r"FSDP2 \(ModelParallelStrategy\), not under FSDP1 \(FSDPStrategy\)"):  # fmt: skip
+        module._check_strategy(FSDPStrategy.__new__(FSDPStrategy))
 
 
 STRATEGY_RECIPES = {

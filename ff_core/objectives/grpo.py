@@ -78,6 +78,8 @@ class Rollout:
         advantages: per sample, filled once the rewards are gathered, shape (b,).
         keep: per sample, whether it enters the update (``filter_zero_std``: not in a tied group), bool (b,);
             ``None``: every sample.
+        kept_anywhere: whether any rank keeps a sample of its micro-batch at this position (the ranks' micro-batches
+            are cut alike): a micro-batch no rank keeps is replayed by none, so the ranks' backwards stay in step.
     """
 
     rows: slice
@@ -86,6 +88,7 @@ class Rollout:
     trajectory: Trajectory
     advantages: Tensor | None = None
     keep: Tensor | None = None
+    kept_anywhere: bool = True
 
     @property
     def kept(self) -> int:
@@ -177,8 +180,8 @@ class GRPOObjective(Objective):
     automatic_optimization = False
     curve_metric = "reward_mean"  # it logs no single "loss": LossCurve draws the batch's mean reward
     # Under DDP it all-reduces its accumulated gradients itself (the wrapper's per-backward sync switched off); under
-    # FSDP2 the shards' reduce-scatter does, every rank replaying every micro-batch (_gradient_sync).
-    sharding_strategies = frozenset({"fsdp2"})
+    # FSDP2 and DeepSpeed each backward's reduction does, every rank replaying every micro-batch (_gradient_sync).
+    sharding_strategies = frozenset({"fsdp2", "deepspeed"})
 
     def __init__(
         self,
@@ -374,6 +377,7 @@ class GRPOObjective(Objective):
             device = next(iter(r.trajectory.final.components.values())).device
             r.advantages = local[r.rows].to(device)
             r.keep = (~local_tied[r.rows]).to(device) if self.filter_zero_std and local_tied[r.rows].any() else None
+            r.kept_anywhere = not self.filter_zero_std or not bool(tied.view(-1, n)[:, r.rows].all())
         metrics = {"reward_mean": total.mean(), "reward_std": total.std(correction=0),
                    "zero_std_ratio": zero_std_ratio(total, all_groups)}  # fmt: skip
         for key, scores in all_scores.items():
@@ -387,22 +391,25 @@ class GRPOObjective(Objective):
         optimizer, scheduler = module.optimizers(), module.lr_schedulers()
         stats = UpdateStats()
         chunks = [c for c in _split(rollouts, self.mini_batches) if c]
-        # Sharded parameters are all-gathered in every forward and reduce-scattered in every backward: every rank must
-        # run the same forwards and backwards, so a micro-batch filtered out whole is replayed with weight 0.
+        # Under FSDP2 and DeepSpeed each forward all-gathers and each backward reduces: every rank must run the same
+        # forwards and backwards, so a micro-batch this rank filtered out whole is replayed with weight 0 when another
+        # rank keeps a sample of its own micro-batch at that position (none replays one that no rank keeps).
         lockstep = self._sync == "strategy"
+        boundary = getattr(module, "mark_accumulation_boundary", None)
         for _ in range(self.num_inner_epochs):
             for chunk in chunks:
                 # Every kept (sample, transition) weighs the same in the optimiser step: the mean over them.
                 terms = sum(len(r.trajectory.transitions) * r.kept for r in chunk)
                 guard = getattr(module, "nonfinite_guard", None)  # ff_core.nonfinite: model.nonfinite
-                for r in chunk:
-                    if not r.kept and not lockstep:  # filtered out whole (filter_zero_std): nothing to replay
-                        continue
-                    for t in r.trajectory.transitions:
-                        loss = self.transition_loss(adapter, r, t, stats)
-                        if guard is not None:
-                            guard.observe_loss(loss)
-                        module.manual_backward(loss * r.kept / terms if r.kept else loss)  # loss: 0 when unkept
+                replays = [(r, t) for r in chunk if r.kept or (lockstep and r.kept_anywhere)
+                           for t in r.trajectory.transitions]  # fmt: skip
+                for i, (r, t) in enumerate(replays):
+                    if boundary is not None:  # DeepSpeed: the last backward of the optimiser step
+                        boundary(i == len(replays) - 1)
+                    loss = self.transition_loss(adapter, r, t, stats)
+                    if guard is not None:
+                        guard.observe_loss(loss)
+                    module.manual_backward(loss * r.kept / terms if r.kept else loss)  # loss: 0 when unkept
                 if _average_gradients(module, terms, self._sync) == 0:  # no rank kept a sample (filter_zero_std)
                     _count_step_without_stepping(optimizer)
                 elif guard is not None and _nonfinite_skip(module, guard, optimizer):  # before any weight moves
@@ -516,7 +523,8 @@ def _gather_objects(module: Any, obj: Any) -> list[Any]:
 
 def _gradient_sync(module: Any) -> Literal["none", "manual", "strategy"]:
     """Who averages the replayed gradients over the data-parallel ranks: ``none`` (one process), ``manual`` (DDP:
-    :func:`_average_gradients`, once per optimiser step) or ``strategy`` (FSDP2: each backward's reduce-scatter).
+    :func:`_average_gradients`, once per optimiser step) or ``strategy`` (FSDP2, DeepSpeed: each backward's reduction,
+    ``FlowModule.strategy_reduces_gradients``).
 
     Under DDP, the wrapper's per-backward all-reduce is turned off: under manual optimisation Lightning re-arms DDP's
     reducer before every ``manual_backward``, so each replayed transition would all-reduce the whole gradient; GRPO
@@ -527,15 +535,16 @@ def _gradient_sync(module: Any) -> Literal["none", "manual", "strategy"]:
     Under FSDP2 each backward reduce-scatters the gradients of the blocks it ran into the rank's shards, which
     accumulate over the step's transitions: the mean over ranks of each rank's accumulated gradient, as DDP's, without
     a full gradient ever held whole (``set_requires_gradient_sync(False)`` would save the communication at the cost of
-    an unsharded gradient per rank). Every rank must then run the same forwards and backwards (:meth:`update`).
+    an unsharded gradient per rank). DeepSpeed ZeRO-2 reduces each backward's gradients into the rank's partition
+    likewise (its engine's ``backward``) and clips in its ``step`` (``FlowModule`` writes ``max_grad_norm`` into its
+    config). Every rank must then run the same forwards and backwards (:meth:`GRPOObjective.update`).
     """
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.world_size == 1:
         return "none"
-    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
-    if any(isinstance(p, DTensor) for p in module.parameters() if p.requires_grad):  # FSDP2's shards
+    if getattr(module, "strategy_reduces_gradients", False):  # FSDP2, DeepSpeed
         return "strategy"
     wrapper = getattr(trainer.strategy, "model", None)
     if not isinstance(wrapper, DistributedDataParallel):

@@ -1,18 +1,20 @@
-"""Flow-GRPO under FSDP2 (Lightning's ModelParallelStrategy) through `ff fit` on 2 CPU processes (gloo), against DDP
-(issue 26, item 1).
+"""Flow-GRPO under FSDP2 (Lightning's ModelParallelStrategy) and DeepSpeed ZeRO-2 (ff_core.strategies) through
+`ff fit` on 2 CPU processes (gloo), against DDP (issue 26, item 1).
 
 Runs of the real console entry, both ranks started at once as torchrun would:
 
 * D: configs/sd3/grpo_tiny.yaml (LoRA) shrunk, under DDP, 2 iterations of 2 inner epochs (4 optimiser steps);
 * A: the same under FSDP2 for 1 iteration, its step-2 checkpoint written; B: A resumed from it to step 4;
 * DK / FK: full fine-tuning with a KL term (``kl_beta`` > 0: a frozen reference copy, sharded under FSDP2) under DDP
-  and FSDP2, 1 iteration.
+  and FSDP2, 1 iteration;
+* Z: D's run under DeepSpeed ZeRO-2 to step 4; ZR: Z resumed from its step-2 checkpoint (DeepSpeed's folder).
 
 The reward ties every sample of the even prompt groups (with ``filter_zero_std`` those micro-batches leave the update)
 and scores the others by a continuous function of the pixels, so a weight difference of float rounding cannot flip
 it. Under DDP a filtered micro-batch is skipped and the accumulated gradients are averaged once per optimiser step;
 under FSDP2 every rank replays it with weight 0 (each forward all-gathers and each backward reduce-scatters: the ranks
-must run the same collectives) and the shards' reduce-scatter does the averaging. Both must train the same policy:
+must run the same collectives) and the shards' reduce-scatter does the averaging; under ZeRO-2 likewise (each
+backward reduces into the rank's gradient partition; the engine clips to ``max_grad_norm`` in its step). Both must train the same policy:
 the same rollouts and rewards per rank and step, the same losses, ratios and KL, the same final weights (within float
 tolerance: reduce-scatter sums in another order than all-reduce), the resumed run continuing exactly.
 """
@@ -33,8 +35,10 @@ from ff_core.testing.shapes import write_prompt_dataset
 from tests.test_fsdp2 import launch, log_tail, wait
 from tests.test_grpo_fit import RECIPE
 
-FSDP2 = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-         "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}  # fmt: skip
+FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                    "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}})  # fmt: skip
+ZERO2 = json.dumps({"class_path": "ff_core.strategies.DeepSpeedStrategy",
+                    "init_args": {"stage": 2, "exclude_frozen_parameters": True}})  # fmt: skip
 METRICS = ("reward_mean", "policy_loss", "ratio", "kl", "advantage_abs_mean", "zero_std_ratio")
 
 
@@ -75,16 +79,16 @@ class Record(L.Callback):
                    self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
 
 
-def start(tiny_sd3: Path, prompts: Path, root: Path, max_steps: int, *extra: str, fsdp2: bool) -> dict:
+def start(tiny_sd3: Path, prompts: Path, root: Path, max_steps: int, *extra: str, strategy: str) -> dict:
     root.mkdir()
     callbacks = [
         {"class_path": "ff_core.callbacks.FlowCheckpoint",
          "init_args": {"every_n_train_steps": 2, "save_top_k": -1, "save_last": True, "dirpath": str(root / "ckpt")}},
-        {"class_path": "tests.test_grpo_fsdp2.Record", "init_args": {"dirpath": str(root / "out")}},
+        {"class_path": "tests.test_grpo_sharded.Record", "init_args": {"dirpath": str(root / "out")}},
     ]
     return {root: launch(root, [
         "--config", str(RECIPE), "--model.pretrained_model_name_or_path", str(tiny_sd3),
-        "--model.objective.init_args.rewards", json.dumps([{"name": "tests.test_grpo_fsdp2:TieEvenGroups"}]),
+        "--model.objective.init_args.rewards", json.dumps([{"name": "tests.test_grpo_sharded:TieEvenGroups"}]),
         "--model.eval_rewards", "[]",
         # 2 prompts x 3 samples, sample-major over 2 ranks: rank 0 takes (p0, p1, p0), rank 1 (p1, p0, p1), so the
         # ranks filter out different numbers of micro-batches (the even group's samples).
@@ -94,7 +98,7 @@ def start(tiny_sd3: Path, prompts: Path, root: Path, max_steps: int, *extra: str
         "--model.objective.init_args.micro_batch_size", "1",
         "--model.objective.init_args.clip_range", "0.2",  # the second inner epoch's ratios leave 1 unclipped
         "--data.datasets", json.dumps([{"name": "prompts", "dataset_dir": str(prompts)}]),
-        "--trainer.strategy", json.dumps(FSDP2) if fsdp2 else "ddp", "--trainer.devices", "2",
+        "--trainer.strategy", strategy, "--trainer.devices", "2",
         "--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0",
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar",
         "false", "--trainer.callbacks", json.dumps(callbacks), *extra,
@@ -112,13 +116,18 @@ def runs(tiny_sd3, tmp_path_factory):
     lora = ("--model.objective.init_args.num_inner_epochs", "2")
     full = ("--model.lora", "null", "--model.objective.init_args.kl_beta", "0.5",
             "--model.optimizer.init_args.lr", "1.0e-4")  # fmt: skip
-    d, a, b, dk, fk = (base / name for name in ("D", "A", "B", "DK", "FK"))
-    wait({**start(tiny_sd3, prompts, d, 4, *lora, fsdp2=False), **start(tiny_sd3, prompts, a, 2, *lora, fsdp2=True)})
+    names = ("D", "A", "B", "DK", "FK", "Z", "ZR")
+    d, a, b, dk, fk, z, zr = (base / name for name in names)
+    wait({**start(tiny_sd3, prompts, d, 4, *lora, strategy="ddp"),
+          **start(tiny_sd3, prompts, a, 2, *lora, strategy=FSDP2)})  # fmt: skip
     ckpt = next((a / "ckpt").glob("*step=2.ckpt"))
-    wait({**start(tiny_sd3, prompts, b, 4, *lora, "--ckpt_path", str(ckpt), fsdp2=True),
-          **start(tiny_sd3, prompts, dk, 2, *full, fsdp2=False)})
-    wait(start(tiny_sd3, prompts, fk, 2, *full, fsdp2=True))
-    return {name: out(root) for name, root in zip(("D", "A", "B", "DK", "FK"), (d, a, b, dk, fk))}
+    wait({**start(tiny_sd3, prompts, b, 4, *lora, "--ckpt_path", str(ckpt), strategy=FSDP2),
+          **start(tiny_sd3, prompts, dk, 2, *full, strategy="ddp")})
+    wait({**start(tiny_sd3, prompts, fk, 2, *full, strategy=FSDP2), **start(tiny_sd3, prompts, z, 4, *lora,
+                                                                             strategy=ZERO2)})  # fmt: skip
+    ckpt = next((z / "ckpt").glob("*step=2.ckpt"))
+    wait(start(tiny_sd3, prompts, zr, 4, *lora, "--ckpt_path", str(ckpt), strategy=ZERO2))
+    return {name: out(root) for name, root in zip(names, (d, a, b, dk, fk, z, zr))}
 
 
 def same_steps(expected: list[dict], actual: list[dict]) -> None:
@@ -164,3 +173,13 @@ def test_full_fine_tuning_grpo_with_a_sharded_kl_reference_equals_ddp(runs):
         same_steps(ddp[rank]["steps"], fsdp2[rank]["steps"])
         assert ddp[rank]["steps"][0]["kl"] > 0
         same_weights(ddp[rank]["weights"], fsdp2[rank]["weights"])
+
+
+def test_lora_grpo_under_deepspeed_zero2_trains_and_resumes_as_ddp(runs):
+    """ZeRO-2 (Z; ZR resumed from Z's step-2 folder) takes DDP's steps and ends with DDP's LoRA on both ranks."""
+    ddp = runs["D"]
+    for rank in (0, 1):
+        same_steps(ddp[rank]["steps"], runs["Z"][rank]["steps"])
+        same_steps(ddp[rank]["steps"][1:], runs["ZR"][rank]["steps"])
+        same_weights(ddp[rank]["weights"], runs["Z"][rank]["weights"])
+        same_weights(ddp[rank]["weights"], runs["ZR"][rank]["weights"])
