@@ -14,9 +14,10 @@ and scores the others by a continuous function of the pixels, so a weight differ
 it. Under DDP a filtered micro-batch is skipped and the accumulated gradients are averaged once per optimiser step;
 under FSDP2 every rank replays it with weight 0 (each forward all-gathers and each backward reduce-scatters: the ranks
 must run the same collectives) and the shards' reduce-scatter does the averaging; under ZeRO-2 likewise (each
-backward reduces into the rank's gradient partition; the engine clips to ``max_grad_norm`` in its step). Both must train the same policy:
-the same rollouts and rewards per rank and step, the same losses, ratios and KL, the same final weights (within float
-tolerance: reduce-scatter sums in another order than all-reduce), the resumed run continuing exactly.
+backward reduces into the rank's gradient partition; the engine clips to ``max_grad_norm`` in its step). Both must
+train the same policy: the same rollouts and rewards per rank and step, the same losses, ratios and KL, the same
+final weights (within float tolerance: reduce-scatter sums in another order than all-reduce), the resumed run
+continuing exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from ff_core.rewards.base import Reward
 from ff_core.sharding import full_tensor
 from ff_core.testing.shapes import write_prompt_dataset
-from tests.test_fsdp2 import launch, log_tail, wait
+from tests.test_fsdp2 import launch, wait
 from tests.test_grpo_fit import RECIPE
 
 FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
