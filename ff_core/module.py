@@ -185,16 +185,26 @@ class FlowModule(Evaluation, L.LightningModule):
         return self._trainer is not None and strategy_kind(self._trainer.strategy) in ("fsdp2", "deepspeed")
 
     def mark_accumulation_boundary(self, last: bool) -> None:
-        """Say whether the next backward is the last before the optimiser step (a no-op but under DeepSpeed).
+        """Before each forward and backward of an optimiser step: say whether it is the step's last (a no-op but
+        under DeepSpeed).
 
         DeepSpeed's engine decides when to reduce and keep gradients by counting backwards against its
-        ``gradient_accumulation_steps`` (Lightning's ``accumulate_grad_batches``, 1): with several backwards per
-        optimiser step, ZeRO-2 kept the last backward's gradients only (measured: 2 ranks x 3 backwards of a linear
-        layer stepped by the mean of the last ones). An objective that back-propagates several times per step (GRPO:
-        every replayed transition) marks each, through the engine's ``set_gradient_accumulation_boundary``."""
+        ``gradient_accumulation_steps`` (Lightning's ``accumulate_grad_batches``, 1), and its ZeRO optimiser starts
+        each micro-step in the engine's ``forward`` (ZeRO-3 counts micro-steps there: the first backward after it
+        overwrites the gradient partitions, later ones add). Lightning runs the engine's forward once per training
+        step; an objective that back-propagates several times per step (GRPO: every replayed transition) calls this
+        before each forward, which does what the engine's forward does first and marks the step's last backward
+        (``set_gradient_accumulation_boundary``). Without it ZeRO-2 and ZeRO-3 each kept only the last backward's
+        gradients (measured: 2 ranks x 3 backwards of a linear layer under ZeRO-2; a full fine-tuning GRPO step
+        under ZeRO-3, tests/test_grpo_sharded.py)."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         if strategy_kind(strategy) == "deepspeed":
-            strategy.model.set_gradient_accumulation_boundary(last)
+            from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+            engine = strategy.model
+            if isinstance(engine.optimizer, ZeROOptimizer):  # deepspeed.DeepSpeedEngine.forward's prologue
+                engine.optimizer.clear_backward_seen_flag()
+            engine.set_gradient_accumulation_boundary(last)
 
     # -- before weights: rewards and the records they read ---------------------------------------------
     def setup(self, stage: str) -> None:
@@ -230,6 +240,8 @@ class FlowModule(Evaluation, L.LightningModule):
         """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+        from ff_core.strategies import DeepSpeedStrategy as FlowDeepSpeed
+
         check_nonfinite_strategy(self.nonfinite_guard.policy, strategy)
         kind, allowed = strategy_kind(strategy), self.objective.sharding_strategies
         if kind is not None and kind not in allowed:
@@ -256,14 +268,14 @@ class FlowModule(Evaluation, L.LightningModule):
             raise ConfigError("trainer.strategy", "DeepSpeedStrategy: set init_args exclude_frozen_parameters: true, "
                               "so that its checkpoints hold what trains only (the LoRA, or the denoiser), as under "
                               "every other strategy")  # fmt: skip
-        if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        stock_zero3 = isinstance(strategy, DeepSpeedStrategy) and not isinstance(strategy, FlowDeepSpeed)
+        if stock_zero3 and strategy.zero_stage_3:
             # Lightning runs configure_model inside deepspeed.zero.Init under stage 3, which partitions every module
             # built there (text encoders and VAE too), although they run outside the engine's forward.
-            raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 is not supported (it partitions the frozen text "
-                              "encoders and VAE as they load); use ZeRO-2 (class_path: lightning.pytorch.strategies."
-                              "DeepSpeedStrategy, init_args: {stage: 2, exclude_frozen_parameters: true}; the "
-                              "deepspeed_stage_2 shorthand keeps the frozen base in its checkpoints) or FSDP2 "
-                              "(ModelParallelStrategy), which shards the trained networks only")  # fmt: skip
+            raise ConfigError("trainer.strategy", "DeepSpeed ZeRO-3 under Lightning's DeepSpeedStrategy partitions the "
+                              "frozen text encoders and VAE as they load: use class_path: ff_core.strategies."
+                              "DeepSpeedStrategy (init_args: {stage: 3, exclude_frozen_parameters: true}), which "
+                              "partitions the trained networks only")  # fmt: skip
 
     def _clip_in_deepspeed(self, strategy: Any) -> None:
         """DeepSpeed clips gradients inside its engine's step (``gradient_clipping`` in its config; Lightning's

@@ -218,10 +218,17 @@ def cast_forward_inputs(network: nn.Module, dtype: torch.dtype, keep: tuple[str,
 
 
 def local_numel(tensor: Tensor) -> int:
-    """Elements this rank stores of ``tensor`` (its shard of a DTensor)."""
+    """Elements this rank stores of ``tensor`` (its shard of a DTensor, its partition of a ZeRO-3 parameter)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3: ``tensor`` itself is empty outside a gathering
+        return tensor.ds_tensor.numel()
     return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()
+
+
+def global_numel(tensor: Tensor) -> int:
+    """Elements of ``tensor`` whole (a ZeRO-3 parameter's ``numel()`` is 0 outside a gathering)."""
+    return getattr(tensor, "ds_numel", tensor.numel())
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
@@ -234,7 +241,8 @@ def full_tensor(tensor: Tensor) -> Tensor:
 @contextmanager
 def summoned(root: nn.Module | None) -> Iterator[None]:
     """Within it, FSDP1 modules under ``root`` expose their full (unsharded) parameters, read-only and gathered into
-    CPU memory (``offload_to_cpu``: the whole network at once never sits on the accelerator); a no-op for any other
+    CPU memory (``offload_to_cpu``: the whole network at once never sits on the accelerator), and DeepSpeed ZeRO-3's
+    partitioned trained parameters are all-gathered (``deepspeed.zero.GatheredParameters``); a no-op for any other
     module (FSDP2's DTensors are gathered per tensor by :func:`full_tensor`). Every rank must enter it. The gathered
     storage is freed on exit: copy what must outlive it (:func:`full_parameters` does).
 
@@ -245,6 +253,14 @@ def summoned(root: nn.Module | None) -> Iterator[None]:
 
     fsdp1 = root is not None and any(isinstance(m, FullyShardedDataParallel) for m in root.modules())
     summon = FullyShardedDataParallel.summon_full_params
+    # ZeRO-3's partitioned parameters: the trained ones only (what an export reads; a LoRA's base stays partitioned).
+    partitioned = [p for p in root.parameters() if hasattr(p, "ds_id") and p.requires_grad] if root is not None else []
+    if partitioned:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):  # all-gathered, re-partitioned on exit
+            yield
+        return
     with summon(root, writeback=False, offload_to_cpu=True) if fsdp1 else nullcontext():
         yield
 

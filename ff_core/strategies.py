@@ -15,6 +15,8 @@ tests/test_deepspeed.py runs it under 2 gloo processes.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -50,6 +52,17 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         reset_seed()  # Lightning's, less the device-index check (a CPU device has none)
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Lightning's, without ``deepspeed.zero.Init``: under ZeRO-3 Lightning runs ``configure_model`` inside it,
+        which partitions every module built there, the text encoders and VAE included, though ff runs them outside
+        the engine (encoding conditions and targets, decoding samples) and keeps them out of the module tree
+        (``Adapter.detach_frozen``). Here ``configure_model`` builds whole modules and ``deepspeed.initialize``
+        partitions the engine's module only: the trained networks (with a LoRA's frozen base, or a full fine-tuning's
+        reference copy, which sit in the tree). Each rank holds the whole model once while it loads, as under DDP."""
+        self._init_config_if_needed()
+        yield
 
     def _auto_select_batch_size(self) -> int:
         """DeepSpeed's ``train_micro_batch_size_per_gpu`` (its throughput log only) when the config sets none: the data

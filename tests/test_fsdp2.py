@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from ff_core.callbacks import read_sample_log
-from ff_core.sharding import local_numel
+from ff_core.sharding import global_numel, local_numel
 from tests.test_ddp_resume import LAUNCHER_VARS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ class ShardReport(L.Callback):
         trained = [p for p in pl_module.parameters() if p.requires_grad]
         report = {
             "trained_local": sum(local_numel(p) for p in trained),
-            "trained_total": sum(p.numel() for p in trained),
+            "trained_total": sum(global_numel(p) for p in trained),
             "unsharded": sum(not isinstance(p, DTensor) for p in trained),
             "submodules": sorted(name for name, _ in pl_module.adapter.named_children()),
             "detached": sorted(pl_module.adapter.detached_modules()),
@@ -72,7 +72,7 @@ class ShardReport(L.Callback):
         reference = getattr(pl_module.objective, "reference", None)
         copies = [p for c in reference.copies() for p in c.parameters()] if reference is not None else []
         report["reference_local"] = sum(local_numel(p) for p in copies)
-        report["reference_total"] = sum(p.numel() for p in copies)
+        report["reference_total"] = sum(global_numel(p) for p in copies)
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ff_core.rewards.base import Reward
-from ff_core.sharding import full_tensor
+from ff_core.sharding import full_tensor, summoned
 from ff_core.testing.shapes import write_prompt_dataset
 from tests.test_fsdp2 import launch, wait
 from tests.test_grpo_fit import RECIPE
@@ -40,6 +40,7 @@ FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStr
                     "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}})  # fmt: skip
 ZERO2 = json.dumps({"class_path": "ff_core.strategies.DeepSpeedStrategy",
                     "init_args": {"stage": 2, "exclude_frozen_parameters": True}})  # fmt: skip
+ZERO3 = ZERO2.replace('"stage": 2', '"stage": 3')
 METRICS = ("reward_mean", "policy_loss", "ratio", "kl", "advantage_abs_mean", "zero_std_ratio")
 
 
@@ -55,29 +56,41 @@ class TieEvenGroups(Reward):
 
 class Record(L.Callback):
     """Per rank: each step's batch ids and logged GRPO metrics, whether the reference copy is sharded, and the trained
-    weights whole at the end (DTensor shards gathered: a collective every rank runs in the same order)."""
+    weights whole after the first training batch and at the end (DTensor shards and ZeRO-3 partitions gathered:
+    collectives every rank runs in the same order)."""
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath, self.steps, self.reference, self.policy_sharded = Path(dirpath), [], None, None
+        self.first = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         reference = getattr(pl_module.objective, "reference", None)
         copies = reference.copies() if reference is not None else []
-        self.reference = {"copies": len(copies), "sharded": all(
-            isinstance(p, DTensor) for c in copies for p in c.parameters())}  # fmt: skip
-        self.policy_sharded = all(isinstance(p, DTensor) for p in pl_module.parameters() if p.requires_grad)
+        self.reference = {"copies": len(copies), "sharded": all(sharded(p) for c in copies for p in c.parameters())}
+        self.policy_sharded = all(sharded(p) for p in pl_module.parameters() if p.requires_grad)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         logged = {k: float(trainer.callback_metrics[f"train/{k}"]) for k in METRICS
                   if f"train/{k}" in trainer.callback_metrics}  # fmt: skip
         self.steps.append({"step": trainer.global_step, "index": batch["index"].tolist(), **logged})
+        if self.first is None:
+            self.first = trained_weights(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        weights = {n: full_tensor(p.detach()).clone() for n, p in pl_module.named_parameters() if p.requires_grad}
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        torch.save({"steps": self.steps, "weights": weights, "reference": self.reference,
-                    "policy_sharded": self.policy_sharded},
+        torch.save({"steps": self.steps, "weights": trained_weights(trainer, pl_module), "first": self.first,
+                    "reference": self.reference, "policy_sharded": self.policy_sharded},
                    self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
+
+
+def trained_weights(trainer, pl_module) -> dict[str, torch.Tensor]:
+    with summoned(trainer.strategy.model):  # ZeRO-3's partitions gathered (DTensors below, per tensor)
+        return {n: full_tensor(p.detach()).clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+
+
+def sharded(parameter: torch.Tensor) -> bool:
+    """A DTensor (FSDP2) or a ZeRO-3 partitioned parameter."""
+    return isinstance(parameter, DTensor) or hasattr(parameter, "ds_id")
 
 
 def start(tiny_sd3: Path, prompts: Path, root: Path, max_steps: int, *extra: str, strategy: str) -> dict:
@@ -117,8 +130,8 @@ def runs(tiny_sd3, tmp_path_factory):
     lora = ("--model.objective.init_args.num_inner_epochs", "2")
     full = ("--model.lora", "null", "--model.objective.init_args.kl_beta", "0.5",
             "--model.optimizer.init_args.lr", "1.0e-4")  # fmt: skip
-    names = ("D", "A", "B", "DK", "FK", "Z", "ZR")
-    d, a, b, dk, fk, z, zr = (base / name for name in names)
+    names = ("D", "A", "B", "DK", "FK", "Z", "ZR", "Z3K")
+    d, a, b, dk, fk, z, zr, z3k = (base / name for name in names)
     wait({**start(tiny_sd3, prompts, d, 4, *lora, strategy="ddp"),
           **start(tiny_sd3, prompts, a, 2, *lora, strategy=FSDP2)})  # fmt: skip
     ckpt = next((a / "ckpt").glob("*step=2.ckpt"))
@@ -127,8 +140,9 @@ def runs(tiny_sd3, tmp_path_factory):
     wait({**start(tiny_sd3, prompts, fk, 2, *full, strategy=FSDP2), **start(tiny_sd3, prompts, z, 4, *lora,
                                                                              strategy=ZERO2)})  # fmt: skip
     ckpt = next((z / "ckpt").glob("*step=2.ckpt"))
-    wait(start(tiny_sd3, prompts, zr, 4, *lora, "--ckpt_path", str(ckpt), strategy=ZERO2))
-    return {name: out(root) for name, root in zip(names, (d, a, b, dk, fk, z, zr))}
+    wait({**start(tiny_sd3, prompts, zr, 4, *lora, "--ckpt_path", str(ckpt), strategy=ZERO2),
+          **start(tiny_sd3, prompts, z3k, 1, *full, strategy=ZERO3)})
+    return {name: out(root) for name, root in zip(names, (d, a, b, dk, fk, z, zr, z3k))}
 
 
 def same_steps(expected: list[dict], actual: list[dict]) -> None:
@@ -174,6 +188,20 @@ def test_full_fine_tuning_grpo_with_a_sharded_kl_reference_equals_ddp(runs):
         same_steps(ddp[rank]["steps"], fsdp2[rank]["steps"])
         assert ddp[rank]["steps"][0]["kl"] > 0
         same_weights(ddp[rank]["weights"], fsdp2[rank]["weights"])
+
+
+def test_full_fine_tuning_grpo_under_zero3_equals_ddp(runs):
+    """Under DeepSpeed ZeRO-3 the policy and its KL reference copy are partitioned; one optimiser step (six replayed
+    backwards per rank, two of them with weight 0) gives DDP's metrics and weights. Only the first step is compared:
+    ZeRO-3 sums the gradient norm in another order, and the reward reads 8-bit pixels, so a rounding difference can
+    flip one pixel of the next step's samples (seen: 1 of 6x1024) and move that step's advantages by 1e-3. Before
+    ``mark_accumulation_boundary`` started each replay as the engine's forward does, ZeRO-3 stepped on the last
+    backward's gradients only."""
+    ddp, zero3 = runs["DK"], runs["Z3K"]
+    assert zero3[0]["reference"] == {"copies": 1, "sharded": True} and zero3[0]["policy_sharded"]
+    for rank in (0, 1):
+        same_steps(ddp[rank]["steps"][:1], zero3[rank]["steps"])
+        same_weights(ddp[rank]["first"], zero3[rank]["first"])
 
 
 def test_lora_grpo_under_deepspeed_zero2_trains_and_resumes_as_ddp(runs):
