@@ -150,6 +150,7 @@ class FlowModule(Evaluation, L.LightningModule):
         check_components(self.adapter_cls, self.frozen_components, getattr(objective, "component_weights", None),
                          guidance)  # fmt: skip
         self._run_noise_seed: int | None = None  # resolved at train start: noise_seed, the checkpoint's, or the run's
+        self._shared_expert = False  # timesteps.expert_choice resolved per_micro_batch (_resolve_expert_choice)
         self._checkpoint_noise_seed: int | None = None
         self._preemption = PreemptionGuard()  # SIGTERM: a resumable checkpoint at the next step, then exit 143
         # Checked now (unknown keys, weights); the reward classes are built in setup, after the data are validated.
@@ -347,17 +348,22 @@ class FlowModule(Evaluation, L.LightningModule):
         mesh (:func:`~ff_core.sharding.fully_shard_networks`). The strategy itself shards nothing: it hands the mesh
         to ``configure_model`` and expects the module to do it; unsharded, the ranks would train without any gradient
         reduction and silently diverge."""
-        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+        from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
         strategy = self._trainer.strategy
         networks = adapter.denoisers()
-        if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)) and len(networks) > 1:
+        self._shared_expert = self._resolve_expert_choice(adapter, strategy)
+        if isinstance(strategy, DDPStrategy) and len(networks) > 1:
+            # A step whose samples all route to one expert leaves the other's parameters without a gradient, which
+            # DDP's reducer refuses unless told to look for them (Lightning's ddp_find_unused_parameters_true).
+            strategy._ddp_kwargs.setdefault("find_unused_parameters", True)
+        if isinstance(strategy, FSDPStrategy) and len(networks) > 1:
             # Each sharded network all-gathers in its own forward, and an adapter may route each sample to one
             # network (Wan2.2's experts by noise level): ranks whose samples pick different networks would wait on
-            # different collectives.
+            # different collectives. FSDP2 runs them (below); FSDP1 cannot be tested on the CPU.
             raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(networks)} networks "
-                              f"({', '.join(networks)}), which FSDP cannot shard yet (ranks may run different ones in "
-                              "a step); use DDP (trainer.strategy: ddp)")  # fmt: skip
+                              f"({', '.join(networks)}), which FSDP1 does not shard; use FSDP2 (ModelParallelStrategy) "
+                              "or DDP")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
             mesh, config = data_parallel_mesh(strategy), self.sharding or ShardingConfig()
             copies = self._reference_copies()
@@ -375,6 +381,37 @@ class FlowModule(Evaluation, L.LightningModule):
             kinds = {type(block) for blocks in adapter.sharding_blocks().values() for block in blocks}
             if kinds and strategy.kwargs.get("auto_wrap_policy") is None:
                 strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(kinds)
+
+    def _resolve_expert_choice(self, adapter: Adapter, strategy: Any) -> bool:
+        """Whether each micro-batch's noise levels route to one expert picked alike on every rank
+        (``timesteps.expert_choice``, :class:`~ff_core.objectives.flow_matching.TimestepSampler`): ``per_micro_batch``,
+        or ``auto`` under FSDP2 with routed experts. FSDP2 with routed experts needs every rank to run the same
+        expert's forward at each step: refused with ``per_sample``, and for GRPO with a random SDE step subset
+        (``num_sde_steps``: ranks would replay transitions at different levels)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        routed = len(adapter.denoisers()) > 1 and adapter.uses_second_expert(1.0) is not None
+        sharded = isinstance(strategy, ModelParallelStrategy) and len(adapter.denoisers()) > 1
+        timesteps = getattr(self.objective, "timesteps", None)
+        choice = getattr(timesteps, "expert_choice", None)
+        if sharded and not routed:
+            raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(adapter.denoisers())} networks "
+                              f"({', '.join(adapter.denoisers())}) without routing noise levels to them "
+                              "(Adapter.uses_second_expert): FSDP2 cannot know that every rank runs the same one; "
+                              "use DDP")  # fmt: skip
+        if sharded and choice == "per_sample":
+            raise ConfigError("model.objective.init_args.timesteps.expert_choice", f"per_sample under FSDP2: "
+                              f"{adapter.name}'s experts would run different all-gathers on different ranks; use "
+                              "per_micro_batch (or auto)")  # fmt: skip
+        sampler = getattr(self.objective, "sampler", None)
+        if sharded and getattr(sampler, "num_sde_steps", None) is not None:
+            raise ConfigError("model.objective.init_args.sampler.num_sde_steps", f"a random subset of SDE steps per "
+                              f"rollout under FSDP2: ranks would replay transitions on different {adapter.name} "
+                              "experts; set a fixed window instead")  # fmt: skip
+        if choice == "per_micro_batch" and not routed:
+            raise ConfigError("model.objective.init_args.timesteps.expert_choice", f"per_micro_batch: "
+                              f"{adapter.name} on this checkpoint has no routed experts")  # fmt: skip
+        return routed and (choice == "per_micro_batch" or (choice == "auto" and sharded))
 
     def _reference_copies(self) -> list[torch.nn.Module]:
         """The frozen copies of a full fine-tuning's reference policy (offline DPO, GRPO with ``kl_beta``), which FSDP2
@@ -563,6 +600,13 @@ class FlowModule(Evaluation, L.LightningModule):
         seed = micro_batch_seed(self._run_noise_seed, rank, trainer.global_step, micro_batch)
         return torch.Generator().manual_seed(seed), seed
 
+    def expert_generator(self, batch_idx: int) -> torch.Generator:
+        """The CPU generator that picks this micro-batch's expert, seeded alike on every data-parallel rank (run
+        noise seed, step, micro-batch: :func:`micro_batch_seed` without the rank)."""
+        trainer = self.trainer
+        micro_batch = batch_idx % trainer.accumulate_grad_batches
+        return torch.Generator().manual_seed(derive_seed(self._run_noise_seed, trainer.global_step, micro_batch))
+
     # -- steps -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         generator, seed = self.noise_generator(batch_idx)
@@ -570,7 +614,8 @@ class FlowModule(Evaluation, L.LightningModule):
         if not self.automatic_optimization:  # the objective runs its own optimiser steps (GRPO)
             self.objective.training_step(self, batch, generator)
             return None
-        out = self.objective.training_loss(self.adapter, batch, generator)
+        shared = {"expert_generator": self.expert_generator(batch_idx)} if self._shared_expert else {}
+        out = self.objective.training_loss(self.adapter, batch, generator, **shared)
         self.nonfinite_guard.observe_loss(out.loss)
         bs = len(batch["index"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)

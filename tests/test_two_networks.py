@@ -151,7 +151,8 @@ def test_lora_export_loads_into_both_wan_pipeline_transformers(checkpoint, tmp_p
 
 def test_fsdp_refuses_two_routed_networks(checkpoint, fake_world):
     """Each sample runs the expert its noise level picks: under FSDP two ranks could wait on different experts'
-    all-gathers, so a ModelParallelStrategy run of a two-network adapter is refused once it is loaded."""
+    all-gathers. ff makes every rank pick the same expert through ``Adapter.uses_second_expert``
+    (plugins/ff_wan/tests/test_wan_a14b_fsdp2.py); a two-network adapter without it is refused once it is loaded."""
     from ff_core.errors import ConfigError
 
     fake_world(0)

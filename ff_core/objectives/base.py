@@ -121,8 +121,15 @@ class Objective:
         raise NotImplementedError(f"{type(self).__name__} optimises automatically: implement training_loss")
 
     def training_loss(
-        self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
+        self,
+        adapter: Adapter,
+        batch: dict[str, Any],
+        generator: torch.Generator | None = None,
+        expert_generator: torch.Generator | None = None,
     ) -> LossOutput:
         """The loss of one micro-batch; every random draw (noise levels, noise) comes from ``generator``, a CPU
-        generator ``FlowModule`` seeds per data-parallel rank and micro-batch (``None``: the global generator)."""
+        generator ``FlowModule`` seeds per data-parallel rank and micro-batch (``None``: the global generator).
+        ``expert_generator`` (passed only with routed experts under ``expert_choice: per_micro_batch``): a generator
+        seeded alike on every rank, which picks the expert of each draw
+        (:func:`~ff_core.objectives.flow_matching.monte_carlo_draws`)."""
         raise NotImplementedError

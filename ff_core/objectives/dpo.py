@@ -203,7 +203,11 @@ class DPOObjective(Objective):
         return self.reference
 
     def training_loss(
-        self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
+        self,
+        adapter: Adapter,
+        batch: dict[str, Any],
+        generator: torch.Generator | None = None,
+        expert_generator: torch.Generator | None = None,
     ) -> LossOutput:
         if self.reference is None:
             raise RuntimeError("DPOObjective has no reference model: FlowModule.configure_model builds it; used alone, "
@@ -213,13 +217,13 @@ class DPOObjective(Objective):
         if "chosen_latents" in batch and "rejected_latents" in batch:  # tensor-parquet rows: stored, no VAE runs
             chosen = adapter.stored_latents(batch["chosen_latents"], condition)
             rejected = adapter.stored_latents(batch["rejected_latents"], condition)
-            return self.loss(adapter, chosen, rejected, condition, generator)
+            return self.loss(adapter, chosen, rejected, condition, generator, expert_generator)
         if "chosen" not in batch or "rejected" not in batch:
             raise KeyError(f"offline DPO needs preference batches ('chosen', 'rejected'), got keys {sorted(batch)}")
         with torch.no_grad():
             chosen = adapter.encode_output(batch["chosen"], condition, generator=child_generator(generator, 1))
             rejected = adapter.encode_output(batch["rejected"], condition, generator=child_generator(generator, 2))
-        return self.loss(adapter, chosen, rejected, condition, generator)
+        return self.loss(adapter, chosen, rejected, condition, generator, expert_generator)
 
     def loss(
         self,
@@ -228,15 +232,18 @@ class DPOObjective(Objective):
         rejected: LatentState,
         condition: Condition,
         generator: torch.Generator | None = None,
+        expert_generator: torch.Generator | None = None,
     ) -> LossOutput:
         """Average of ``num_train_timesteps`` Diffusion-DPO terms on one batch of clean latent pairs.
 
         Per term, ``sigma`` then the noise are drawn from ``generator`` (the order SFT draws them in), once for the
-        pair: both arms and both models see exactly these.
+        pair: both arms and both models see exactly these (``expert_generator``: as SFT's).
         """
         _check_same_geometry(chosen, rejected)
         terms, errors, sigmas = [], [], []
-        for sigma, noise in monte_carlo_draws(self.timesteps, adapter, chosen, self.num_train_timesteps, generator):
+        n = self.num_train_timesteps
+        draws = monte_carlo_draws(self.timesteps, adapter, chosen, n, generator, expert_generator)
+        for sigma, noise in draws:
             errors.append(preference_errors(adapter, self.reference, chosen, rejected, condition, sigma, noise,
                                             self.component_weights, self.frozen_components))
             terms.append(diffusion_dpo_loss(errors[-1], self.beta))

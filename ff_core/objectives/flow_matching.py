@@ -45,6 +45,15 @@ class TimestepSampler:
             the same levels with the same probabilities for a symmetric weighting (uniform, ``logit_mean`` 0), the
             mirrored ones for ``logit_mean`` m, which ff reaches with ``-m``. The table holds the adapter's shift,
             so :attr:`shift` must stay ``None``.
+        expert_choice: with routed experts (Wan2.2 A14B, :meth:`~ff_core.adapter.Adapter.uses_second_expert`), how
+            the noise levels pick them. ``per_sample``: each sample's draw picks its own, as the reference trainers
+            do. ``per_micro_batch``: per micro-batch and draw, one expert for every sample, on every data-parallel
+            rank alike: one level drawn from a generator all ranks seed alike (run seed, step, micro-batch) picks it
+            (so each expert with the probability the distribution gives its range of levels), then each sample's
+            level is drawn from this rank's generator within that range (the distribution restricted to it, by
+            rejection): each sample's level keeps the ``per_sample`` distribution (tests/test_expert_choice.py), and
+            every rank runs the same expert's forward, which FSDP2 needs (each expert's all-gathers in the same
+            order on every rank). ``auto`` (default): ``per_micro_batch`` under FSDP2, ``per_sample`` otherwise.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"
@@ -52,6 +61,7 @@ class TimestepSampler:
     logit_std: float = 1.0
     shift: float | None = None
     schedule: Literal["continuous", "adapter"] = "continuous"
+    expert_choice: Literal["auto", "per_sample", "per_micro_batch"] = "auto"
 
     def __post_init__(self) -> None:
         if self.weighting not in ("logit_normal", "uniform"):
@@ -65,6 +75,9 @@ class TimestepSampler:
         if self.schedule == "adapter" and self.shift is not None:
             raise ValueError(f"shift={self.shift} with schedule='adapter': the adapter's table of training noise "
                              "levels holds its own shift; leave shift null or use schedule='continuous'")  # fmt: skip
+        if self.expert_choice not in ("auto", "per_sample", "per_micro_batch"):
+            raise ValueError(f"expert_choice must be 'auto', 'per_sample' or 'per_micro_batch', got "
+                             f"{self.expert_choice!r}")  # fmt: skip
 
     def resolve_shift(self, adapter: Adapter, clean: LatentState | None = None) -> float:
         """The recipe's :attr:`shift`, else the adapter's for latents shaped like ``clean``.
@@ -189,7 +202,12 @@ def leading_sigma(sigma: Sigma) -> Tensor:
 
 
 def monte_carlo_draws(
-    timesteps: TimestepSampler, adapter: Adapter, like: LatentState, n: int, generator: torch.Generator | None
+    timesteps: TimestepSampler,
+    adapter: Adapter,
+    like: LatentState,
+    n: int,
+    generator: torch.Generator | None,
+    expert_generator: torch.Generator | None = None,
 ) -> Iterator[tuple[Sigma, LatentState]]:
     """``n`` independent ``(sigma, noise)`` draws for a batch shaped like ``like``: per draw, the noise levels (with the
     recipe's or the adapter's shift) then the noise, from ``generator`` in that order — the order every objective
@@ -204,18 +222,71 @@ def monte_carlo_draws(
         like: a clean latent state of the batch (shapes, dtype, device).
         n: how many draws (``num_train_timesteps``).
         generator: CPU generator; ``None``: the global one.
+        expert_generator: a CPU generator every data-parallel rank seeds alike: per draw, one expert for the whole
+            batch (``expert_choice: per_micro_batch``, :func:`draw_within_one_expert`); ``None``: per sample.
     """
     device = next(iter(like.components.values())).device
     shift = timesteps.resolve_shift(adapter, like)  # the recipe's, else the sampling schedule's
     table = timesteps.resolve_table(adapter, like)  # schedule: adapter
     shifts = timesteps.resolve_shifts(adapter, like)
+    if expert_generator is not None and shifts is not None:
+        raise ValueError(f"{adapter.name}: expert_choice per_micro_batch with per-component noise levels is not "
+                         "supported")  # fmt: skip
     for _ in range(n):
-        if shifts is None:
+        if expert_generator is not None:
+            sigma = draw_within_one_expert(timesteps, adapter, like.batch_size, generator, expert_generator,
+                                           shift=shift, table=table).to(device)  # fmt: skip
+        elif shifts is None:
             sigma = timesteps.sample(like.batch_size, generator=generator, device=device, shift=shift, table=table)
         else:  # one u per sample, each component on its own schedule
             u = timesteps.sample(like.batch_size, generator=generator, device=device, shift=1.0)
             sigma = {k: shift_sigma(u, shifts[k]) for k in like.components}
         yield sigma, like.map(lambda x: randn_like(x, generator))
+
+
+def draw_within_one_expert(
+    timesteps: TimestepSampler,
+    adapter: Adapter,
+    batch_size: int,
+    generator: torch.Generator | None,
+    shared: torch.Generator,
+    *,
+    shift: float | None = None,
+    table: Tensor | None = None,
+    max_rounds: int = 10_000,
+) -> Tensor:
+    """``batch_size`` noise levels (CPU) that all route to one expert (``expert_choice: per_micro_batch``).
+
+    The expert is the one a level drawn from ``shared`` routes to (:meth:`Adapter.uses_second_expert
+    <ff_core.adapter.Adapter.uses_second_expert>`): with ``shared`` seeded alike on every rank, every rank picks the
+    same, each expert with the probability :meth:`TimestepSampler.sample` gives its range. The levels are then drawn
+    from ``generator`` and those routed elsewhere rejected, in draw order, until ``batch_size`` remain: the
+    distribution restricted to the expert's range. So each level's distribution is the unrestricted one,
+    ``P(range) * p(sigma | range)`` summed over the experts.
+
+    Args:
+        timesteps: how levels are drawn.
+        adapter: routes a level to its expert.
+        batch_size: how many levels.
+        generator: this rank's CPU generator.
+        shared: a CPU generator seeded alike on every data-parallel rank.
+        shift, table: as :meth:`TimestepSampler.sample` takes them.
+        max_rounds: the most batches drawn before giving up (a range of probability ~0 is picked with probability
+            ~0, so a healthy run never comes near it).
+    """
+    (pick,) = timesteps.sample(1, generator=shared, shift=shift, table=table)
+    expert = adapter.uses_second_expert(float(pick))
+    if expert is None:
+        raise ValueError(f"{adapter.name}: expert_choice per_micro_batch needs routed experts "
+                         "(Adapter.uses_second_expert), and this checkpoint has one denoiser")  # fmt: skip
+    kept: list[Tensor] = []
+    for _ in range(max_rounds):
+        draws = timesteps.sample(batch_size, generator=generator, shift=shift, table=table)
+        kept += [s for s in draws if adapter.uses_second_expert(float(s)) == expert]
+        if len(kept) >= batch_size:
+            return torch.stack(kept[:batch_size])
+    raise RuntimeError(f"{adapter.name}: {max_rounds} batches of noise levels drew fewer than {batch_size} in the "
+                       f"range of the expert picked at level {float(pick):.6f}")  # fmt: skip
 
 
 def randn_like(x: Tensor, generator: torch.Generator | None) -> Tensor:

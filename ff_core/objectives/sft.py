@@ -68,7 +68,11 @@ class SFTObjective(Objective):
         self.component_weights = check_component_weights(component_weights)
 
     def training_loss(
-        self, adapter: Adapter, batch: dict[str, Any], generator: torch.Generator | None = None
+        self,
+        adapter: Adapter,
+        batch: dict[str, Any],
+        generator: torch.Generator | None = None,
+        expert_generator: torch.Generator | None = None,
     ) -> LossOutput:
         condition = prepare_batch_condition(adapter, batch["condition"], child_generator(generator, CONDITION_STREAM))
         if "latents" in batch:  # rows of tensor-parquet shards: the clean latents are stored, no VAE runs
@@ -76,17 +80,25 @@ class SFTObjective(Objective):
         else:
             with torch.no_grad():
                 clean = adapter.encode_output(batch["target"], condition, generator=child_generator(generator, 1))
-        return self.loss(adapter, clean, condition, generator)
+        return self.loss(adapter, clean, condition, generator, expert_generator)
 
     def loss(
-        self, adapter: Adapter, clean: LatentState, condition: Condition, generator: torch.Generator | None = None
+        self,
+        adapter: Adapter,
+        clean: LatentState,
+        condition: Condition,
+        generator: torch.Generator | None = None,
+        expert_generator: torch.Generator | None = None,
     ) -> LossOutput:
         """Average of ``num_train_timesteps`` flow-matching terms on one batch of clean latents.
 
-        Sigmas and noise are drawn from ``generator`` (CPU; ``None``: the global generator), in that order per term.
+        Sigmas and noise are drawn from ``generator`` (CPU; ``None``: the global generator), in that order per term;
+        with ``expert_generator`` (shared by the ranks) each term's sigmas route to one expert
+        (:func:`~ff_core.objectives.flow_matching.monte_carlo_draws`).
         """
         terms, sigmas = [], []
-        for sigma, noise in monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator):
+        draws = monte_carlo_draws(self.timesteps, adapter, clean, self.num_train_timesteps, generator, expert_generator)
+        for sigma, noise in draws:
             terms.append(flow_matching_error(adapter, clean, condition, sigma, noise, self.component_weights,
                                              self.frozen_components))
             sigmas.append(leading_sigma(sigma))
