@@ -28,11 +28,12 @@ import argparse
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "matrix.json"
@@ -86,12 +87,6 @@ def cell_id(workflow: str, objective: str, tuning: str, strategy: str) -> str:
     return f"{workflow}/{objective}/{tuning}/{strategy}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ff_fit(root: Path, ranks: int, args: list[str], accelerator: str, timeout: int) -> tuple[int, str]:
     """``ff fit ARGS`` on ``ranks`` processes started at once (LOCAL_RANK set: Lightning launches nothing); the exit
     code (the first non-zero) and the tail of rank 0's log."""
@@ -102,7 +97,8 @@ def ff_fit(root: Path, ranks: int, args: list[str], accelerator: str, timeout: i
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH",
                                                                                                         "")]))
     if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+        port = str(find_free_network_port())
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(ranks), NODE_RANK="0")
     procs = []
     for rank in range(ranks):
         log = (root / f"rank{rank}.log").open("w")
@@ -213,7 +209,7 @@ def _cell_text(result: dict | None) -> str:
     if status == "refused":
         reason = result["reason"].replace("|", "/")
         return f"refused: {reason[:160]}"
-    if status in ("failed",):
+    if status == "failed":
         return f"failed: {result['reason'][:120].replace('|', '/')}"
     return status
 
@@ -254,8 +250,6 @@ def main(argv: list[str] | None = None) -> None:
                 for tuning in a.tuning:
                     ddp_root = None
                     for strategy in strategies:
-                        if strategy not in a.strategies and strategy != "ddp":
-                            continue
                         key = cell_id(workflow, objective, tuning, strategy)
                         result, root = run_cell(workflow, objective, tuning, strategy, a.work, a.accelerator, a.timeout)
                         if strategy == "ddp":

@@ -593,19 +593,20 @@ class FlowModule(Evaluation, L.LightningModule):
         if self._run_noise_seed is None:
             self._run_noise_seed = self._resolve_noise_seed()
         trainer = self.trainer
-        # Lightning steps the optimiser when batch_idx + 1 is a multiple of accumulate_grad_batches (or at the end
-        # of an epoch), so this is the micro-batch's place in its accumulation window.
-        micro_batch = batch_idx % trainer.accumulate_grad_batches
         rank = DataParallelCoords.from_trainer(trainer).rank
-        seed = micro_batch_seed(self._run_noise_seed, rank, trainer.global_step, micro_batch)
+        seed = micro_batch_seed(self._run_noise_seed, rank, trainer.global_step, self._micro_batch(batch_idx))
         return torch.Generator().manual_seed(seed), seed
 
     def expert_generator(self, batch_idx: int) -> torch.Generator:
         """The CPU generator that picks this micro-batch's expert, seeded alike on every data-parallel rank (run
         noise seed, step, micro-batch: :func:`micro_batch_seed` without the rank)."""
-        trainer = self.trainer
-        micro_batch = batch_idx % trainer.accumulate_grad_batches
-        return torch.Generator().manual_seed(derive_seed(self._run_noise_seed, trainer.global_step, micro_batch))
+        seed = derive_seed(self._run_noise_seed, self.trainer.global_step, self._micro_batch(batch_idx))
+        return torch.Generator().manual_seed(seed)
+
+    def _micro_batch(self, batch_idx: int) -> int:
+        """The micro-batch's place in its accumulation window: Lightning steps the optimiser when ``batch_idx + 1`` is
+        a multiple of ``accumulate_grad_batches`` (or at the end of an epoch)."""
+        return batch_idx % self.trainer.accumulate_grad_batches
 
     # -- steps -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:

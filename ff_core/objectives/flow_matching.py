@@ -51,9 +51,10 @@ class TimestepSampler:
             rank alike: one level drawn from a generator all ranks seed alike (run seed, step, micro-batch) picks it
             (so each expert with the probability the distribution gives its range of levels), then each sample's
             level is drawn from this rank's generator within that range (the distribution restricted to it, by
-            rejection): each sample's level keeps the ``per_sample`` distribution (tests/test_expert_choice.py), and
-            every rank runs the same expert's forward, which FSDP2 needs (each expert's all-gathers in the same
-            order on every rank). ``auto`` (default): ``per_micro_batch`` under FSDP2, ``per_sample`` otherwise.
+            rejection): each sample's level keeps the ``per_sample`` distribution
+            (plugins/ff_wan/tests/test_wan_a14b_fsdp2.py), and every rank runs the same expert's forward, which FSDP2
+            needs (each expert's all-gathers in the same order on every rank). ``auto`` (default):
+            ``per_micro_batch`` under FSDP2, ``per_sample`` otherwise.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"
