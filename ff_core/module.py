@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
+from ff_core.context_parallel import check_plans, denoiser_classes, enable_networks
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords
 from ff_core.errors import ConfigError
@@ -46,6 +47,7 @@ from ff_core.sharding import (
     data_parallel_mesh,
     fully_shard_copies,
     fully_shard_networks,
+    gradient_divide_factor,
     strategy_kind,
 )
 
@@ -241,6 +243,7 @@ class FlowModule(Evaluation, L.LightningModule):
         """Refuse, before weights load, a strategy setting ff cannot honour (docs/scaling.md)."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+        from ff_core.strategies import ContextParallelStrategy
         from ff_core.strategies import DeepSpeedStrategy as FlowDeepSpeed
 
         check_nonfinite_strategy(self.nonfinite_guard.policy, strategy)
@@ -251,7 +254,10 @@ class FlowModule(Evaluation, L.LightningModule):
                               f"{STRATEGY_NAMES[kind]}")  # fmt: skip
         if kind == "deepspeed" and not self.objective.automatic_optimization:
             self._clip_in_deepspeed(strategy)
-        if isinstance(strategy, ModelParallelStrategy):
+        if isinstance(strategy, ContextParallelStrategy):  # every trained network must have a plan to split by
+            check_plans(self.adapter_cls, denoiser_classes(self.adapter_cls, self.pretrained_model_name_or_path),
+                        strategy.context_parallel_size)  # fmt: skip
+        elif isinstance(strategy, ModelParallelStrategy):
             data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:
             raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
@@ -350,6 +356,8 @@ class FlowModule(Evaluation, L.LightningModule):
         reduction and silently diverge."""
         from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
+        from ff_core.strategies import ContextParallelStrategy
+
         strategy = self._trainer.strategy
         networks = adapter.denoisers()
         self._shared_expert = self._resolve_expert_choice(adapter, strategy)
@@ -367,9 +375,11 @@ class FlowModule(Evaluation, L.LightningModule):
         if isinstance(strategy, ModelParallelStrategy):
             mesh, config = data_parallel_mesh(strategy), self.sharding or ShardingConfig()
             copies = self._reference_copies()
+            if isinstance(strategy, ContextParallelStrategy):  # tokens split over the group, before FSDP2 wraps
+                enable_networks(adapter, copies, strategy)
             if copies:  # before the networks: its blocks are found by their names inside them
                 fully_shard_copies(adapter, copies, mesh, config)
-            fully_shard_networks(adapter, mesh, config)
+            fully_shard_networks(adapter, mesh, config, gradient_divide_factor(strategy))
             check_sharded(self)  # a trained parameter outside every sharded network would never be reduced
         elif isinstance(strategy, FSDPStrategy):
             # FSDP1 wraps this module right after configure_model, with the FSDP arguments in strategy.kwargs: without
@@ -588,12 +598,18 @@ class FlowModule(Evaluation, L.LightningModule):
         # Lightning's seed_everything (LightningCLI's `seed_everything:`) exports the run's seed here.
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
+    @property
+    def data_parallel(self) -> DataParallelCoords:
+        """This rank's data-parallel coordinates (rank, size, process group): what shards the data and seeds the
+        noise; the ranks of one context-parallel group share them."""
+        return DataParallelCoords.from_trainer(self.trainer)
+
     def noise_generator(self, batch_idx: int) -> tuple[torch.Generator, int]:
         """The CPU generator of this micro-batch's training noise, and its seed (see :func:`micro_batch_seed`)."""
         if self._run_noise_seed is None:
             self._run_noise_seed = self._resolve_noise_seed()
         trainer = self.trainer
-        rank = DataParallelCoords.from_trainer(trainer).rank
+        rank = self.data_parallel.rank
         seed = micro_batch_seed(self._run_noise_seed, rank, trainer.global_step, self._micro_batch(batch_idx))
         return torch.Generator().manual_seed(seed), seed
 

@@ -108,15 +108,20 @@ def strategy_kind(strategy: Any) -> str | None:
 
 
 def data_parallel_mesh(strategy: Any) -> Any:
-    """The data-parallel dimension of a ``ModelParallelStrategy``'s device mesh, after checking that the run is
-    purely data-parallel: ff has no tensor-parallel plan, so a ``tensor_parallel_size`` above 1 would give the ranks
-    of one group the same batch and shard nothing over them. Raises a ``ConfigError`` naming the strategy's keys.
+    """The device mesh FSDP2 shards the trained networks over under a ``ModelParallelStrategy``: its data-parallel
+    dimension, or every rank under ff's :class:`~ff_core.strategies.ContextParallelStrategy`, after checking that the
+    run has no tensor-parallel dimension: ff has no tensor-parallel plan, so a ``tensor_parallel_size`` above 1 would
+    give the ranks of one group the same batch and shard nothing over them. Raises a ``ConfigError`` naming the
+    strategy's keys.
 
     Args:
         strategy: Lightning's ``ModelParallelStrategy``, its environment set up (``device_mesh`` exists).
     """
     from ff_core.errors import ConfigError
+    from ff_core.strategies import ContextParallelStrategy
 
+    if isinstance(strategy, ContextParallelStrategy):
+        return strategy.shard_mesh
     mesh = strategy.device_mesh
     dp, tp = mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
     if tp > 1:
@@ -125,12 +130,20 @@ def data_parallel_mesh(strategy: Any) -> Any:
             f"ModelParallelStrategy with tensor_parallel_size={tp}: ff shards the trained networks with FSDP2 over "
             f"the data-parallel dimension only (no tensor-parallel plan). Set init_args data_parallel_size: "
             f"{dp * tp} (devices x num_nodes) and tensor_parallel_size: 1 (Lightning's 'auto' gives every device of "
-            "a node to tensor parallelism)",
+            "a node to tensor parallelism), or use ff_core.strategies.ContextParallelStrategy to split long "
+            "sequences",
         )
     return mesh["data_parallel"]
 
 
-def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) -> None:
+def gradient_divide_factor(strategy: Any) -> float | None:
+    """What FSDP2 divides the summed gradients by: ``None`` (its default, the mesh size: the mean over data-parallel
+    ranks), or the data-parallel size under :class:`~ff_core.strategies.ContextParallelStrategy`, whose ranks of one
+    context-parallel group each hold a part of one sample's gradient (summed, not averaged)."""
+    return getattr(strategy, "gradient_divide_factor", None)
+
+
+def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig, divide: float | None = None) -> None:
     """FSDP2 over every trained network: each of its :meth:`~ff_core.adapter.Adapter.sharding_blocks` is a
     ``fully_shard`` unit (all-gathered for its own forward and backward only), then the network itself (its remaining
     parameters: embeddings, norms, output projection). Gradients of every rank are reduce-scattered, so the ranks stay
@@ -140,10 +153,11 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig) ->
         adapter: the loaded adapter, LoRA applied (or its denoisers unfrozen).
         mesh: the 1-D data-parallel device mesh (:func:`data_parallel_mesh`).
         config: the FSDP2 settings.
+        divide: what the summed gradients are divided by (:func:`gradient_divide_factor`); ``None``: the mesh size.
     """
     blocks = adapter.sharding_blocks()
     for name, network in adapter.denoisers().items():
-        shard_network(network, blocks.get(name, ()), mesh, config, adapter.full_precision_inputs)
+        shard_network(network, blocks.get(name, ()), mesh, config, adapter.full_precision_inputs, divide)
 
 
 def fully_shard_copies(adapter: Adapter, copies: list[nn.Module], mesh: Any, config: ShardingConfig) -> None:
@@ -167,14 +181,19 @@ def fully_shard_copies(adapter: Adapter, copies: list[nn.Module], mesh: Any, con
         shard_network(copy, units, mesh, config, adapter.full_precision_inputs)
 
 
-def shard_network(network: nn.Module, blocks: Any, mesh: Any, config: ShardingConfig, keep: tuple[str, ...]) -> None:
+def shard_network(network: nn.Module, blocks: Any, mesh: Any, config: ShardingConfig, keep: tuple[str, ...],
+                  divide: float | None = None) -> None:  # fmt: skip
     """``fully_shard`` each of ``blocks``, then ``network`` as their root, its forward inputs cast to
-    ``config.param_dtype`` except the keyword inputs named in ``keep`` (:func:`cast_forward_inputs`)."""
+    ``config.param_dtype`` except the keyword inputs named in ``keep`` (:func:`cast_forward_inputs`), the summed
+    gradients divided by ``divide`` (``None``: FSDP2's default, the mesh size)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in blocks:
-        fully_shard(block, mesh=mesh, **config.fsdp_kwargs())
-    fully_shard(network, mesh=mesh, **config.fsdp_kwargs(root=True))
+    for unit in [*blocks, network]:
+        fully_shard(unit, mesh=mesh, **config.fsdp_kwargs(root=unit is network))
+        if divide is not None:
+            unit.set_gradient_divide_factor(divide)
+            if mesh.device_type == "cpu":  # gloo has no pre-multiplied sum: sum, then divide
+                unit.set_force_sum_reduction_for_comms(True)
     if config.param_dtype is not None:
         cast_forward_inputs(network, TORCH_DTYPES[config.param_dtype], keep)
 

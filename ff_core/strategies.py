@@ -10,6 +10,10 @@ from the data module instead of building the training loader before the model ex
 module, whose loader needs the loaded adapter). It overrides private methods of Lightning's strategy
 (``_setup_model_and_optimizer``, ``_auto_select_batch_size``), so Lightning is pinned (``pyproject.toml``) and
 tests/test_deepspeed.py runs it under 2 gloo processes.
+
+:class:`ContextParallelStrategy` is Lightning's ``ModelParallelStrategy`` with a context-parallel dimension in place
+of the tensor-parallel one: ``FlowModule.configure_model`` splits each sample's tokens over it with diffusers' context
+parallelism (:mod:`ff_core.context_parallel`) and shards the trained networks with FSDP2 over every rank.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 
@@ -81,3 +87,75 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
             lr_scheduler=lr_scheduler, dist_init_required=False,
         )  # fmt: skip
         return engine, deepspeed_optimizer
+
+
+class ContextParallelStrategy(ModelParallelStrategy):
+    """FSDP2 over data parallel x context parallel (docs/scaling.md, "Sequence parallel").
+
+    The ``world_size`` ranks form a ``(data_parallel, ring, ulysses)`` device mesh (ring size 1; the names diffusers'
+    ``ContextParallelConfig`` reads), the ranks of one context-parallel group adjacent (one node). Data are sharded
+    by the data-parallel rank only (``distributed_sampler_kwargs``, as Lightning's), so the ``context_parallel_size``
+    ranks of a group get the same batch, timesteps and noise, and each trained network's forward splits every
+    sample's tokens over them (diffusers' Ulysses attention: :mod:`ff_core.context_parallel`). FSDP2 shards the
+    trained networks over all ranks (:attr:`shard_mesh`); each rank's gradient holds its tokens' share, so the
+    reduction sums over a group and averages over data parallel (:attr:`gradient_divide_factor`).
+
+    Args:
+        context_parallel_size: ranks that split one sample's tokens (2 or more; a divisor of the world size).
+        data_parallel_size: ranks that take different samples: ``"auto"`` is ``world_size / context_parallel_size``.
+        save_distributed_checkpoint, process_group_backend, timeout: as Lightning's ``ModelParallelStrategy``.
+    """
+
+    def __init__(self, context_parallel_size: int = 2, data_parallel_size: int | Literal["auto"] = "auto",
+                 save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:  # fmt: skip
+        from ff_core.errors import ConfigError
+
+        if not isinstance(context_parallel_size, int) or context_parallel_size < 2:
+            raise ConfigError("trainer.strategy.init_args.context_parallel_size", f"{context_parallel_size!r}: "
+                              "2 or more ranks split each sample (1: ModelParallelStrategy)")  # fmt: skip
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
+        self.context_parallel_size = context_parallel_size
+        self._shard_mesh: Any = None
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ff_core.errors import ConfigError
+
+        self._setup_distributed()
+        cp, world = self.context_parallel_size, self.world_size
+        dp = world // cp if self._data_parallel_size == "auto" else int(self._data_parallel_size)
+        if dp * cp != world:
+            raise ConfigError("trainer.strategy.init_args", f"data_parallel_size {dp} x context_parallel_size {cp} "
+                              f"must equal the {world} processes (devices x num_nodes)")  # fmt: skip
+        self._data_parallel_size = dp
+        self._device_mesh = init_device_mesh(self.root_device.type, (dp, 1, cp),
+                                             mesh_dim_names=("data_parallel", "ring", "ulysses"))  # fmt: skip
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_mesh["data_parallel"].size()
+
+    @property
+    def context_parallel_mesh(self) -> Any:
+        """This rank's context-parallel group: the ``(ring, ulysses)`` mesh diffusers' ``ContextParallelConfig``
+        takes."""
+        return self.device_mesh["ring", "ulysses"]
+
+    @property
+    def shard_mesh(self) -> Any:
+        """Every rank, flattened (1-D): what FSDP2 shards the trained networks over."""
+        if self._shard_mesh is None:
+            self._shard_mesh = self.device_mesh["data_parallel", "ring", "ulysses"]._flatten("data_context")
+        return self._shard_mesh
+
+    @property
+    def gradient_divide_factor(self) -> float:
+        """What FSDP2 divides the summed gradients by: the data-parallel size (a group's ranks hold parts of one
+        gradient, summed; data-parallel replicas are averaged)."""
+        return float(self.data_parallel_size)

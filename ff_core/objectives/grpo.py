@@ -496,28 +496,45 @@ def _split(items: list, parts: int) -> list[list]:
     return out
 
 
+def _data_parallel(module: Any) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of the data-parallel dimension (``FlowModule.data_parallel``): the ranks of one
+    context-parallel group (ff's ``ContextParallelStrategy``) roll out the same samples, so rewards, advantages and
+    counts are gathered over the data-parallel replicas only; ``(0, 1, None)`` outside a trainer."""
+    if getattr(module, "_trainer", None) is None:
+        return 0, 1, None
+    coords = module.data_parallel
+    return coords.rank, coords.world_size, coords.group
+
+
 def _rank(module: Any) -> int:
-    trainer = getattr(module, "_trainer", None)
-    return 0 if trainer is None else trainer.global_rank
+    return _data_parallel(module)[0]
 
 
 def _gatherer(module: Any):
-    """``tensor -> every rank's tensor, concatenated in rank order`` (the tensor itself on one process)."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None or trainer.world_size == 1:
+    """``tensor -> every data-parallel rank's tensor, concatenated in rank order`` (the tensor itself on one)."""
+    _, size, group = _data_parallel(module)
+    if size == 1:
         return lambda x: x
-    # Through the module's device (NCCL gathers device tensors only), back to the CPU, where rewards return scores.
-    return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1).cpu()
+    import torch.distributed as dist
+
+    def gather(x: Tensor) -> Tensor:
+        # Through the module's device (NCCL gathers device tensors only), back to the CPU, where rewards return scores.
+        x = x.to(module.device).contiguous()
+        out = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(out, x, group=group)
+        return torch.cat(out).cpu()
+
+    return gather
 
 
 def _gather_objects(module: Any, obj: Any) -> list[Any]:
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None or trainer.world_size == 1:
+    _, size, group = _data_parallel(module)
+    if size == 1:
         return [obj]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -575,7 +592,7 @@ def _average_gradients(module: Any, terms: int, sync: Literal["none", "manual", 
 
     if sync == "strategy":  # the shards' reduce-scatter averaged them: only the count remains
         count = torch.tensor([float(terms)], device=module.device)
-        dist.all_reduce(count)
+        dist.all_reduce(count, group=_data_parallel(module)[2])
         return int(count.item())
     params = [p for p in module.parameters() if p.requires_grad]
     flags = torch.tensor([float(p.grad is not None) for p in params] + [float(terms)], device=params[0].device)

@@ -73,7 +73,14 @@ class DataParallelCoords:
         kwargs = getattr(trainer, "distributed_sampler_kwargs", None)
         if not kwargs:
             return cls()
-        return cls(int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)))
+        size = int(kwargs.get("num_replicas", 1))
+        # Under a device mesh (ModelParallelStrategy, ff's ContextParallelStrategy) the data-parallel ranks may be a
+        # subset of the processes: gathers run over that dimension's group.
+        mesh = getattr(getattr(trainer, "strategy", None), "_device_mesh", None)
+        group = None
+        if mesh is not None and size > 1 and size != trainer.world_size:
+            group = mesh["data_parallel"].get_group()
+        return cls(int(kwargs.get("rank", 0)), size, group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every data-parallel rank's ``obj``, in rank order (just ``[obj]`` without a process group).
