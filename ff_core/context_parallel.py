@@ -21,9 +21,10 @@ collectives carry the rest, so each rank's parameter gradients are its tokens' s
 whole gradient; FSDP2 sums over all ranks and divides by the data-parallel size
 (:func:`~ff_core.sharding.gradient_divide_factor`).
 
-What diffusers lacks and this module adds: that backward, resolving the mesh on a CPU process (diffusers divides by
-the accelerator count, 0 on the CPU; ff hands it the strategy's own mesh and device) and refusing, before weights
-load, a checkpoint whose denoiser has no plan.
+What diffusers lacks and this module adds: that backward; a per-head attention mask cut to the rank's heads
+(LTX-2's processors pass one); the uneven output gather on gloo (:func:`all_gather_uneven`); resolving the mesh on a
+CPU process (diffusers divides by the accelerator count, 0 on the CPU; ff hands it the strategy's own mesh and
+device); and refusing, before weights load, a checkpoint whose denoiser has no plan.
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ def enable(network: nn.Module, plan: dict[str, Any], strategy: Any) -> None:
     network; a copy of the network (a reference policy) is enabled on its own: diffusers' hooks replace ``forward``
     with closures over the module they were registered on, which a deep copy would still call.
     """
+    from diffusers.hooks import context_parallel as hooks
     from diffusers.models import attention_dispatch
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     if attention_dispatch.TemplatedUlyssesAnythingAttention.__module__ == attention_dispatch.__name__:
         attention_dispatch.TemplatedUlyssesAnythingAttention = UlyssesAnythingAttention  # same forward, differentiable
+    hooks._all_gather_anything = all_gather_uneven  # gloo all-gathers equal sizes only
     config = ContextParallelConfig(ulysses_degree=strategy.context_parallel_size, ulysses_anything=True,
                                    mesh=strategy.context_parallel_mesh)  # fmt: skip
 
@@ -174,6 +177,11 @@ class UlyssesAnythingAttention:
         meta = {"NUM_QO_HEAD": query.shape[2], "Q_S_LOCAL": query.shape[1]}
         kv_local = key.shape[1]
         query, key, value = (_SeqToHeads.apply(x.contiguous(), group) for x in (query, key, value))
+        heads = meta["NUM_QO_HEAD"]
+        if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == heads > 1:  # a mask per head
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            share = -(-heads // size)  # this rank's heads after the all-to-all (the last rank's share may be short)
+            attn_mask = attn_mask[:, rank * share : min((rank + 1) * share, heads)]
         if attn_mask is not None and attn_mask.shape[-1] == kv_local:  # a local key mask: the whole sequence's
             from diffusers.models._modeling_parallel import gather_size_by_comm
 
@@ -193,3 +201,18 @@ class UlyssesAnythingAttention:
 class _NoContext:
     """Stands in for the autograd context diffusers' attention forward ops write to when they save for a backward
     (``_save_ctx=False``: they do not)."""
+
+
+def all_gather_uneven(tensor: Tensor, dim: int, group: Any) -> Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim``, the ranks' sizes along it allowed to differ: padded to the
+    largest, all-gathered, trimmed. diffusers' ``_all_gather_anything`` (the output gather of its "anything" mode)
+    all-gathers the unequal tensors as they are, which NCCL accepts and gloo refuses."""
+    from diffusers.models._modeling_parallel import gather_size_by_comm
+
+    tensor = tensor.contiguous()
+    sizes = gather_size_by_comm(tensor.shape[dim], group)
+    pad = [0, 0] * (tensor.ndim - 1 - dim) + [0, max(sizes) - tensor.shape[dim]]
+    padded = F.pad(tensor, pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)

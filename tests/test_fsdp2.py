@@ -99,15 +99,16 @@ def ff_fit(recipe: Path, tiny_sd3: Path, shapes_dir: Path, root: Path, max_steps
     ])  # fmt: skip
 
 
-def launch(root: Path, args: list[str]) -> list[subprocess.Popen]:
-    """`ff fit ARGS` on 2 ranks started at once (LOCAL_RANK set, as torchrun does: Lightning launches nothing), each
-    in its own process group, logging to ROOT/ff_fit.rank<r>.log."""
+def launch(root: Path, args: list[str], ranks: int = 2) -> list[subprocess.Popen]:
+    """`ff fit ARGS` on ``ranks`` ranks started at once (LOCAL_RANK set, as torchrun does: Lightning launches
+    nothing), each in its own process group, logging to ROOT/ff_fit.rank<r>.log."""
     cmd = [sys.executable, "-m", "ff_core.cli", "fit", *args]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               WORLD_SIZE="2", NODE_RANK="0", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+               WORLD_SIZE=str(ranks), NODE_RANK="0",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
     procs = []
-    for rank in (0, 1):
+    for rank in range(ranks):
         log = (root / f"ff_fit.rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
@@ -130,7 +131,7 @@ def wait(runs: dict[Path, list[subprocess.Popen]]) -> None:
     try:
         for root, procs in runs.items():
             codes = [proc.wait(timeout=300) for proc in procs]
-            assert codes == [0, 0], log_tail(root)
+            assert codes == [0] * len(procs), log_tail(root)
     finally:
         for procs in runs.values():
             kill(procs)
