@@ -333,18 +333,19 @@ class Adapter(nn.Module):
         return out
 
     @classmethod
-    def context_parallel_plan(cls, network_class: type) -> dict[str, Any] | None:
-        """How a trained network of class ``network_class`` splits its tokens over a context-parallel group
+    def context_parallel_plan(cls, network: type | nn.Module) -> dict[str, Any] | None:
+        """How a trained network splits its tokens over a context-parallel group
         (:class:`~ff_core.strategies.ContextParallelStrategy`, :mod:`ff_core.context_parallel`): a diffusers
         context-parallel plan (module name -> ``ContextParallelInput`` splits / ``ContextParallelOutput`` gathers),
-        or ``None``: the network cannot be split, and ``ff fit`` refuses the strategy before weights load, naming the
-        class.
+        or ``None``: the network cannot be split, and ``ff fit`` refuses the strategy, naming the class.
 
-        Default: the diffusers class's own ``_cp_plan`` (Wan, LTX-2, MiniMax H3, Flux, Qwen-Image have one; SD3 has
-        none). Override it when the family's forward needs more split than diffusers' plan does (a second token
-        stream), or to give a network without one a plan.
+        Called with the network's class before any weight loads (``None`` or not decides the refusal) and with the
+        loaded network (the plan applied, which may depend on its config). Default: the diffusers class's own
+        ``_cp_plan`` (Wan, LTX-2, MiniMax H3, Flux, Qwen-Image have one; SD3 has none). Override it when the
+        family's forward needs another split than diffusers' plan (a second token stream, rope of another layout),
+        or to give a network without one a plan.
         """
-        return getattr(network_class, "_cp_plan", None)
+        return getattr(network, "_cp_plan", None)
 
     # -- what training touches -------------------------------------------------------------------
     @property

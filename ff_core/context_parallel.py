@@ -118,7 +118,7 @@ def enable_networks(adapter: Adapter, copies: list[nn.Module], strategy: Any) ->
     networks = adapter.denoisers()
     check_plans(type(adapter), {name: type(network) for name, network in networks.items()},
                 strategy.context_parallel_size)  # fmt: skip
-    plans = {id(network): type(adapter).context_parallel_plan(type(network)) for network in networks.values()}
+    plans = {id(network): type(adapter).context_parallel_plan(network) for network in networks.values()}
     for network in networks.values():
         enable(network, plans[id(network)], strategy)
     for network, copy in zip(adapter.trained_networks(), copies):

@@ -431,6 +431,32 @@ class LTX2T2AVAdapter(Adapter):
         Named explicitly: ``LTX2VideoTransformer3DModel`` declares no ``_no_split_modules``."""
         return {"transformer": list(self.transformer.transformer_blocks)}
 
+    @classmethod
+    def context_parallel_plan(cls, network: type | nn.Module) -> dict[str, Any] | None:
+        """Both token streams split over the group (docs/scaling.md, "Sequence parallel"). diffusers' own
+        ``LTX2VideoTransformer3DModel._cp_plan`` (0.42) splits the video only, expects the 3-D rope of
+        ``rope_type: interleaved`` (the ``split`` layout's 4-D rope is left whole and the forward fails), misses the
+        video cross-attention rope and the I2AV per-token timestep, and splits the prompt with its mask. Here: the video
+        and audio tokens, each stream's self- and cross-attention rope in the checkpoint's layout, the per-token video
+        timestep (I2AV; a ``(B,)`` timestep is left whole), both outputs gathered; the prompts stay whole on every rank
+        (Ulysses attention over duplicated keys is exact)."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        if isinstance(network, type):
+            return {} if getattr(network, "_cp_plan", None) is not None else None
+        if network.config.rope_type == "split":  # (B, heads, tokens, dim / 2)
+            rope = {i: ContextParallelInput(split_dim=2, expected_dims=4, split_output=True) for i in (0, 1)}
+        else:  # interleaved: (B, tokens, dim)
+            rope = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
+        return {
+            "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                 "audio_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2)},
+            **{name: dict(rope) for name in ("rope", "cross_attn_rope", "audio_rope", "cross_attn_audio_rope")},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+            "audio_proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }  # fmt: skip
+
     def component_parameters(self, component: str) -> dict[str, list[str]]:
         """``audio``: the audio stream's parameters (:data:`_AUDIO_PARAMETER`); ``video``: every other transformer
         parameter. ``model.frozen_components: [audio]`` trains the video alone (docs/ltx2.md)."""
