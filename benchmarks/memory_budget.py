@@ -14,7 +14,15 @@ listed apart (``gradient_checkpointing`` cuts them to about one block's worth). 
 * frozen components: the text encoders are released once the conditions are cached (``data.enable_preprocess``), so
   only the VAE stays, in bf16, replicated.
 
-Usage: ``python benchmarks/memory_budget.py [--gpus 8]`` prints a Markdown table (GiB per GPU).
+Activations under context parallelism (``ff_core.strategies.ContextParallelStrategy``, docs/scaling.md "Sequence
+parallel"), per rank, in bf16, for one sample of ``S`` tokens split over ``cp`` ranks (Ulysses: each rank holds
+``S / cp`` tokens of every layer's activations, and inside attention the whole sequence for ``1 / cp`` of the heads:
+the same size). With ``gradient_checkpointing`` the backward keeps each block's input (``L * S / cp * d``) and
+recomputes one block at a time, whose working set is taken as ``S / cp * (14 d + 2 f)`` (norms, q, k, v, attention
+output, projections, residuals: ~14 ``d``-wide tensors; the MLP's two ``f``-wide ones); without it every block's
+working set stays. An estimate to size a run with, not a measurement.
+
+Usage: ``python benchmarks/memory_budget.py [--gpus 8]`` prints two Markdown tables (GiB per GPU).
 """
 
 from __future__ import annotations
@@ -113,6 +121,25 @@ def budget(n: dict[str, int], gpus: int) -> dict[str, float]:
     }
 
 
+# Long clips (tokens of one sample, the ff adapters' denoiser_tokens for these geometries) and the transformer shape.
+LONG_CLIPS = {
+    # 81 frames at 720x1280: (1 + 80 / 4) x (720 / 16) x (1280 / 16) = 21 x 45 x 80
+    "Wan2.1 T2V 14B, 720p 81 frames": {"tokens": 21 * 45 * 80, "d": 5120, "f": 13824, "layers": 40},
+    # 121 frames at 704x1280 (VAE 8x temporal, 32x spatial, patch 1): 16 x 22 x 40 video + 126 audio (5 s at 25/s)
+    "LTX-2, 704p 121 frames + audio": {"tokens": 16 * 22 * 40 + 126, "d": 4096, "f": 16384, "layers": 48},
+    # 10 s at 24 fps: 243 frames (17 n + 5), 5 n + 2 = 72 latent frames of 22 x 40 (16x VAE, patch 2) + 2 x 405 audio
+    "MiniMax H3, 704p 10 s": {"tokens": 72 * 22 * 40 + 2 * 405, "d": 5376, "f": 14336, "layers": 50},
+}
+
+
+def activations(clip: dict[str, int], cp: int, checkpointing: bool = True) -> float:
+    """GiB per rank of one sample's activations in bf16 (module docstring)."""
+    s, d, f, layers = clip["tokens"] / cp, clip["d"], clip["f"], clip["layers"]
+    block = s * (14 * d + 2 * f)
+    kept = layers * s * d + block if checkpointing else layers * block
+    return 2 * kept / GIB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=8, help="data-parallel ranks")
@@ -125,7 +152,14 @@ def main() -> None:
         row = budget(n, gpus)
         print(f"| {model} | {n['trained'] / 1e9:.2f} B | {n['vae'] / 1e6:.0f} M | {n['text'] / 1e9:.2f} B | "
               + " | ".join(f"{row[c]:.1f}" for c in columns) + " |")  # fmt: skip
-    print(f"\nGiB per GPU of weights, gradients and AdamW state with {gpus} GPUs (activations not included).")
+    print(f"\nGiB per GPU of weights, gradients and AdamW state with {gpus} GPUs (activations not included).\n")
+    sizes = (1, 2, 4, 8)
+    print("| clip (one sample) | tokens | " + " | ".join(f"cp={n}" for n in sizes) + " | cp=1, no checkpointing |")
+    print("|---|---|" + "---|" * (len(sizes) + 1))
+    for name, clip in LONG_CLIPS.items():
+        print(f"| {name} | {clip['tokens']:,} | " + " | ".join(f"{activations(clip, n):.1f}" for n in sizes)
+              + f" | {activations(clip, 1, checkpointing=False):.0f} |")  # fmt: skip
+    print("\nGiB per rank of activations in bf16 with gradient checkpointing, by context-parallel size.")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,14 @@
   does not divide (7 query tokens split 4 + 3, 5 key tokens 3 + 2, 3 heads), a key mask; the output and the gradients
   of queries, keys and values per rank's slice.
 * The refusals, before any weight loads: SD3's transformer has no context-parallel plan; a group of 1.
-* :class:`Tokens`: the callback the plugins' runs use to show that each rank's attention holds its slice only.
+* :func:`cp_fit` and the assertions the families' runs share (:class:`Tokens`: each rank's attention holds its slice).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import lightning as L
@@ -27,11 +28,12 @@ from tests.test_ddp_resume import free_port
 
 
 class Tokens(L.Callback):
-    """Per rank: the token count of every self-attention input (modules named ``...attn1``) of the first training
-    step: the sequence each rank's attention activations are made of."""
+    """Per rank: the token count of every self-attention input of the first training step (the sequence each rank's
+    attention activations are made of): the inputs of the trained networks' modules whose name matches ``pattern``
+    (Wan's and LTX-2's ``attn1`` and ``audio_attn1``; H3's ``transformer_blocks.N.attn``)."""
 
-    def __init__(self, dirpath: str) -> None:
-        self.dirpath, self.seen, self.handles = Path(dirpath), set(), []
+    def __init__(self, dirpath: str, pattern: str = r"attn1$") -> None:
+        self.dirpath, self.pattern, self.seen, self.handles = Path(dirpath), re.compile(pattern), set(), []
 
     def on_train_start(self, trainer, pl_module) -> None:
         def record(module, args, kwargs) -> None:
@@ -39,7 +41,7 @@ class Tokens(L.Callback):
 
         for network in pl_module.adapter.denoisers().values():
             for name, module in network.named_modules():
-                if name.endswith("attn1"):
+                if self.pattern.search(name):
                     self.handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -50,6 +52,92 @@ class Tokens(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(sorted(self.seen)))
+
+
+def cp_fit(root: Path, recipe: Path, checkpoint: Path, ranks: int, dataset: Path, *extra: str,
+           tokens: str = r"attn1$") -> dict:  # fmt: skip
+    """``ff fit RECIPE`` on ``ranks`` processes (``launch``), its checkpoint and dataset replaced, a checkpoint every
+    step, and the per-rank records the context-parallel tests compare: SampleLog (ids, sigma, noise seed, loss),
+    :class:`Tokens`, ``tests.test_grpo_sharded.Record`` (GRPO's metrics and weights)."""
+    from tests.test_fsdp2 import launch
+
+    root.mkdir()
+    callbacks = [
+        {"class_path": "ff_core.callbacks.FlowCheckpoint",
+         "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "save_last": True, "dirpath": str(root / "ckpt")}},
+        {"class_path": "ff_core.callbacks.SampleLog",
+         "init_args": {"dirpath": str(root / "ids"), "outputs": ["sigma", "noise_seed", "loss"]}},
+        {"class_path": "tests.test_context_parallel.Tokens",
+         "init_args": {"dirpath": str(root / "tokens"), "pattern": tokens}},
+        {"class_path": "tests.test_grpo_sharded.Record", "init_args": {"dirpath": str(root / "out")}},
+    ]  # fmt: skip
+    return {root: launch(root, [
+        "--config", str(recipe), "--model.pretrained_model_name_or_path", str(checkpoint),
+        "--data.datasets", json.dumps([{"name": "data", "dataset_dir": str(dataset)}]),
+        "--trainer.devices", str(ranks), "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root),
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks", json.dumps(callbacks), *extra,
+    ], ranks=ranks)}  # fmt: skip
+
+
+CP2 = json.dumps({"class_path": "ff_core.strategies.ContextParallelStrategy",
+                  "init_args": {"context_parallel_size": 2, "save_distributed_checkpoint": False}})  # fmt: skip
+"""``trainer.strategy`` of a 2-process context-parallel group (one data-parallel rank)."""
+
+
+def steps(n: int) -> tuple[str, ...]:
+    return ("--trainer.max_steps", str(n))
+
+
+def weights(root: Path) -> dict[str, torch.Tensor]:
+    return torch.load(root / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+
+
+def tokens(root: Path, rank: int) -> list[int]:
+    return json.loads((root / "tokens" / f"rank{rank}.json").read_text())
+
+
+def rows(root: Path, rank: int) -> list[dict]:
+    from ff_core.callbacks import read_sample_log
+
+    return read_sample_log(root / "ids" / f"rank{rank}.jsonl")
+
+
+def same_weights(got: dict, want: dict, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys() and want
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=atol, msg=key)
+
+
+def assert_split(one: Path, cp: Path) -> None:
+    """Each cp rank's attention inputs hold its slice (``tensor_split``) of every sequence the one process sees."""
+    whole = tokens(one, 0)
+    assert whole and tokens(cp, 0) == sorted(-(-n // 2) for n in whole)
+    assert tokens(cp, 1) == sorted(n // 2 for n in whole)
+
+
+def assert_same_training(one: Path, cp: Path, rel: float = 1e-5) -> None:
+    """Both cp ranks take the one process's samples, levels and noise, with its losses (within ``rel``), and end with
+    its weights."""
+    from tests.test_fsdp2 import assert_same_run
+
+    for rank in (0, 1):
+        assert len(rows(cp, rank)) == len(rows(one, 0))
+        assert_same_run(rows(cp, rank), rows(one, 0), rel=rel)
+    same_weights(weights(cp), weights(one))
+
+
+def assert_same_grpo(one: Path, cp: Path) -> None:
+    """Both cp ranks roll out the one process's samples (prompts, rewards, advantages) and take its update (losses,
+    ratios; the LoRA at the end)."""
+    from tests.test_grpo_sharded import same_steps
+
+    single = torch.load(one / "out" / "rank0.pt", weights_only=False)
+    for rank in (0, 1):
+        record = torch.load(cp / "out" / f"rank{rank}.pt", weights_only=False)
+        assert record["steps"] and [s["step"] for s in record["steps"]] == [s["step"] for s in single["steps"]]
+        same_steps(single["steps"], record["steps"])
+        same_weights(record["weights"], single["weights"], atol=1e-5)
 
 
 def _attention_rank(rank: int, port: int, out: str) -> None:
