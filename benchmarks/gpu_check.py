@@ -193,6 +193,86 @@ def throughput(batch: int, steps: int, peak_tflops: float | None) -> dict:
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
 
 
+def _cp_rank(rank: int, world: int, port: int, frames: int, size: int, steps: int, out: str, gpu: bool) -> None:
+    """One rank of :func:`context_parallel`: a Wan2.1-1.3B-sized random transformer (bf16, gradient checkpointing),
+    its tokens split over ``world`` ranks with ff's context parallelism; writes its step time and peak memory."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from diffusers import WanTransformer3DModel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from memory_budget import WAN_1_3B
+
+    from ff_core.context_parallel import enable
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(rank)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    torch.manual_seed(0)
+    with device:
+        model = WanTransformer3DModel(**WAN_1_3B).to(torch.bfloat16)
+    model.enable_gradient_checkpointing()
+    if world > 1:
+        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+        mesh = init_device_mesh(device.type, (1, 1, world), mesh_dim_names=("data_parallel", "ring", "ulysses"))
+        strategy = types.SimpleNamespace(context_parallel_size=world, context_parallel_mesh=mesh["ring", "ulysses"],
+                                         global_rank=rank, world_size=world, root_device=device)  # fmt: skip
+        enable(model, model._cp_plan, strategy)
+    latent = (frames - 1) // 4 + 1
+    x = torch.randn(1, 16, latent, size // 8, size // 8, device=device, dtype=torch.bfloat16)
+    context = torch.randn(1, 512, 4096, device=device, dtype=torch.bfloat16)
+    t = torch.full((1,), 500.0, device=device)
+
+    def step() -> None:
+        model(hidden_states=x, encoder_hidden_states=context, timestep=t, return_dict=False)[0].float().square(
+            ).mean().backward()  # fmt: skip
+        model.zero_grad(set_to_none=True)
+
+    step()
+    sync()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    tokens = latent * (size // 16) ** 2
+    peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")  # the CPU smoke run measures time only
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"step_s": seconds, "tokens": tokens, "peak_gib": peak}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def context_parallel(frames: int, size: int, steps: int, gpu: bool = True) -> list[str]:
+    """Rows of a long clip's forward + backward without context parallelism and with cp=2 (when 2 GPUs are
+    visible): step time, tokens per second and each rank's peak memory (``gpu=False``: a smoke run on 2 CPU
+    processes over gloo, timing only)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    rows = ["", f"| context parallel: Wan-1.3B-sized transformer, bf16, checkpointing, {frames} frames at {size}x{size}"
+            " | step | tokens / s | peak memory per rank |", "|---|---|---|---|"]  # fmt: skip
+    for world in (1, 2):
+        if gpu and world > torch.cuda.device_count():
+            rows.append(f"| cp={world} | needs {world} GPUs | | |")
+            continue
+        with tempfile.TemporaryDirectory() as out:
+            port = 29000 + os.getpid() % 1000 + world
+            mp.start_processes(_cp_rank, args=(world, port, frames, size, steps, out, gpu), nprocs=world,
+                               start_method="spawn")  # fmt: skip
+            r = [json.loads(Path(out, f"rank{i}.json").read_text()) for i in range(world)]
+        seconds = max(x["step_s"] for x in r)
+        rows.append(f"| cp={world} | {seconds * 1000:.0f} ms | {r[0]['tokens'] / seconds:.0f} | "
+                    f"{max(x['peak_gib'] for x in r):.1f} GiB |")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "gpu_check.md"))
@@ -204,6 +284,9 @@ def main() -> None:
     parser.add_argument("--skip-recipes", action="store_true")
     parser.add_argument("--strategies", default="", help="comma-separated subset of: " + ", ".join(STRATEGIES))
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--cp-frames", type=int, default=81, help="frames of the context-parallel row's clip")
+    parser.add_argument("--cp-size", type=int, default=480, help="side of its square canvas")
+    parser.add_argument("--skip-cp", action="store_true")
     parser.add_argument("--accelerator", default="gpu", help="cpu: smoke-test the recipe runs without a GPU")
     a = parser.parse_args()
     devices = gpu_count(a.accelerator)
@@ -227,6 +310,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     if not a.skip_throughput:
         lines += throughput_table(throughput(a.batch, a.throughput_steps, a.peak_tflops))
+    if not a.skip_cp:
+        lines += context_parallel(a.cp_frames, a.cp_size, a.throughput_steps, gpu=a.accelerator != "cpu")
     text = "\n".join(lines) + "\n"
     Path(a.out).write_text(text)
     print(text)

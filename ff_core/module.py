@@ -395,28 +395,30 @@ class FlowModule(Evaluation, L.LightningModule):
     def _resolve_expert_choice(self, adapter: Adapter, strategy: Any) -> bool:
         """Whether each micro-batch's noise levels route to one expert picked alike on every rank
         (``timesteps.expert_choice``, :class:`~ff_core.objectives.flow_matching.TimestepSampler`): ``per_micro_batch``,
-        or ``auto`` under FSDP2 with routed experts. FSDP2 with routed experts needs every rank to run the same
-        expert's forward at each step: refused with ``per_sample``, and for GRPO with a random SDE step subset
-        (``num_sde_steps``: ranks would replay transitions at different levels)."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        or ``auto`` under FSDP2 or DeepSpeed with routed experts. Both need every rank to run the same expert at each
+        step (FSDP2 all-gathers each expert's blocks in its forward; DeepSpeed reduces the gradients a backward
+        produced, in buckets every rank must fill alike): refused with ``per_sample``, and for GRPO with a random SDE
+        step subset (``num_sde_steps``: ranks would replay transitions at different levels)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
+        kind = "DeepSpeed" if isinstance(strategy, DeepSpeedStrategy) else "FSDP2"
         routed = len(adapter.denoisers()) > 1 and adapter.uses_second_expert(1.0) is not None
-        sharded = isinstance(strategy, ModelParallelStrategy) and len(adapter.denoisers()) > 1
+        sharded = isinstance(strategy, (ModelParallelStrategy, DeepSpeedStrategy)) and len(adapter.denoisers()) > 1
         timesteps = getattr(self.objective, "timesteps", None)
         choice = getattr(timesteps, "expert_choice", None)
         if sharded and not routed:
             raise ConfigError("trainer.strategy", f"{adapter.name} trains {len(adapter.denoisers())} networks "
                               f"({', '.join(adapter.denoisers())}) without routing noise levels to them "
-                              "(Adapter.uses_second_expert): FSDP2 cannot know that every rank runs the same one; "
+                              f"(Adapter.uses_second_expert): {kind} cannot know that every rank runs the same one; "
                               "use DDP")  # fmt: skip
         if sharded and choice == "per_sample":
-            raise ConfigError("model.objective.init_args.timesteps.expert_choice", f"per_sample under FSDP2: "
-                              f"{adapter.name}'s experts would run different all-gathers on different ranks; use "
+            raise ConfigError("model.objective.init_args.timesteps.expert_choice", f"per_sample under {kind}: "
+                              f"{adapter.name}'s experts would run different collectives on different ranks; use "
                               "per_micro_batch (or auto)")  # fmt: skip
         sampler = getattr(self.objective, "sampler", None)
         if sharded and getattr(sampler, "num_sde_steps", None) is not None:
             raise ConfigError("model.objective.init_args.sampler.num_sde_steps", f"a random subset of SDE steps per "
-                              f"rollout under FSDP2: ranks would replay transitions on different {adapter.name} "
+                              f"rollout under {kind}: ranks would replay transitions on different {adapter.name} "
                               "experts; set a fixed window instead")  # fmt: skip
         if choice == "per_micro_batch" and not routed:
             raise ConfigError("model.objective.init_args.timesteps.expert_choice", f"per_micro_batch: "

@@ -59,7 +59,9 @@ def test_cp2_sft_splits_both_streams_and_trains_as_one_process(runs, one, cp):
 
 
 def test_cp2_dpo_trains_as_one_process(runs):
-    assert_same_training(runs["SD"], runs["CD"], rel=1e-3)  # DPO's loss amplifies rounding by beta
+    # atol 1e-5 (lr 1e-3): AdamW's first step divides each gradient entry by its own size, so an entry near eps
+    # turns attention's rounding into ~3e-6 of one LoRA entry (seen on LTX-2; the losses agree within 2e-6)
+    assert_same_training(runs["SD"], runs["CD"], rel=1e-4, atol=1e-5)
 
 
 def test_cp2_grpo_rolls_out_and_updates_as_one_process(runs):
