@@ -69,6 +69,27 @@ def denoiser_classes(adapter_cls: type[Adapter], pretrained: str | os.PathLike) 
     return out
 
 
+def check_heads(pretrained: str | os.PathLike, components: list[str], size: int) -> None:
+    """Refuse a group size Ulysses attention cannot spread a network's heads over: each rank takes ``ceil(h / size)``
+    heads, the last one padded, and diffusers requires the padding to be smaller than a share (``h = 5`` over 4
+    ranks is not; 3 over 2 is). Reads every ``*num_attention_heads`` entry of each component's ``config.json``."""
+    from ff_core.pretrained import read_config
+
+    for name in components:
+        try:
+            config = read_config(pretrained, "config.json", subfolder=name)
+        except (OSError, ValueError):
+            continue
+        for key, heads in config.items():
+            if not key.endswith("num_attention_heads") or not isinstance(heads, int):
+                continue
+            share = -(-heads // size)
+            if (-heads) % size >= share:
+                raise ConfigError(STRATEGY_KEY, f"{size}: {name}'s {heads} attention heads ({key}) cannot be spread "
+                                  f"over {size} ranks ({share} each, the last padded by {(-heads) % size}); use a "
+                                  f"size that divides {heads}")  # fmt: skip
+
+
 def check_plans(adapter_cls: type[Adapter], classes: dict[str, type], size: int) -> None:
     """Refuse a trained network without a context-parallel plan, naming the strategy key and the class."""
     for name, cls in classes.items():

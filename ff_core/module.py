@@ -21,7 +21,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ff_core.adapter import Adapter
-from ff_core.context_parallel import check_plans, denoiser_classes, enable_networks
+from ff_core.context_parallel import check_heads, check_plans, denoiser_classes, enable_networks
 from ff_core.contracts import PipelineIOContract
 from ff_core.data.dataflow import DataParallelCoords
 from ff_core.errors import ConfigError
@@ -254,9 +254,10 @@ class FlowModule(Evaluation, L.LightningModule):
                               f"{STRATEGY_NAMES[kind]}")  # fmt: skip
         if kind == "deepspeed" and not self.objective.automatic_optimization:
             self._clip_in_deepspeed(strategy)
-        if isinstance(strategy, ContextParallelStrategy):  # every trained network must have a plan to split by
-            check_plans(self.adapter_cls, denoiser_classes(self.adapter_cls, self.pretrained_model_name_or_path),
-                        strategy.context_parallel_size)  # fmt: skip
+        if isinstance(strategy, ContextParallelStrategy):  # a plan to split each trained network by, heads to spread
+            classes = denoiser_classes(self.adapter_cls, self.pretrained_model_name_or_path)
+            check_plans(self.adapter_cls, classes, strategy.context_parallel_size)
+            check_heads(self.pretrained_model_name_or_path, list(classes), strategy.context_parallel_size)
         elif isinstance(strategy, ModelParallelStrategy):
             data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:

@@ -192,6 +192,19 @@ def test_a_denoiser_without_a_plan_is_refused_before_weights_load(tiny_sd3):
     assert module.adapter is None  # nothing loaded
 
 
+@pytest.mark.parametrize("heads, size, ok", [(3, 2, True), (4, 4, True), (5, 4, False), (1, 2, False), (6, 4, False), (7, 4, True)])
+def test_a_group_its_heads_cannot_spread_over_is_refused(tmp_path, heads, size, ok):
+    from ff_core.context_parallel import check_heads
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"audio_num_attention_heads": heads}))
+    if ok:
+        check_heads(tmp_path, ["transformer"], size)
+    else:
+        with pytest.raises(ConfigError, match=rf"context_parallel_size: {size}: transformer's {heads} attention heads"):
+            check_heads(tmp_path, ["transformer"], size)
+
+
 def test_a_group_of_one_is_refused():
     with pytest.raises(ConfigError, match="context_parallel_size"):
         ContextParallelStrategy(context_parallel_size=1)

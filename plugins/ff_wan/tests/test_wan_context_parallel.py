@@ -6,8 +6,9 @@ processes, one data-parallel rank) both ranks take the one-process run's batch, 
 transformer on its slice of the tokens, and the run must be the one-process run: the same samples, levels and losses
 per step, the same weights at the end (fp32 tolerance: attention's sums run in another order).
 
-* S / C: LoRA SFT, 3 steps, one process and cp=2; CR: C resumed from its step-1 checkpoint in new processes; C1: the
-  same checkpoint resumed on one process (only the context-parallel size changes).
+* S / C: LoRA SFT, 3 steps, one process and cp=2 (configs/wan/sft_tiny_cp.yaml as shipped); CR: C resumed from its
+  step-1 checkpoint in new processes; C1: the same checkpoint resumed on one process (only the context-parallel size
+  changes).
 * SD / CD: full fine-tuning offline DPO (a frozen reference copy, split as the policy is), 2 steps.
 * SG / CG: LoRA Flow-GRPO, 1 iteration: the group's ranks roll out the same samples together.
 * DD / D4: DDP on 2 processes against dp=2 x cp=2 (4 processes, FSDP2 over all four), LoRA SFT, 2 steps.
@@ -53,7 +54,7 @@ def runs(tiny_wan, tmp_path_factory):
     r = {name: base / name for name in ("S", "C", "CR", "C1", "SD", "CD", "SG", "CG", "DD", "D4")}
     sft, dpo, grpo = recipe("sft_tiny"), recipe("offline_dpo_tiny"), recipe("grpo_tiny")
     wait({**cp_fit(r["S"], sft, ckpt, 1, squares, *GEOMETRY, *steps(3)),
-          **cp_fit(r["C"], sft, ckpt, 2, squares, *GEOMETRY, *steps(3), "--trainer.strategy", CP2)})
+          **cp_fit(r["C"], recipe("sft_tiny_cp"), ckpt, 2, squares, *steps(3))})
     step1 = next((r["C"] / "ckpt").glob("*step=1.ckpt"))
     full = ("--model.lora", "null", "--model.optimizer.init_args.lr", "1.0e-4", *GEOMETRY, *steps(2))
     wait({**cp_fit(r["CR"], sft, ckpt, 2, squares, *GEOMETRY, *steps(3), "--trainer.strategy", CP2, "--ckpt_path",
