@@ -11,6 +11,7 @@ checkpoint at each step; a second process resumes from the step-1 checkpoint and
   ``beta`` (thousands) times differences of nearly equal errors, which turns a reduction order's 1e-7 into 1e-4:
   its four errors (policy and reference, chosen and rejected: what the networks computed) are compared within 1e-4
   and its loss within 1e-3;
+* ``= single``: the same against the one-process cell (context parallelism: both ranks take its samples);
 * ``ran``: trained 2 steps and resumed exactly, not comparable with DDP (``single``: one rank takes both ranks'
   samples; a mismatch with DDP reads ``ran, ≠ DDP``); ``resume ≠``: the resumed step differs;
 * ``refused: …``: ff refused the cell before training, with its one-line reason (``ff fit`` exit 2);
@@ -60,6 +61,10 @@ WORKFLOWS: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     "h3-ref2va": ("H3 Ref2VA", {"sft": "minimax/ref2va_sft_tiny", "dpo": "minimax/ref2va_offline_dpo_tiny",
                                 "grpo": "minimax/ref2va_grpo_tiny"}, ()),
 }  # fmt: skip
+# Arguments of one workflow's objective in every cell. A14B's SFT and DPO: one expert per micro-batch under every
+# strategy (FSDP2 and DeepSpeed take it by default: docs/scaling.md, "Routed experts"), so DDP draws the same levels.
+CELL_EXTRA = {("wan-a14b", objective): ("--model.objective.init_args.timesteps.expert_choice", "per_micro_batch")
+              for objective in ("sft", "dpo")}  # fmt: skip
 OBJECTIVES = {"sft": "SFT", "dpo": "offline DPO", "grpo": "Flow-GRPO"}
 TUNING = {"lora": (), "full": ("--model.lora", "null", "--model.optimizer.init_args.lr", "1.0e-4")}
 
@@ -81,9 +86,15 @@ STRATEGIES: dict[str, tuple[int, tuple[str, ...]]] = {
         "init_args": {"sharding_strategy": "FULL_SHARD", "state_dict_type": "full"}}))),
     "zero2": (2, ("--trainer.strategy", _deepspeed(2))),
     "zero3": (2, ("--trainer.strategy", _deepspeed(3))),
+    "cp2": (2, ("--trainer.strategy", json.dumps({"class_path": "ff_core.strategies.ContextParallelStrategy",
+                                                  "init_args": {"context_parallel_size": 2,
+                                                                "save_distributed_checkpoint": False}}))),
 }  # fmt: skip
 STRATEGY_LABELS = {"single": "single", "ddp": "DDP", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero2": "ZeRO-2",
-                   "zero3": "ZeRO-3"}  # fmt: skip
+                   "zero3": "ZeRO-3", "cp2": "context parallel 2"}  # fmt: skip
+BASELINES = {"cp2": "single"}
+"""Cells compared with another cell than DDP's: context parallelism on 2 ranks (one data-parallel rank) takes the
+one-process run's samples (``= single``)."""
 
 
 def cell_id(workflow: str, objective: str, tuning: str, strategy: str) -> str:
@@ -166,7 +177,8 @@ def run_cell(workflow: str, objective: str, tuning: str, strategy: str, work: Pa
                   "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "dirpath": str(root / "ckpt")}}]
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
               "init_args": {"save_dir": str(root), "name": "", "version": ""}}  # fmt: skip
-    args = ["--config", str(REPO / "configs" / f"{recipes[objective]}.yaml"), *extra, *TUNING[tuning], *strategy_args,
+    args = ["--config", str(REPO / "configs" / f"{recipes[objective]}.yaml"), *extra,
+            *CELL_EXTRA.get((workflow, objective), ()), *TUNING[tuning], *strategy_args,
             "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
             "--trainer.callbacks", json.dumps(callbacks), "--trainer.logger", json.dumps(logger)]  # fmt: skip
@@ -254,21 +266,25 @@ def main(argv: list[str] | None = None) -> None:
     results = load()
     if not a.render:
         ensure_inputs(a.workflows)
-        strategies = ["ddp", *[s for s in a.strategies if s != "ddp"]]  # DDP first: the others compare with it
+        # The baselines first (DDP; the one-process run where a cell compares with it): the others compare with them
+        first = ["ddp", *(["single"] if any(BASELINES.get(s) == "single" for s in a.strategies) else [])]
+        strategies = [*first, *[s for s in a.strategies if s not in first]]
         for workflow in a.workflows:
             for objective in a.objectives:
                 for tuning in a.tuning:
-                    ddp_root = None
+                    roots: dict[str, Path | None] = {}
                     for strategy in strategies:
                         key = cell_id(workflow, objective, tuning, strategy)
                         result, root = run_cell(workflow, objective, tuning, strategy, a.work, a.accelerator, a.timeout)
-                        if strategy == "ddp":
-                            ddp_root = root
-                        elif root is not None and ddp_root is not None and result["status"] == "ran":
-                            if close(metrics(root), metrics(ddp_root), 1e-4, [1, 2]):
-                                result["status"] = "= DDP"
+                        roots[strategy] = root
+                        baseline = BASELINES.get(strategy, "ddp")
+                        base = roots.get(baseline)
+                        if strategy != baseline and root is not None and base is not None and result["status"] == "ran":
+                            name = STRATEGY_LABELS[baseline] if baseline == "single" else "DDP"
+                            if close(metrics(root), metrics(base), 1e-4, [1, 2]):
+                                result["status"] = f"= {name}"
                             elif strategy != "single":
-                                result["status"] = "ran, ≠ DDP"
+                                result["status"] = f"ran, ≠ {name}"
                         if strategy in a.strategies:
                             results[key] = result
                             print(f"{key}: {_cell_text(result)} ({result.get('seconds', 0)} s)", flush=True)
