@@ -607,6 +607,12 @@ class FlowModule(Evaluation, L.LightningModule):
         noise; the ranks of one context-parallel group share them."""
         return DataParallelCoords.from_trainer(self.trainer)
 
+    @property
+    def context_parallel(self) -> tuple[int, int, Any]:
+        """``(rank, size, process group)`` of this rank's context-parallel group (``(0, 1, None)`` without one): the
+        ranks that hold the same samples and split their tokens (ff_core.strategies.ContextParallelStrategy)."""
+        return getattr(self.trainer.strategy, "context_parallel_group", (0, 1, None))
+
     def noise_generator(self, batch_idx: int) -> tuple[torch.Generator, int]:
         """The CPU generator of this micro-batch's training noise, and its seed (see :func:`micro_batch_seed`)."""
         if self._run_noise_seed is None:

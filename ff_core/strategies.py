@@ -148,6 +148,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
         return self.device_mesh["ring", "ulysses"]
 
     @property
+    def context_parallel_group(self) -> tuple[int, int, Any]:
+        """``(rank in the group, group size, process group)`` of this rank's context-parallel group."""
+        mesh = self.device_mesh["ulysses"]
+        return mesh.get_local_rank(), mesh.size(), mesh.get_group()
+
+    @property
     def shard_mesh(self) -> Any:
         """Every rank, flattened (1-D): what FSDP2 shards the trained networks over."""
         if self._shard_mesh is None:

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ff_core.errors import ConfigError
+from ff_core.rewards.base import Reward, RewardBatch
 from ff_core.strategies import ContextParallelStrategy
 from tests.test_ddp_resume import free_port
 
@@ -183,6 +184,44 @@ def test_ulysses_anything_attention_has_the_whole_sequences_output_and_gradients
         torch.testing.assert_close(torch.cat([r["grads"][i] for r in ranks], dim=1), x.grad)
 
 
+class Counted(Reward):
+    """The mean of each image, and how many samples it scored (``scored``)."""
+
+    name = "counted"
+    scored = 0
+
+    def __call__(self, batch):
+        self.scored += len(batch.media)
+        return torch.stack([m[0].float().mean() for m in batch.media])
+
+
+def _score_rank(rank: int, port: int, out: str) -> None:
+    from types import SimpleNamespace
+
+    from ff_core.objectives.grpo import _score_once
+    from ff_core.objectives.rewards import Rewards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    batch = RewardBatch([[torch.full((3, 4, 4), float(i))] for i in range(5)], [f"p{i}" for i in range(5)],
+                        [{}] * 5, torch.arange(5), ("image",), (None,))  # fmt: skip
+    module = SimpleNamespace(_trainer=object(), context_parallel=(rank, 2, dist.group.WORLD))
+    rewards = Rewards([{"name": "tests.test_context_parallel:Counted"}])
+    scores = _score_once(rewards, batch, module)
+    torch.save({"scores": scores, "scored": rewards.rewards[0].scored}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_context_parallel_group_scores_each_sample_once(tmp_path):
+    """The group's ranks hold the same 5 samples: rank 0 scores 3, rank 1 scores 2, and both get all 5 scores."""
+    mp.start_processes(_score_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["scored"] for r in ranks] == [3, 2]
+    for r in ranks:
+        (key,) = r["scores"]
+        torch.testing.assert_close(r["scores"][key], torch.arange(5, dtype=torch.float32))
+
+
 def test_a_denoiser_without_a_plan_is_refused_before_weights_load(tiny_sd3):
     from ff_core.module import FlowModule
 
@@ -192,7 +231,8 @@ def test_a_denoiser_without_a_plan_is_refused_before_weights_load(tiny_sd3):
     assert module.adapter is None  # nothing loaded
 
 
-@pytest.mark.parametrize("heads, size, ok", [(3, 2, True), (4, 4, True), (5, 4, False), (1, 2, False), (6, 4, False), (7, 4, True)])
+@pytest.mark.parametrize("heads, size, ok", [(3, 2, True), (4, 4, True), (7, 4, True), (5, 4, False), (6, 4, False),
+                                             (1, 2, False)])  # fmt: skip
 def test_a_group_its_heads_cannot_spread_over_is_refused(tmp_path, heads, size, ok):
     from ff_core.context_parallel import check_heads
 

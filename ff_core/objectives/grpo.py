@@ -356,7 +356,7 @@ class GRPOObjective(Objective):
         types = tuple(str(t.value) for t in adapter.io_contract.output_types)
         rates = tuple(getattr(adapter, "output_rates", None) or (None,) * len(types))  # as FlowModule.generate
         reward_batch = RewardBatch(media, list(batch["prompt"]), list(batch["metadata"]), groups.cpu(), types, rates)
-        per_reward = self.rewards.pointwise(reward_batch)
+        per_reward = _score_once(self.rewards, reward_batch, module)
         gather = _gatherer(module)
         all_groups = gather(groups.to(torch.long))
         if self.rewards.has_groupwise:  # needs whole groups: every rank scores the gathered step alike
@@ -535,6 +535,34 @@ def _gather_objects(module: Any, obj: Any) -> list[Any]:
 
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _score_once(rewards: Any, batch: RewardBatch, module: Any) -> dict[str, Tensor]:
+    """The pointwise rewards of the rank's samples. The ranks of a context-parallel group hold the same samples: each
+    scores every ``size``-th one (rank ``r``: samples ``r, r + size, ...``) and the group all-gathers the scores, so a
+    sample is scored once per group, not once per rank."""
+    rank, size, group = module.context_parallel if getattr(module, "_trainer", None) is not None else (0, 1, None)
+    if size == 1:
+        return rewards.pointwise(batch)
+    import torch.distributed as dist
+
+    mine = list(range(rank, len(batch.prompts), size))
+    pick = lambda xs: [xs[i] for i in mine]  # noqa: E731
+    groups = batch.groups[mine] if batch.groups is not None else None
+    part = RewardBatch(pick(batch.media), pick(batch.prompts), pick(batch.metadata), groups, batch.output_types,
+                       batch.rates)  # fmt: skip
+    scores = {k: v.cpu() for k, v in rewards.pointwise(part).items()} if mine else None
+    parts: list[Any] = [None] * size
+    dist.all_gather_object(parts, scores, group=group)
+    keys = next(p for p in parts if p is not None).keys()
+    out = {}
+    for key in keys:
+        whole = torch.empty(len(batch.prompts), dtype=next(p for p in parts if p is not None)[key].dtype)
+        for r, p in enumerate(parts):
+            if p is not None:
+                whole[r::size] = p[key]
+        out[key] = whole
     return out
 
 
