@@ -252,6 +252,22 @@ def ensure_inputs(workflows: list[str]) -> None:
                         "t2v_a14b"], cwd=REPO, check=True)  # fmt: skip
 
 
+def recheck(results: dict[str, dict], work: Path) -> None:
+    """Compare again every cell that trained and resumed (its runs still in ``work``) with its baseline's runs."""
+    for key, result in results.items():
+        if not result["status"].startswith(("ran", "= ")):
+            continue
+        workflow, objective, tuning, strategy = key.split("/")
+        baseline = BASELINES.get(strategy, "ddp")
+        root, base = (work / cell_id(workflow, objective, tuning, s).replace("/", "-") for s in (strategy, baseline))
+        if strategy in (baseline, "single") or not all((r / "metrics.csv").is_file() for r in (root, base)):
+            continue
+        name = STRATEGY_LABELS[baseline] if baseline == "single" else "DDP"
+        same = close(metrics(root), metrics(base), 1e-4, [1, 2])
+        result["status"] = f"= {name}" if same else f"ran, ≠ {name}"
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workflows", nargs="+", default=list(WORKFLOWS), choices=list(WORKFLOWS))
@@ -262,9 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/ff_matrix"))
     p.add_argument("--timeout", type=int, default=900, help="seconds per ff fit process group")
     p.add_argument("--render", action="store_true", help="only rewrite the docs table from matrix.json")
+    p.add_argument("--recheck", action="store_true", help="compare again the cells whose runs are in --work (after a "
+                   "change of the comparison), without running anything")
     a = p.parse_args(argv)
     results = load()
-    if not a.render:
+    if a.recheck:
+        recheck(results, a.work)
+    elif not a.render:
         ensure_inputs(a.workflows)
         # The baselines first (DDP; the one-process run where a cell compares with it): the others compare with them
         first = ["ddp", *(["single"] if any(BASELINES.get(s) == "single" for s in a.strategies) else [])]
