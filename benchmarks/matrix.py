@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/ff_matrix"))
     p.add_argument("--timeout", type=int, default=900, help="seconds per ff fit process group")
     p.add_argument("--render", action="store_true", help="only rewrite the docs table from matrix.json")
+    p.add_argument("--reuse", action="store_true", help="compare with the baselines' runs in --work (DDP, one process) "
+                   "instead of running them again, when they are not among --strategies")
     p.add_argument("--recheck", action="store_true", help="compare again the cells whose runs are in --work (after a "
                    "change of the comparison), without running anything")
     a = p.parse_args(argv)
@@ -295,6 +297,11 @@ def main(argv: list[str] | None = None) -> None:
                     roots: dict[str, Path | None] = {}
                     for strategy in strategies:
                         key = cell_id(workflow, objective, tuning, strategy)
+                        kept = a.work / key.replace("/", "-")
+                        reusable = a.reuse and strategy in first and strategy not in a.strategies
+                        if reusable and (kept / "metrics.csv").is_file():
+                            roots[strategy] = kept  # a baseline's runs from an earlier invocation
+                            continue
                         result, root = run_cell(workflow, objective, tuning, strategy, a.work, a.accelerator, a.timeout)
                         roots[strategy] = root
                         baseline = BASELINES.get(strategy, "ddp")
