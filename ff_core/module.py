@@ -692,7 +692,7 @@ def _keep_trained(module: FlowModule, state_dict: dict[str, Any], prefix: str, l
 def micro_batch_seed(seed: int, dp_rank: int, step: int, micro_batch: int) -> int:
     """The seed of one micro-batch's training noise: a function of these four numbers only.
 
-    Distinct per data-parallel rank (the coordinate that shards the data, so the ranks of one tensor-parallel group
+    Distinct per data-parallel rank (the coordinate that shards the data, so the ranks of one context-parallel group
     share it), optimiser step and micro-batch of an accumulation window; a resumed run recomputes exactly the seeds
     of the uninterrupted run. Seeding the global RNG instead gives every rank the same noise (seed_everything seeds
     all ranks alike) and a resumed run different noise.

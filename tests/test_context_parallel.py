@@ -55,6 +55,33 @@ class Tokens(L.Callback):
         (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(sorted(self.seen)))
 
 
+class Rollouts(L.Callback):
+    """Per rank, GRPO's rollouts as the update receives them: per micro-batch, each sample's final latents, each
+    transition's rollout log-prob and each sample's advantage."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath, self.records = Path(dirpath), []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        objective = pl_module.objective
+        if not hasattr(objective, "update"):
+            return
+        update = objective.update
+
+        def recorded(module, adapter, rollouts):
+            self.records.append([{"final": {k: v.detach().cpu() for k, v in r.trajectory.final.components.items()},
+                                  "log_probs": [t.log_prob.detach().cpu() for t in r.trajectory.transitions],
+                                  "advantages": r.advantages.detach().cpu()} for r in rollouts])  # fmt: skip
+            return update(module, adapter, rollouts)
+
+        objective.update = recorded
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.records:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            torch.save(self.records, self.dirpath / f"rank{trainer.global_rank}.pt")
+
+
 def cp_fit(root: Path, recipe: Path, checkpoint: Path, ranks: int, dataset: Path, *extra: str,
            tokens: str = r"attn1$") -> dict:  # fmt: skip
     """``ff fit RECIPE`` on ``ranks`` processes (``launch``), its checkpoint and dataset replaced, a checkpoint every
@@ -71,6 +98,7 @@ def cp_fit(root: Path, recipe: Path, checkpoint: Path, ranks: int, dataset: Path
         {"class_path": "tests.test_context_parallel.Tokens",
          "init_args": {"dirpath": str(root / "tokens"), "pattern": tokens}},
         {"class_path": "tests.test_grpo_sharded.Record", "init_args": {"dirpath": str(root / "out")}},
+        {"class_path": "tests.test_context_parallel.Rollouts", "init_args": {"dirpath": str(root / "rollouts")}},
     ]  # fmt: skip
     return {root: launch(root, [
         "--config", str(recipe), "--model.pretrained_model_name_or_path", str(checkpoint),
@@ -129,16 +157,29 @@ def assert_same_training(one: Path, cp: Path, rel: float = 1e-5, atol: float = 1
 
 
 def assert_same_grpo(one: Path, cp: Path) -> None:
-    """Both cp ranks roll out the one process's samples (prompts, rewards, advantages) and take its update (losses,
-    ratios; the LoRA at the end)."""
+    """Both cp ranks roll out the one process's samples (each sample's final latents, each transition's log-prob,
+    each sample's advantage) and take its update (the logged rewards, losses, ratios and KL; the weights at the
+    end)."""
     from tests.test_grpo_sharded import same_steps
 
     single = torch.load(one / "out" / "rank0.pt", weights_only=False)
+    rollouts = torch.load(one / "rollouts" / "rank0.pt", weights_only=False)
     for rank in (0, 1):
         record = torch.load(cp / "out" / f"rank{rank}.pt", weights_only=False)
         assert record["steps"] and [s["step"] for s in record["steps"]] == [s["step"] for s in single["steps"]]
         same_steps(single["steps"], record["steps"])
         same_weights(record["weights"], single["weights"], atol=1e-5)
+        theirs = torch.load(cp / "rollouts" / f"rank{rank}.pt", weights_only=False)
+        assert len(theirs) == len(rollouts)
+        for got_step, want_step in zip(theirs, rollouts):
+            assert len(got_step) == len(want_step)
+            for got, want in zip(got_step, want_step):
+                for key, latent in want["final"].items():
+                    torch.testing.assert_close(got["final"][key], latent, rtol=1e-4, atol=1e-5, msg=key)
+                assert len(got["log_probs"]) == len(want["log_probs"]) > 0
+                for a, b in zip(got["log_probs"], want["log_probs"]):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got["advantages"], want["advantages"], rtol=1e-4, atol=1e-5)
 
 
 def _attention_rank(rank: int, port: int, out: str) -> None:

@@ -54,7 +54,7 @@ class TimestepSampler:
             rejection): each sample's level keeps the ``per_sample`` distribution
             (plugins/ff_wan/tests/test_wan_a14b_fsdp2.py), and every rank runs the same expert's forward, which FSDP2
             needs (each expert's all-gathers in the same order on every rank). ``auto`` (default):
-            ``per_micro_batch`` under FSDP2, ``per_sample`` otherwise.
+            ``per_micro_batch`` under FSDP2 and DeepSpeed, ``per_sample`` otherwise.
     """
 
     weighting: Literal["logit_normal", "uniform"] = "logit_normal"

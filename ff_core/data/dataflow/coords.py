@@ -78,7 +78,7 @@ class DataParallelCoords:
         # subset of the processes: gathers run over that dimension's group.
         mesh = getattr(getattr(trainer, "strategy", None), "_device_mesh", None)
         group = None
-        if mesh is not None and size > 1 and size != trainer.world_size:
+        if mesh is not None and size != trainer.world_size:  # (a group of one rank too: never the default group)
             group = mesh["data_parallel"].get_group()
         return cls(int(kwargs.get("rank", 0)), size, group)
 
