@@ -204,13 +204,7 @@ class UlyssesAnythingAttention:
             share = -(-heads // size)  # this rank's heads after the all-to-all (the last rank's share may be short)
             attn_mask = attn_mask[:, rank * share : min((rank + 1) * share, heads)]
         if attn_mask is not None and attn_mask.shape[-1] == kv_local:  # a local key mask: the whole sequence's
-            from diffusers.models._modeling_parallel import gather_size_by_comm
-
-            sizes = gather_size_by_comm(attn_mask.shape[-1], group)
-            attn_mask = F.pad(attn_mask, (0, max(sizes) - attn_mask.shape[-1])).contiguous()
-            parts = [torch.empty_like(attn_mask) for _ in sizes]
-            dist.all_gather(parts, attn_mask, group=group)
-            attn_mask = torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+            attn_mask = all_gather_uneven(attn_mask, attn_mask.ndim - 1, group)
         out = forward_op(_NoContext(), query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
                          _save_ctx=False, _parallel_config=_parallel_config)  # fmt: skip
         if query.requires_grad and not out.requires_grad:

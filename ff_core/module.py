@@ -44,10 +44,10 @@ from ff_core.sharding import (
     ShardingConfig,
     check_sharded,
     clean_name,
-    data_parallel_mesh,
     fully_shard_copies,
     fully_shard_networks,
     gradient_divide_factor,
+    sharding_mesh,
     strategy_kind,
 )
 
@@ -83,7 +83,7 @@ class FlowModule(Evaluation, L.LightningModule):
             strategy (FSDP2 included: it recomputes inside each sharded block).
         sharding: FSDP2 settings (mixed precision, resharding, CPU offload; :class:`~ff_core.sharding.ShardingConfig`)
             of the trained networks under Lightning's ``ModelParallelStrategy``, which needs this module to shard:
-            ``configure_model`` shards them over the strategy's data-parallel mesh whether this is set or not
+            ``configure_model`` shards them over the strategy's mesh (``sharding_mesh``) whether this is set or not
             (``None``: FSDP2's defaults, the parameters' own dtype). Refused under any other strategy (FSDP1's and
             DeepSpeed's precision and offload are the strategy's own arguments). docs/scaling.md.
         noise_seed: seed of the training noise (noise levels and noise); ``None``: the run's ``seed_everything``
@@ -259,7 +259,7 @@ class FlowModule(Evaluation, L.LightningModule):
             check_plans(self.adapter_cls, classes, strategy.context_parallel_size)
             check_heads(self.pretrained_model_name_or_path, list(classes), strategy.context_parallel_size)
         elif isinstance(strategy, ModelParallelStrategy):
-            data_parallel_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
+            sharding_mesh(strategy)  # a tensor-parallel dimension is refused: ff has no tensor-parallel plan
         elif self.sharding is not None:
             raise ConfigError("model.sharding", f"applies under ModelParallelStrategy (FSDP2) only, not under "
                               f"{type(strategy).__name__}: FSDP1's and DeepSpeed's precision and offload are "
@@ -374,7 +374,7 @@ class FlowModule(Evaluation, L.LightningModule):
                               f"({', '.join(networks)}), which FSDP1 does not shard; use FSDP2 (ModelParallelStrategy) "
                               "or DDP")  # fmt: skip
         if isinstance(strategy, ModelParallelStrategy):
-            mesh, config = data_parallel_mesh(strategy), self.sharding or ShardingConfig()
+            mesh, config = sharding_mesh(strategy), self.sharding or ShardingConfig()
             copies = self._reference_copies()
             if isinstance(strategy, ContextParallelStrategy):  # tokens split over the group, before FSDP2 wraps
                 enable_networks(adapter, copies, strategy)

@@ -3,7 +3,8 @@
 Under Lightning's ``ModelParallelStrategy`` (FSDP2, docs/scaling.md) ``FlowModule.configure_model`` calls
 :func:`fully_shard_networks`: every block of :meth:`~ff_core.adapter.Adapter.sharding_blocks` is ``fully_shard``ed,
 then each trained network (``Adapter.denoisers()``) as the root of its blocks, over the strategy's data-parallel mesh
-dimension. Nothing else is sharded: frozen components (VAE, text encoders, an objective's reference copy) stay plain
+dimension (every rank under ff's ``ContextParallelStrategy``: :func:`sharding_mesh`). Nothing else is sharded but a
+full fine-tuning's reference copy (:func:`fully_shard_copies`): frozen components (VAE, text encoders) stay plain
 modules, replicated on every rank, and are never all-gathered.
 
 Wrappers rename parameters: FSDP1 (``FSDPStrategy``) inserts ``_fsdp_wrapped_module.``, activation checkpointing
@@ -107,7 +108,7 @@ def strategy_kind(strategy: Any) -> str | None:
     return next((kind for cls, kind in kinds if isinstance(strategy, cls)), None)
 
 
-def data_parallel_mesh(strategy: Any) -> Any:
+def sharding_mesh(strategy: Any) -> Any:
     """The device mesh FSDP2 shards the trained networks over under a ``ModelParallelStrategy``: its data-parallel
     dimension, or every rank under ff's :class:`~ff_core.strategies.ContextParallelStrategy`, after checking that the
     run has no tensor-parallel dimension: ff has no tensor-parallel plan, so a ``tensor_parallel_size`` above 1 would
@@ -151,7 +152,8 @@ def fully_shard_networks(adapter: Adapter, mesh: Any, config: ShardingConfig, di
 
     Args:
         adapter: the loaded adapter, LoRA applied (or its denoisers unfrozen).
-        mesh: the 1-D data-parallel device mesh (:func:`data_parallel_mesh`).
+        mesh: the 1-D mesh to shard over (:func:`sharding_mesh`: the data-parallel ranks, or every rank under context
+            parallelism).
         config: the FSDP2 settings.
         divide: what the summed gradients are divided by (:func:`gradient_divide_factor`); ``None``: the mesh size.
     """

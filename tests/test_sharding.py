@@ -19,7 +19,7 @@ from ff_core.data.dataflow import DataParallelCoords
 from ff_core.errors import ConfigError
 from ff_core.lora import LoRAConfig, lora_state_dicts
 from ff_core.module import FlowModule
-from ff_core.sharding import ShardingConfig, clean_name, data_parallel_mesh
+from ff_core.sharding import ShardingConfig, clean_name, sharding_mesh
 
 
 def loaded(tiny_sd3, lora: LoRAConfig | None) -> FlowModule:
@@ -138,7 +138,7 @@ def test_a_tensor_parallel_mesh_is_refused_before_weights_load(fake_world, tiny_
     """ff has no tensor-parallel plan: FlowModule.setup refuses the mesh Lightning's 'auto' sizes give one node
     (every device tensor-parallel), naming the keys to set."""
     fake_world(0)
-    assert data_parallel_mesh(trainer_with_mesh(2, 1).strategy).size() == 2
+    assert sharding_mesh(trainer_with_mesh(2, 1).strategy).size() == 2
     trainer = trainer_with_mesh(1, 2)
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32})
     module.trainer = trainer

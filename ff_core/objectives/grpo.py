@@ -555,10 +555,10 @@ def _score_once(rewards: Any, batch: RewardBatch, module: Any) -> dict[str, Tens
     scores = {k: v.cpu() for k, v in rewards.pointwise(part).items()} if mine else None
     parts: list[Any] = [None] * size
     dist.all_gather_object(parts, scores, group=group)
-    keys = next(p for p in parts if p is not None).keys()
+    some = next(p for p in parts if p is not None)
     out = {}
-    for key in keys:
-        whole = torch.empty(len(batch.prompts), dtype=next(p for p in parts if p is not None)[key].dtype)
+    for key in some:
+        whole = torch.empty(len(batch.prompts), dtype=some[key].dtype)
         for r, p in enumerate(parts):
             if p is not None:
                 whole[r::size] = p[key]

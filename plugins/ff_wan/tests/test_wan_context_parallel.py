@@ -28,6 +28,7 @@ from tests.test_context_parallel import (
     assert_same_training,
     assert_split,
     cp_fit,
+    kill_at,
     rows,
     same_weights,
     steps,
@@ -35,8 +36,11 @@ from tests.test_context_parallel import (
     weights,
 )
 from tests.test_fsdp2 import REPO, assert_same_run, wait
+from tests.test_fsdp2 import weights as sharded_weights
 
-DP2_CP2 = CP2.replace('"context_parallel_size": 2', '"context_parallel_size": 2, "data_parallel_size": 2')
+DP2_CP2_SHARDED = json.dumps({"class_path": "ff_core.strategies.ContextParallelStrategy",
+                              "init_args": {"context_parallel_size": 2, "data_parallel_size": 2,
+                                            "save_distributed_checkpoint": True}})  # fmt: skip
 GEOMETRY = ("--model.adapter_kwargs", json.dumps({"height": 48, "width": 48, "num_frames": 9, "fps": 8}))  # 27 tokens
 
 
@@ -51,25 +55,27 @@ def runs(tiny_wan, tmp_path_factory):
     pairs = write_moving_squares(base / "pairs", 4, frames=12, preference=True)
     prompts = write_prompt_dataset(base / "prompts")
     ckpt = tiny_wan("t2v")
-    r = {name: base / name for name in ("S", "C", "CR", "C1", "SD", "CD", "SG", "CG", "DD", "D4")}
+    r = {name: base / name for name in ("S", "C", "K", "CR", "C1", "SD", "CD", "SG", "CG", "DD", "D4")}
     sft, dpo, grpo = recipe("sft_tiny"), recipe("offline_dpo_tiny"), recipe("grpo_tiny")
     wait({**cp_fit(r["S"], sft, ckpt, 1, squares, *GEOMETRY, *steps(3)),
           **cp_fit(r["C"], recipe("sft_tiny_cp"), ckpt, 2, squares, *steps(3))})
-    step1 = next((r["C"] / "ckpt").glob("*step=1.ckpt"))
-    full = ("--model.lora", "null", "--model.optimizer.init_args.lr", "1.0e-4", *GEOMETRY, *steps(2))
-    wait({**cp_fit(r["CR"], sft, ckpt, 2, squares, *GEOMETRY, *steps(3), "--trainer.strategy", CP2, "--ckpt_path",
-                   str(step1)),
-          **cp_fit(r["SD"], dpo, ckpt, 1, pairs, *full)})  # fmt: skip
+    killed = cp_fit(r["K"], recipe("sft_tiny_cp"), ckpt, 2, squares, *steps(1000))
+    full = ("--model.lora", "null", "--model.optimizer.init_args.lr", "1.0e-4", "--model.gradient_checkpointing",
+            "true", *GEOMETRY, *steps(2))  # fmt: skip
+    dpo_one = cp_fit(r["SD"], dpo, ckpt, 1, pairs, *full)
+    step1 = kill_at(r["K"], killed[r["K"]], 1)
+    wait({**dpo_one, **cp_fit(r["CR"], recipe("sft_tiny_cp"), ckpt, 2, squares, *steps(3), "--ckpt_path", str(step1))})
     rollout = ("--model.objective.init_args.num_steps", "3", "--model.objective.init_args.prompts_per_step", "2",
                "--model.objective.init_args.group_size", "2", "--model.objective.init_args.micro_batch_size", "2",
                "--model.objective.init_args.sampler", json.dumps({"kind": "flow_sde", "eta": 0.7, "window": [0, 2]}),
-               "--model.eval_rewards", "[]", *GEOMETRY, *steps(1))  # fmt: skip
+               "--model.objective.init_args.kl_beta", "0.1", "--model.eval_rewards", "[]", *GEOMETRY,
+               *steps(1))  # fmt: skip
     wait({**cp_fit(r["CD"], dpo, ckpt, 2, pairs, *full, "--trainer.strategy", CP2),
           **cp_fit(r["SG"], grpo, ckpt, 1, prompts, *rollout)})
     per_rank = ("--data.per_device_batch_size", "2", *GEOMETRY, *steps(2))
     wait({**cp_fit(r["CG"], grpo, ckpt, 2, prompts, *rollout, "--trainer.strategy", CP2),
           **cp_fit(r["DD"], sft, ckpt, 2, squares, *per_rank, "--trainer.strategy", "ddp")})
-    wait({**cp_fit(r["D4"], sft, ckpt, 4, squares, *per_rank, "--trainer.strategy", DP2_CP2),
+    wait({**cp_fit(r["D4"], sft, ckpt, 4, squares, *per_rank, "--trainer.strategy", DP2_CP2_SHARDED),
           **cp_fit(r["C1"], sft, ckpt, 1, squares, *GEOMETRY, *steps(3), "--ckpt_path", str(step1))})
     return r
 
@@ -108,4 +114,4 @@ def test_dp2_cp2_trains_as_ddp(runs):
     for rank in range(4):
         assert tokens(mesh, rank) == [14 if rank % 2 == 0 else 13]
         assert_same_run(rows(mesh, rank), rows(ddp, rank // 2))  # ranks 2d, 2d+1: data-parallel rank d
-    same_weights(weights(mesh), weights(ddp))
+    same_weights(sharded_weights(mesh), weights(ddp))  # the last checkpoint: a folder of 4 shards, read whole
