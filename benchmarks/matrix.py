@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -173,6 +174,7 @@ def run_cell(workflow: str, objective: str, tuning: str, strategy: str, work: Pa
         return {"status": "no tiny recipe"}, None
     ranks, strategy_args = STRATEGIES[strategy]
     root = work / cell_id(workflow, objective, tuning, strategy).replace("/", "-")
+    shutil.rmtree(root, ignore_errors=True)  # an earlier invocation's checkpoints would be taken for this run's
     callbacks = [{"class_path": "ff_core.callbacks.FlowCheckpoint",
                   "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "dirpath": str(root / "ckpt")}}]
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
