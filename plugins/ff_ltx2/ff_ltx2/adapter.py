@@ -422,6 +422,10 @@ class LTX2T2AVAdapter(Adapter):
             raise ValueError("model.adapter_kwargs.image_crf: ltx2_t2av takes no condition image (use ltx2_i2av)")
         return {}
 
+    per_token_timesteps: ClassVar[bool] = False
+    """Whether the video timestep is per token (I2AV's pinned first frame), split with the tokens under context
+    parallelism."""
+
     @property
     def denoiser(self) -> nn.Module:
         return self.transformer
@@ -438,7 +442,7 @@ class LTX2T2AVAdapter(Adapter):
         ``rope_type: interleaved`` (the ``split`` layout's 4-D rope is left whole and the forward fails), misses the
         video cross-attention rope and the I2AV per-token timestep, and splits the prompt with its mask. Here: the video
         and audio tokens, each stream's self- and cross-attention rope in the checkpoint's layout, the per-token video
-        timestep (I2AV; a ``(B,)`` timestep is left whole), both outputs gathered; the prompts stay whole on every rank
+        timestep (I2AV: :attr:`per_token_timesteps`), both outputs gathered; the prompts stay whole on every rank
         (Ulysses attention over duplicated keys is exact)."""
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
@@ -448,10 +452,12 @@ class LTX2T2AVAdapter(Adapter):
             rope = {i: ContextParallelInput(split_dim=2, expected_dims=4, split_output=True) for i in (0, 1)}
         else:  # interleaved: (B, tokens, dim)
             rope = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
+        inputs = {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
+                  "audio_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}
+        if cls.per_token_timesteps:  # I2AV: (B, video tokens), 0 on the pinned first frame
+            inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2)
         return {
-            "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
-                 "audio_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
-                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2)},
+            "": inputs,
             **{name: dict(rope) for name in ("rope", "cross_attn_rope", "audio_rope", "cross_attn_audio_rope")},
             "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
             "audio_proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),

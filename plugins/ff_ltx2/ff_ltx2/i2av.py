@@ -30,6 +30,8 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
     ``t * mask``, the pipeline's ``timestep * (1 - conditioning_mask)``); the audio stream is generated whole.
     """
 
+    per_token_timesteps: ClassVar[bool] = True
+
     name: ClassVar[str] = "ltx2_i2av"
     io_contract: ClassVar[PipelineIOContract] = I2AV_CONTRACT
     #: ``stretch``: ``LTX2ImageToVideoPipeline``'s ``video_processor.preprocess`` (aspect ratio not kept); ``cover``:
