@@ -3,8 +3,8 @@
 Under :class:`~ff_core.strategies.ContextParallelStrategy`, ``FlowModule.configure_model`` hands every trained network
 (and a full fine-tuning's reference copy) to diffusers' context parallelism: the network's context-parallel plan
 (:meth:`~ff_core.adapter.Adapter.context_parallel_plan`, by default the diffusers class's ``_cp_plan``) names the
-inputs split over the group's ranks and the outputs gathered back, and its attention processors run Ulysses (heads
-all-to-all) or Ring (key/value blocks passed around) attention over the group. Every rank of a group gets the same
+inputs split over the group's ranks and the outputs gathered back, and its attention processors run attention over
+the group (below). Every rank of a group gets the same
 batch, timesteps and noise (the data are sharded by the data-parallel rank), runs the network on its slice of the
 tokens, and receives the whole output: losses, samplers and rewards run unchanged and alike on the group's ranks.
 
@@ -113,7 +113,8 @@ def enable(network: nn.Module, plan: dict[str, Any], strategy: Any) -> None:
 
     if attention_dispatch.TemplatedUlyssesAnythingAttention.__module__ == attention_dispatch.__name__:
         attention_dispatch.TemplatedUlyssesAnythingAttention = UlyssesAnythingAttention  # same forward, differentiable
-    hooks._all_gather_anything = all_gather_uneven  # gloo all-gathers equal sizes only
+    if hooks._all_gather_anything.__module__ == hooks.__name__:
+        hooks._all_gather_anything = all_gather_uneven  # gloo all-gathers equal sizes only; correct on NCCL too
     config = ContextParallelConfig(ulysses_degree=strategy.context_parallel_size, ulysses_anything=True,
                                    mesh=strategy.context_parallel_mesh)  # fmt: skip
 
