@@ -500,9 +500,12 @@ def _data_parallel(module: Any) -> tuple[int, int, Any]:
     """``(rank, size, group)`` of the data-parallel dimension (``FlowModule.data_parallel``): the ranks of one
     context-parallel group (ff's ``ContextParallelStrategy``) roll out the same samples, so rewards, advantages and
     counts are gathered over the data-parallel replicas only; ``(0, 1, None)`` outside a trainer."""
-    if getattr(module, "_trainer", None) is None:
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
         return 0, 1, None
-    coords = module.data_parallel
+    coords = getattr(module, "data_parallel", None)
+    if coords is None:  # a host that is not a FlowModule: every process is a data-parallel rank
+        return trainer.global_rank, trainer.world_size, None
     return coords.rank, coords.world_size, coords.group
 
 
@@ -515,6 +518,8 @@ def _gatherer(module: Any):
     _, size, group = _data_parallel(module)
     if size == 1:
         return lambda x: x
+    if group is None:  # every process: Lightning's all_gather
+        return lambda x: module.all_gather(x.to(module.device)).flatten(0, 1).cpu()
     import torch.distributed as dist
 
     def gather(x: Tensor) -> Tensor:
@@ -542,7 +547,8 @@ def _score_once(rewards: Any, batch: RewardBatch, module: Any) -> dict[str, Tens
     """The pointwise rewards of the rank's samples. The ranks of a context-parallel group hold the same samples: each
     scores every ``size``-th one (rank ``r``: samples ``r, r + size, ...``) and the group all-gathers the scores, so a
     sample is scored once per group, not once per rank."""
-    rank, size, group = module.context_parallel if getattr(module, "_trainer", None) is not None else (0, 1, None)
+    trainer = getattr(module, "_trainer", None)
+    rank, size, group = getattr(module, "context_parallel", (0, 1, None)) if trainer is not None else (0, 1, None)
     if size == 1:
         return rewards.pointwise(batch)
     import torch.distributed as dist
