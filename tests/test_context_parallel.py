@@ -4,8 +4,11 @@
   against ``scaled_dot_product_attention`` on the whole sequence in one: a token count and a head count the group
   does not divide (7 query tokens split 4 + 3, 5 key tokens 3 + 2, 3 heads), a key mask; the output and the gradients
   of queries, keys and values per rank's slice.
-* The refusals, before any weight loads: SD3's transformer has no context-parallel plan; a group of 1.
-* :func:`cp_fit` and the assertions the families' runs share (:class:`Tokens`: each rank's attention holds its slice).
+* A group's ranks score each sample's pointwise rewards once (every second sample each, scores all-gathered).
+* The refusals, before any weight loads: SD3's transformer has no context-parallel plan; head counts Ulysses cannot
+  spread over the group; a group of 1.
+* :func:`cp_fit` and the assertions the families' runs share (:class:`Tokens`: each rank's attention holds its slice;
+  :class:`Rollouts`: GRPO's per-sample final latents, log-probs and advantages; :func:`kill_at`: SIGKILL at a step).
 """
 
 from __future__ import annotations
