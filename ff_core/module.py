@@ -50,6 +50,7 @@ from ff_core.sharding import (
     sharding_mesh,
     strategy_kind,
 )
+from ff_core.vae_memory import apply_vae_memory, check_vae_memory
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class FlowModule(Evaluation, L.LightningModule):
             and the step's samples, before the step, so no checkpoint holds poisoned weights; ``skip`` drops the
             step's gradients (the optimiser changes nothing), logs ``train/nonfinite_skipped`` and lists the step in
             the run folder's ``nonfinite_skipped.jsonl``. docs/scaling.md, "Non-finite losses and gradients".
+        vae_tiling: encode and decode with the VAE's tiling (diffusers' ``enable_tiling``; a mapping: its
+            arguments, e.g. ``{tile_sample_min_height: 256, tile_sample_stride_height: 192}``): less memory on long
+            or large clips, results near tile seams change slightly (:mod:`ff_core.vae_memory`).
+        vae_slicing: encode and decode a batch one sample at a time (``enable_slicing``; same results).
     """
 
     def __init__(
@@ -124,6 +129,8 @@ class FlowModule(Evaluation, L.LightningModule):
         eval_rewards: list[dict[str, Any]] | None = None,
         frozen_components: list[str] | None = None,
         nonfinite: NonFinitePolicy = "stop",
+        vae_tiling: bool | dict[str, Any] = False,
+        vae_slicing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler"])
@@ -143,6 +150,8 @@ class FlowModule(Evaluation, L.LightningModule):
         self.noise_seed = noise_seed
         self.frozen_components = list(dict.fromkeys(frozen_components or ()))
         self.nonfinite_guard = NonFiniteGuard(nonfinite)
+        check_vae_memory(vae_tiling, vae_slicing)
+        self.vae_tiling, self.vae_slicing = vae_tiling, vae_slicing
         objective.freeze_components(self.frozen_components)  # before any weights load: an objective may refuse
         # Before any weights load (STYLE 3): keys and values that need no checkpoint now, the checkpoint's in setup.
         check_adapter_kwargs(self.adapter_cls, None, self.adapter_kwargs)
@@ -321,6 +330,7 @@ class FlowModule(Evaluation, L.LightningModule):
         adapter = load_pretrained(self.adapter_cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         self._check_embedded_guidance(adapter)
         self._check_guidance_scale_2(adapter)
+        apply_vae_memory(adapter, self.vae_tiling, self.vae_slicing)
         adapter.requires_grad_(False)
         networks = adapter.denoisers()
         frozen = frozen_parameters(adapter, self.frozen_components)

@@ -22,7 +22,7 @@ LEVELS: list[dict[str, tuple[str, ...]]] = [
         "training": (  # the LightningModule and LightningDataModule and what Lightning calls around them
             "ff_core.module", "ff_core.evaluation", "ff_core.data.datamodule", "ff_core.callbacks", "ff_core.lora",
             "ff_core.sharding", "ff_core.strategies", "ff_core.context_parallel", "ff_core.nonfinite",
-            "ff_core.preemption", "ff_core.run_folder", "ff_core.ckpt_path",
+            "ff_core.preemption", "ff_core.run_folder", "ff_core.ckpt_path", "ff_core.vae_memory",
         ),
     },
     {"objectives": ("ff_core.objectives",), "data": ("ff_core.data",)},
