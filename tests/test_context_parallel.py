@@ -8,7 +8,7 @@
 * The refusals, before any weight loads: SD3's transformer has no context-parallel plan; head counts Ulysses cannot
   spread over the group; a group of 1.
 * :func:`cp_fit` and the assertions the families' runs share (:class:`Tokens`: each rank's attention holds its slice;
-  :class:`Rollouts`: GRPO's per-sample final latents, log-probs and advantages; :func:`kill_at`: SIGKILL at a step).
+  :class:`Rollouts`: GRPO's per-sample final latents, log-probs and advantages).
 """
 
 from __future__ import annotations
@@ -110,27 +110,6 @@ def cp_fit(root: Path, recipe: Path, checkpoint: Path, ranks: int, dataset: Path
         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.callbacks", json.dumps(callbacks), *extra,
     ], ranks=ranks)}  # fmt: skip
-
-
-def kill_at(root: Path, procs: list, step: int, timeout: float = 300) -> Path:
-    """SIGKILL a LoRA run's processes once its step-``step`` checkpoint is complete (FlowCheckpoint exports each
-    LoRA before its checkpoint, and ``last.lora`` after the step's own pair); returns that checkpoint."""
-    import time
-
-    from tests.test_fsdp2 import kill, log_tail
-
-    begin, ckpt = time.monotonic(), None
-    try:
-        while ckpt is None:
-            assert all(proc.poll() is None for proc in procs), log_tail(root)
-            assert time.monotonic() - begin < timeout, f"no step-{step} checkpoint within {timeout} s"
-            export = root / "ckpt" / "last.lora" / "ff_export.json"
-            done = export.is_file() and json.loads(export.read_text())["step"] == step
-            ckpt = next((root / "ckpt").glob(f"*step={step}.ckpt")) if done else None
-            time.sleep(0.05)
-    finally:
-        kill(procs)
-    return ckpt
 
 
 CP2 = json.dumps({"class_path": "ff_core.strategies.ContextParallelStrategy",

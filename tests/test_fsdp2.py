@@ -126,6 +126,23 @@ def kill(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
+def kill_at(root: Path, procs: list, step: int, timeout: float = 300) -> Path:
+    """SIGKILL a LoRA run's processes once its step-``step`` checkpoint is complete (FlowCheckpoint exports each
+    LoRA before its checkpoint, and ``last.lora`` after the step's own pair); returns that checkpoint."""
+    begin, ckpt = time.monotonic(), None
+    try:
+        while ckpt is None:
+            assert all(proc.poll() is None for proc in procs), log_tail(root)
+            assert time.monotonic() - begin < timeout, f"no step-{step} checkpoint within {timeout} s"
+            export = root / "ckpt" / "last.lora" / "ff_export.json"
+            done = export.is_file() and json.loads(export.read_text())["step"] == step
+            ckpt = next((root / "ckpt").glob(f"*step={step}.ckpt")) if done else None
+            time.sleep(0.05)
+    finally:
+        kill(procs)
+    return ckpt
+
+
 def wait(runs: dict[Path, list[subprocess.Popen]]) -> None:
     """Wait for every run (root -> its ranks); each must exit 0."""
     try:
@@ -173,19 +190,7 @@ def lora_runs(tiny_sd3, shapes_dir, tmp_path_factory):
     reference = start(DDP_RECIPE, tiny_sd3, shapes_dir, ddp, MAX_STEPS, ddp=True)
     killed.mkdir()
     procs = ff_fit(FSDP2_RECIPE, tiny_sd3, shapes_dir, killed, 1000, *SHARDED)
-    ckpt = None
-    try:
-        while ckpt is None:
-            assert all(proc.poll() is None for proc in procs), log_tail(killed)
-            assert time.monotonic() - begin < 300, "no step-2 checkpoint within 300 s"
-            # The step's file is complete once `last.lora` holds that step: FlowCheckpoint exports each LoRA before
-            # its checkpoint, and the last.* pair after the step's own pair.
-            export = killed / "ckpt" / "last.lora" / "ff_export.json"
-            done = export.is_file() and json.loads(export.read_text())["step"] == KILL_AT
-            ckpt = next((killed / "ckpt").glob(f"*step={KILL_AT}.ckpt")) if done else None
-            time.sleep(0.05)
-    finally:
-        kill(procs)
+    ckpt = kill_at(killed, procs, KILL_AT)
     timings["killed"] = time.monotonic() - begin
     wait(reference)
     timings["ddp"] = time.monotonic() - begin

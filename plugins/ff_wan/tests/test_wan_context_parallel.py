@@ -28,14 +28,13 @@ from tests.test_context_parallel import (
     assert_same_training,
     assert_split,
     cp_fit,
-    kill_at,
     rows,
     same_weights,
     steps,
     tokens,
     weights,
 )
-from tests.test_fsdp2 import REPO, assert_same_run, wait
+from tests.test_fsdp2 import REPO, assert_same_run, kill_at, wait
 from tests.test_fsdp2 import weights as sharded_weights
 
 DP2_CP2_SHARDED = json.dumps({"class_path": "ff_core.strategies.ContextParallelStrategy",
