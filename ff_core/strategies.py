@@ -110,10 +110,11 @@ class ContextParallelStrategy(ModelParallelStrategy):
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:  # fmt: skip
+        from ff_core.context_parallel import STRATEGY_KEY
         from ff_core.errors import ConfigError
 
         if not isinstance(context_parallel_size, int) or context_parallel_size < 2:
-            raise ConfigError("trainer.strategy.init_args.context_parallel_size", f"{context_parallel_size!r}: "
+            raise ConfigError(STRATEGY_KEY, f"{context_parallel_size!r}: "
                               "2 or more ranks split each sample (1: ModelParallelStrategy)")  # fmt: skip
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
