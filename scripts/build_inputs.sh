@@ -12,7 +12,8 @@
 # MP4 datasets (build/wan-squares, build/wan-squares-i2v with first frames, build/wan-squares-dpo preference pairs).
 # ltx2 (configs/ltx2/): tiny LTX-2 text/image-to-audio+video checkpoints (build/tiny-ltx2-t2av, build/tiny-ltx2-i2av),
 # MP4+WAV clip datasets (build/ltx2-clips, build/ltx2-clips-dpo preference pairs, build/ltx2-clips-i2av[-dpo] with
-# first frames) and prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av).
+# first frames), prompt + first-frame rows for I2AV GRPO (build/ltx2-prompts-i2av) and tensor-parquet shards of the
+# SFT, DPO and I2AV clips (build/ltx2-clips_latents, build/ltx2-clips-dpo_latents, build/ltx2-clips-i2av_latents).
 # minimax (configs/minimax/): tiny T2VA, FL2VA and Ref2VA checkpoints (build/tiny-minimax-{t2va,fl2va,ref2va}), MP4+WAV
 # clip datasets (build/minimax-clips, build/minimax-clips-dpo preference pairs), prompt rows for GRPO
 # (build/minimax-prompts) and the same with keyframes (build/minimax-keyframes[-dpo], build/minimax-keyframe-prompts)
@@ -51,6 +52,9 @@ ltx2() {
   [ -f build/ltx2-clips-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av --dataset --i2av --n 8
   [ -f build/ltx2-clips-i2av-dpo/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-clips-i2av-dpo --dataset --i2av --preference --n 8
   [ -f build/ltx2-prompts-i2av/train.jsonl ] || python -m ff_ltx2.testing --out build/ltx2-prompts-i2av --dataset --i2av --prompts --n 8
+  [ -d build/ltx2-clips_latents ] || ff data preprocess-latents --config configs/ltx2/sft_tiny.yaml --output build/ltx2-clips_latents --no-progress
+  [ -d build/ltx2-clips-dpo_latents ] || ff data preprocess-latents --config configs/ltx2/offline_dpo_tiny.yaml --output build/ltx2-clips-dpo_latents --no-progress
+  [ -d build/ltx2-clips-i2av_latents ] || ff data preprocess-latents --config configs/ltx2/i2av_sft_tiny.yaml --output build/ltx2-clips-i2av_latents --no-progress
 }
 
 minimax() {

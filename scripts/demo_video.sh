@@ -18,8 +18,9 @@ if [ -d build/moving_shapes_latents ] && [ build/tiny-wan-demo/model_index.json 
        "delete build/moving_shapes_latents to rebuild them" >&2
   exit 1
 fi
-# One VAE posterior sample per clip, stored once and reused every epoch (docs/datasets.md, "Which latents").
-[ -d build/moving_shapes_latents ] || .venv/bin/ff data preprocess-latents \
+# One VAE posterior sample per clip, stored once and reused every epoch (docs/datasets.md, "Which latents"), in
+# float32: the storage the demo's figures in benchmarks/RESULTS.md were measured with (the command's default is bf16).
+[ -d build/moving_shapes_latents ] || .venv/bin/ff data preprocess-latents --dtype float32 \
   --config configs/demo/wan_moving_shapes.yaml --output build/moving_shapes_latents \
   --data.datasets '[{name: moving_shapes, dataset_dir: build/moving_shapes, train: {weight: 1}}]'
 .venv/bin/ff fit --config configs/demo/wan_moving_shapes.yaml "$@"

@@ -28,7 +28,7 @@ import argparse
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -36,6 +36,7 @@ import torch
 
 from ff_core.atomic import remove_leftovers, replace_dir
 from ff_core.cli.preprocess import EXIT_INVALID, EXIT_OK, human_size, read_recipe
+from ff_core.data.tensor_parquet.provenance import shard_provenance
 from ff_core.disk_full import DiskFullError, disk_full_error, is_disk_full
 
 if TYPE_CHECKING:
@@ -44,8 +45,13 @@ if TYPE_CHECKING:
     from ff_core.data.records import Record
 
 USAGE = ("ff data preprocess-latents --config recipe.yaml --output ROOT [--overwrite] [--rows-per-file N] "
-         "[--dtype keep|float32|bfloat16|float16] [--compression CODEC] [--seed N] [--section.key value ...]")
-DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+         "[--dtype bfloat16|float32|float16|float8_e4m3fn|keep] [--compression CODEC] [--seed N] "
+         "[--section.key value ...]")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "keep": None}
+# The largest finite FP8 E4M3 value: a latent beyond it cannot be stored in float8_e4m3fn (normalised latents, a few
+# units at most, never come near it; a raw, unnormalised one might).
+FP8_MAX = 448.0
 SCALARS = ("prompt", "source")
 
 
@@ -60,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="the shard root to create (must be absent or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     parser.add_argument("--rows-per-file", type=int, default=64, help="rows per parquet file (default 64)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="keep",
-                        help="store floating-point tensors in this dtype (default: as the adapter computes them)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                        help="store floating-point tensors in this dtype (default bfloat16, the card's storage); "
+                             "float8_e4m3fn: the latent columns in FP8 E4M3, the other floating tensors in bfloat16; "
+                             "keep: as the adapter computes them (docs/datasets.md, \"Storage\")")
     parser.add_argument("--compression", default=None, help="parquet codec (zstd, snappy, ...; default none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the VAE posterior samples (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -109,6 +117,8 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     if model.adapter_cls.tensor_columns is None:
         print(f"ff data preprocess-latents: adapter {model.adapter_cls.name!r} declares no tensor_columns", file=out)
         return EXIT_INVALID
+    provenance = shard_provenance(model.adapter_cls, model.pretrained_model_name_or_path, model.adapter_kwargs,
+                                  data._supervision, {"dtype": args.dtype, "seed": args.seed})  # fmt: skip
     model.configure_model()  # no trainer attached: loads the adapter without preparing conditions
     adapter = model.adapter
     adapter.frozen_to(cli.trainer.strategy.root_device)
@@ -116,9 +126,9 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         rows = write_latent_shards(
             adapter, data.train_records, output, batch_size=data._preprocess_batch_size(adapter),
             rows_per_file=args.rows_per_file, dtype=DTYPES[args.dtype], compression=args.compression, seed=args.seed,
-            progress=not args.no_progress,
+            progress=not args.no_progress, provenance=provenance,
         )
-    except DiskFullError as exc:  # one line; write_latent_shards removed its hidden folder
+    except (DiskFullError, StorageError) as exc:  # one line; write_latent_shards removed its hidden folder
         print(f"ff data preprocess-latents: {exc}", file=out)
         return EXIT_INVALID
     size = sum(f.stat().st_size for f in output.rglob("*.parquet"))
@@ -137,6 +147,7 @@ def write_latent_shards(
     compression: str | None = None,
     seed: int = 0,
     progress: bool | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> int:
     """Encode ``records`` with ``adapter`` and publish them as tensor-parquet shards at ``output`` (replaced whole).
 
@@ -148,10 +159,13 @@ def write_latent_shards(
         output: the shard root to publish.
         batch_size: records per ``preprocess`` / ``encode_output`` call.
         rows_per_file: rows per parquet file.
-        dtype: floating-point tensors are stored in this dtype (``None``: as computed).
+        dtype: floating-point tensors are stored in this dtype (``None``: as computed); ``torch.float8_e4m3fn``
+            stores the latent columns in FP8 E4M3 and the other floating tensors in bfloat16.
         compression: parquet codec (``None``: uncompressed).
         seed: seed of the VAE posterior samples; batch ``[i, i + batch_size)`` draws from ``derive_seed(seed, i)``.
         progress: show a progress bar (``None``: only on a terminal).
+        provenance: what the shards are written for (:func:`~ff_core.data.tensor_parquet.provenance.
+            shard_provenance`), stored in every file's footer and checked by ``ff fit``; ``None``: none stored.
     """
     from tqdm.auto import tqdm
 
@@ -168,7 +182,7 @@ def write_latent_shards(
                 batch = records[start : start + batch_size]
                 for row in encode_rows(adapter, batch, start, seed, dtype):
                     if writer is None:
-                        writer = _writer(tmp, row, rows_per_file, compression)
+                        writer = _writer(tmp, row, rows_per_file, compression, provenance)
                     writer.write(row)
                 bar.update(len(batch))
         if writer is not None:
@@ -185,13 +199,17 @@ def write_latent_shards(
     return len(records)
 
 
-def _writer(root: Path, row: dict[str, Any], rows_per_file: int, compression: str | None):
+def _writer(root: Path, row: dict[str, Any], rows_per_file: int, compression: str | None,
+            provenance: Mapping[str, Any] | None = None):  # fmt: skip
     import pyarrow as pa
 
     from ff_core.data.tensor_parquet import TensorParquetWriter, tensor_schema
+    from ff_core.data.tensor_parquet.provenance import encode_provenance
 
     tensors = [k for k in row if k not in SCALARS]
     schema = tensor_schema({"prompt": pa.string(), "source": pa.string()}, tensors)
+    if provenance is not None:
+        schema = schema.with_metadata(encode_provenance(provenance))
     return TensorParquetWriter(root, schema, rows_per_file=rows_per_file, compression=compression)
 
 
@@ -229,17 +247,32 @@ def encode_rows(
         "rejected": (LATENT_BATCH_KEYS["preference"]["rejected_latents"], (seed, start, 2))}
     columns: TensorColumns = adapter.tensor_columns
     rows = [{"prompt": r.prompt, "source": f"{r.source}:{r.line}"} for r in records]
+    latent_columns = {prefix + c for prefix, _ in arms.values() for c in columns.latents}
     for key, (prefix, seeds) in arms.items():
         generator = torch.Generator().manual_seed(derive_seed(*seeds))
         clean = adapter.encode_output([s[key] for s in samples], prepared, generator=generator)
         for k, row in enumerate(rows):
             latents = {name: value[k] for name, value in clean.components.items()}
-            row.update({name: _stored(t, dtype) for name, t in columns.to_row(conditions[k], latents, prefix).items()})
+            for name, t in columns.to_row(conditions[k], latents, prefix).items():
+                row[name] = _stored(t, dtype, name in latent_columns, f"{records[k].source}:{records[k].line}", name)
     return rows
 
 
-def _stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+class StorageError(ValueError):
+    """A tensor cannot be stored in the requested dtype (a latent beyond FP8's range)."""
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype | None, latent: bool, where: str, column: str) -> torch.Tensor:
+    """``t`` on the CPU in its storage dtype: FP8 for latent columns only (other floating tensors then in bfloat16:
+    text embeddings have outliers FP8 would clip), after a range check."""
     t = t.detach().cpu()
-    if dtype is not None and t.is_floating_point():
-        t = t.to(dtype)
-    return t.contiguous()
+    if dtype is None or not t.is_floating_point():
+        return t.contiguous()
+    if dtype == torch.float8_e4m3fn:
+        if not latent:
+            return t.to(torch.bfloat16).contiguous()
+        peak = float(t.float().abs().max()) if t.numel() else 0.0
+        if not peak <= FP8_MAX:  # NaN too
+            raise StorageError(f"{where}: {column} reaches |x| = {peak:g}, beyond float8_e4m3fn's {FP8_MAX:g}; store "
+                               "this dataset with --dtype bfloat16")
+    return t.to(dtype).contiguous()

@@ -72,6 +72,7 @@ from ff_core.data.samples import (
 )
 from ff_core.data.tensor_parquet.checks import check_shard_rows, shard_row_name
 from ff_core.data.tensor_parquet.order import GroupedMapDistributor, GroupedSamplerDistributor
+from ff_core.data.tensor_parquet.provenance import check_provenance, shard_provenance
 from ff_core.data.tensor_parquet.rows import (
     LATENT_BATCH_KEYS,
     ShardSource,
@@ -402,6 +403,11 @@ class FlowDataModule(L.LightningDataModule):
         window = self.row_group_window
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision, hand_off=self.hand_off)
+        # What each entry's shards were written for (adapter, contract, checkpoint, geometry) against this recipe.
+        expected = shard_provenance(cls, self.pretrained_model_name_or_path, self.adapter_kwargs, self._supervision)
+        for cfg, source in zip(configs, self.shard_sources):
+            check_provenance(f"data.datasets[{self.datasets.index(cfg)}].tensor_parquet_dir", source.dataset.files[0],
+                             expected)  # fmt: skip
         # Every served row's _dtype/_shape (and located byte count) against itself and the adapter's geometry, now:
         # not at the step that draws it (ff_core.data.tensor_parquet.checks).
         shapes = resolve_tensor_shapes(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)

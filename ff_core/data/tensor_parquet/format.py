@@ -20,11 +20,12 @@ import torch
 
 BYTES, SHAPE, DTYPE = "_bytes", "_shape", "_dtype"
 # `<name>_dtype` strings -> torch dtypes. The card writes "float32" / "bfloat16"; the rest are what a latent,
-# mask or id column can hold. Itemsizes come from torch (bool is one byte).
+# mask or id column can hold (float8_e4m3fn: the latents of `ff data preprocess-latents --dtype float8_e4m3fn`).
+# Itemsizes come from torch (bool is one byte).
 TENSOR_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "uint8": torch.uint8, "bool": torch.bool,
+    "uint8": torch.uint8, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
 
