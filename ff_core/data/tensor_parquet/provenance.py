@@ -8,9 +8,10 @@ they compute nothing stored) and the recipe's ``model.adapter_kwargs``. ``ff fit
 footer (no data page) and refuses shards written for another adapter, contract, checkpoint or geometry before any
 weight loads (:func:`check_provenance`), naming the entry, the field and both values: such rows have the right shapes
 more often than not (same VAE, another frame count at the same latent length; another rate), so no shape check sees
-them. Other differing ``adapter_kwargs`` (a text length, a re-compression setting) are logged as warnings; ``dtype``
-(the training precision) is never compared. Shards without it (FastVideo's, or written before ff stored it) are
-trained from unchecked.
+them. ``adapter_kwargs`` are compared over ``from_pretrained``'s defaults: the canvas, clip, rate and posterior keys
+(:data:`STRICT_KWARGS`) refuse too; the others (a text length, a re-compression setting) are logged as warnings;
+``dtype`` (the training precision) and ``revision`` never count. Shards without provenance (FastVideo's, or written
+before ff stored it) are trained from unchecked.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ PROVENANCE_VERSION = 1
 _NOT_STORED_PREFIXES = ("transformer", "unet", "scheduler")
 # Keys of a component's config that name where or how it was saved, not what it computes.
 _VOLATILE_KEYS = ("_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version", "torch_dtype", "dtype")
-# adapter_kwargs never compared: the training precision (latents are stored in their own dtype, cast when read).
-_UNCOMPARED_KWARGS = ("dtype",)
+# adapter_kwargs never compared: the training precision (latents are stored in their own dtype, cast when read) and
+# the checkpoint's revision (its configs are fingerprinted).
+_UNCOMPARED_KWARGS = ("dtype", "revision")
+# adapter_kwargs that set what the stored tensors are, whatever the family: the canvas, the clip, its clock, which
+# posterior statistic the latents are. A difference refuses the shards (adapters without resolve_output_geometry,
+# SD3 and Wan, name their geometry with these).
+STRICT_KWARGS = ("resolution", "height", "width", "num_frames", "fps", "frame_rate", "target_posterior")
 # The fields that refuse a mismatch, in the order they are reported.
 STRICT_FIELDS = ("adapter", "contract", "geometry", "checkpoint")
 
@@ -99,7 +105,7 @@ def shard_provenance(
     """
     from ff_core.pretrained import resolve_contract
 
-    kwargs = dict(adapter_kwargs or {})
+    kwargs = _settings(adapter_cls, adapter_kwargs)
     geometry = None
     resolve = getattr(adapter_cls, "resolve_output_geometry", None)
     if resolve is not None:
@@ -116,6 +122,23 @@ def shard_provenance(
         "supervision": supervision,
         "storage": dict(storage or {}),
     }
+
+
+def _settings(adapter_cls: type[Adapter], adapter_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``adapter_kwargs`` over the defaults of the adapter's ``from_pretrained`` (so a recipe that leaves a value at
+    its default and one that spells it out agree), as JSON values."""
+    import inspect
+
+    defaults = {}
+    try:
+        params = list(inspect.signature(adapter_cls.from_pretrained).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    for param in params:
+        if param.default is not param.empty and param.kind is param.KEYWORD_ONLY or (
+                param.default is not param.empty and param.kind is param.POSITIONAL_OR_KEYWORD):
+            defaults[param.name] = param.default
+    return json.loads(json.dumps({**defaults, **dict(adapter_kwargs or {})}, default=str))
 
 
 def encode_provenance(provenance: Mapping[str, Any]) -> dict[bytes, bytes]:
@@ -169,8 +192,9 @@ def provenance_differences(expected: Mapping[str, Any], found: Mapping[str, Any]
     want_kwargs, have_kwargs = expected.get("adapter_kwargs") or {}, found.get("adapter_kwargs") or {}
     for key in sorted((set(want_kwargs) | set(have_kwargs)) - set(_UNCOMPARED_KWARGS)):
         if want_kwargs.get(key) != have_kwargs.get(key):
-            warnings.append(f"model.adapter_kwargs.{key}: the shards were written with {_show(have_kwargs.get(key))}, "
-                            f"this run has {_show(want_kwargs.get(key))}")
+            line = (f"model.adapter_kwargs.{key}: the shards were written with {_show(have_kwargs.get(key))}, this run "
+                    f"has {_show(want_kwargs.get(key))}")
+            (errors if key in STRICT_KWARGS else warnings).append(line)
     return errors, warnings
 
 
