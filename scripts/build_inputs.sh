@@ -17,7 +17,9 @@
 # minimax (configs/minimax/): tiny T2VA, FL2VA and Ref2VA checkpoints (build/tiny-minimax-{t2va,fl2va,ref2va}), MP4+WAV
 # clip datasets (build/minimax-clips, build/minimax-clips-dpo preference pairs), prompt rows for GRPO
 # (build/minimax-prompts) and the same with keyframes (build/minimax-keyframes[-dpo], build/minimax-keyframe-prompts)
-# or references (build/minimax-references[-dpo], build/minimax-reference-prompts).
+# or references (build/minimax-references[-dpo], build/minimax-reference-prompts), and tensor-parquet shards of the SFT,
+# DPO, keyframe and reference clips (build/minimax-clips_latents, build/minimax-clips-dpo_latents,
+# build/minimax-keyframes_latents, build/minimax-references_latents).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then . .venv/bin/activate; fi  # else the python on PATH, with ff installed
@@ -70,6 +72,10 @@ minimax() {
   [ -f build/minimax-references/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references --dataset --condition references --n 6
   [ -f build/minimax-references-dpo/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-references-dpo --dataset --condition references --preference --n 6
   [ -f build/minimax-reference-prompts/train.jsonl ] || python -m ff_minimax.testing --out build/minimax-reference-prompts --dataset --condition references --prompts --n 4
+  [ -d build/minimax-clips_latents ] || ff data preprocess-latents --config configs/minimax/t2va_sft_tiny.yaml --output build/minimax-clips_latents --no-progress
+  [ -d build/minimax-clips-dpo_latents ] || ff data preprocess-latents --config configs/minimax/t2va_offline_dpo_tiny.yaml --output build/minimax-clips-dpo_latents --no-progress
+  [ -d build/minimax-keyframes_latents ] || ff data preprocess-latents --config configs/minimax/fl2va_sft_tiny.yaml --output build/minimax-keyframes_latents --no-progress
+  [ -d build/minimax-references_latents ] || ff data preprocess-latents --config configs/minimax/ref2va_sft_tiny.yaml --output build/minimax-references_latents --no-progress
 }
 
 for family in "${families[@]}"; do

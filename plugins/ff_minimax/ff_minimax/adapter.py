@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media, resolve_dtype
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
-from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.contracts import MediaGeometry, PipelineIOContract, TensorColumns
 from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import (
@@ -61,6 +61,7 @@ from ff_minimax.rules import (
     aligned_num_frames,
     check_clip,
 )
+from ff_minimax.shards import h3_columns, stored_shapes
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,13 @@ class MiniMaxH3Adapter(Adapter):
     checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {
         "_class_name": ("MiniMaxH3ModularPipeline",),
         "transformer": ("MiniMaxH3Transformer3DModel",), "transformer_ref": ("MiniMaxH3Transformer3DModel",)}
-    # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back).
+    # Prompts differ in token count; a GRPO rollout batch collates several (sample_condition cuts each back). The
+    # same rules collate shard rows, so text embeddings are stored unpadded (L, D).
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "text_token_tags": "pad"}
+    # Tensor-parquet rows (ff_minimax.shards; docs/minimax.md, "Training from shards"): text_embedding and
+    # text_token_tags, vae_latent -> video, audio_latent -> audio. encode_output sets no masks, so the default
+    # stored_latents (cast to the denoiser's device and dtype) is encode_output's state.
+    tensor_columns: ClassVar[TensorColumns] = h3_columns()
 
     def __init__(
         self,
@@ -307,6 +313,15 @@ class MiniMaxH3Adapter(Adapter):
         factors = vae.get("spatial_downsample_factors", default(AutoencoderKLMiniMaxH3, "spatial_downsample_factors"))
         patch = transformer.get("patch_size", default(MiniMaxH3Transformer3DModel, "patch_size"))
         return math.prod(int(f) for f in factors) * int(patch[2])
+
+    @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The stored shapes the checkpoint's config files fix for this workflow's columns (both VAEs' latent
+        channels, the transformer's patch and text width: :func:`ff_minimax.shards.stored_shapes`), so ``ff fit``
+        refuses a shard row of another geometry, naming it, before weights load."""
+        return stored_shapes(pretrained_model_name_or_path, cls.transformer_subfolder, cls.tensor_columns)
 
     @classmethod
     def check_adapter_kwargs(

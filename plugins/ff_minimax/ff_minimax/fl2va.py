@@ -30,11 +30,12 @@ from PIL import Image
 from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
-from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.contracts import MediaGeometry, PipelineIOContract, TensorColumns
 from ff_core.data.media.geometry import fit_condition_pil
 from ff_minimax.adapter import PIXEL_MEAN, PIXEL_STD, MiniMaxH3Adapter
 from ff_minimax.keyframes import FL2VA_CONTRACT, keyframes
 from ff_minimax.prefix import ANCHOR_CODES, TEXT_TAG, VIDEO_TAG, realise_prefix
+from ff_minimax.shards import h3_columns
 
 #: ``keyframe_encode_seed``: the conditioning posterior is sampled under its own fixed seed (the released recipe).
 KEYFRAME_ENCODE_SEED = 42
@@ -77,6 +78,8 @@ class MiniMaxH3FL2VAAdapter(MiniMaxH3Adapter):
     # the realised prefix rows (sample_condition cuts each sample back to its own).
     condition_collation: ClassVar[dict[str, str]] = {**MiniMaxH3Adapter.condition_collation, "keyframe_latents": "pad",
                                                      "keyframe_anchors": "pad", "prefix_video_rows": "pad"}
+    # Shard rows carry the cached keyframe latents and anchors; the prefix is realised from them per batch.
+    tensor_columns: ClassVar[TensorColumns] = h3_columns("keyframe_latents", "keyframe_anchors")
 
     # -- condition side --------------------------------------------------------------------------
     def preprocess_identity(self) -> dict[str, Any]:

@@ -45,13 +45,14 @@ import torch
 from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput
-from ff_core.contracts import MediaType, PipelineIOContract
+from ff_core.contracts import MediaType, PipelineIOContract, TensorColumns
 from ff_core.errors import ConfigError
 from ff_minimax.adapter import AUDIO_CHANNELS, MiniMaxH3Adapter, PackedLayout
 from ff_minimax.fl2va import to_pil
 from ff_minimax.prefix import Geometry, realise_prefix, ref2va_layout
 from ff_minimax.references import REF2VA_CONTRACT, manifest_tensor, reference_manifest
 from ff_minimax.rules import FPS
+from ff_minimax.shards import h3_columns
 
 KIND_CODES = {"image": 0, "video": 1, "audio": 2}
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
@@ -89,6 +90,8 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
     condition_collation: ClassVar[dict[str, str]] = {**MiniMaxH3Adapter.condition_collation,
                                                      **dict.fromkeys(REFERENCE_KEYS, "pad"),
                                                      "prefix_video_rows": "pad"}  # fmt: skip
+    # Shard rows carry every cached reference tensor (the prefix's latents, its layout geometry, the manifest).
+    tensor_columns: ClassVar[TensorColumns] = h3_columns(*REFERENCE_KEYS)
 
     reference_image_short_edge: int = 2048
     canvas_short_edge: int = 768
