@@ -244,14 +244,28 @@ class Adapter(nn.Module):
         ``ValueError(reason)``; ``FlowDataModule.setup`` reports it as a :class:`~ff_core.errors.ConfigError` naming
         ``data.buckets[i]``. A bucket replaces the first output's geometry only (:mod:`ff_core.data.media.buckets`), so
         a family whose other outputs are cut to that output's clip (LTX-2's audio: the clip's ``num_frames /
-        frame_rate`` seconds) refuses buckets whose clip differs from its own. Same rules as :meth:`resolve_contract`
-        (config files and ``adapter_kwargs`` only, cheap). Default: every bucket is accepted.
+        frame_rate`` seconds) cuts them to each batch's own clip, or refuses buckets whose clip differs from its own.
+        Same rules as :meth:`resolve_contract` (config files and ``adapter_kwargs`` only, cheap). Default: every bucket
+        is accepted.
 
         Args:
             pretrained_model_name_or_path: the checkpoint folder or hub id, or ``None`` when unknown.
             adapter_kwargs: ``model.adapter_kwargs``.
             geometry: the bucket's geometry (``height``, ``width``, ``num_frames``, ``fps``, ``start``).
         """
+
+    @classmethod
+    def resolve_bucket_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> tuple[MediaGeometry | AudioSpan | None, ...] | None:  # fmt: skip
+        """What each output's training targets must cover in a ``data.buckets`` entry of ``geometry`` (one
+        :meth:`check_bucket` accepted), as :meth:`resolve_output_geometry` says for the adapter's own clip; the
+        records assigned to that bucket are checked against it from their headers. Default: the bucket's geometry for
+        the first output, :meth:`resolve_output_geometry`'s entries for the others. LTX-2 cuts its audio to the
+        bucket's clip (an :class:`~ff_core.contracts.AudioSpan` of that clip's seconds from its ``start``)."""
+        spans = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
+        return None if spans is None else (geometry, *spans[1:])
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Adapter:

@@ -345,6 +345,8 @@ class FlowDataModule(L.LightningDataModule):
                                   "a packing batcher (docs/dataflow.md), not geometry buckets")
             self.bucket_assignment = assign_buckets(self.train_records, [b.geometry for b in self.buckets],
                                                     cache_dir=self.cache_root)  # fmt: skip
+            if self.adapter_name is not None:
+                self._check_bucket_spans(get_adapter_class(self.adapter_name))
         train_rows = len(self.train_rows) if self.train_rows is not None else len(self.train_records)
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
@@ -357,9 +359,23 @@ class FlowDataModule(L.LightningDataModule):
         (:mod:`~ff_core.data.media.header_cache`): a restart reads only the files that changed."""
         check_adapter_kwargs(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
         geometry = resolve_output_geometry(cls, self.pretrained_model_name_or_path, self.adapter_kwargs)
-        if geometry:
-            raise_collected(target_span_errors(self.train_records, geometry, skip_first=self.buckets is not None,
-                                               cache_dir=self.cache_root))  # fmt: skip
+        if geometry and self.buckets is None:  # with buckets: per bucket, once records are assigned
+            raise_collected(target_span_errors(self.train_records, geometry, cache_dir=self.cache_root))
+
+    def _check_bucket_spans(self, cls: type[Adapter]) -> None:
+        """Each bucket's records against what its geometry needs (:meth:`~ff_core.adapter.Adapter.
+        resolve_bucket_geometry`: LTX-2's audio of the bucket's own clip), the outputs after the first (the first's fit
+        is what assigned the bucket); every shortfall reported, as :meth:`_check_target_spans`."""
+        if not hasattr(cls, "resolve_bucket_geometry"):  # a bare loader class
+            return
+        errors = []
+        for i, bucket in enumerate(self.buckets):
+            geometry = cls.resolve_bucket_geometry(self.pretrained_model_name_or_path, self.adapter_kwargs,
+                                                   bucket.geometry)  # fmt: skip
+            records = [r for r, b in zip(self.train_records, self.bucket_assignment) if b == i]
+            if geometry and records:
+                errors += target_span_errors(records, geometry, skip_first=True, cache_dir=self.cache_root)
+        raise_collected(errors)
 
     def _check_buckets(self, cls: type[Adapter]) -> None:
         """Each bucket against the adapter (:meth:`~ff_core.adapter.Adapter.check_bucket`: config files only), before

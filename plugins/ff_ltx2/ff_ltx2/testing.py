@@ -179,6 +179,9 @@ def write_av_clips(
     fps: float = 8.0,
     rate: int = 22050,
     channels: int = 1,
+    height: int = 32,
+    width: int = 32,
+    audio_seconds: float | None = None,
 ) -> Path:
     """A V2 dataset folder of ``n`` (>= 2) audio+video clips: ``train.jsonl``, MP4 targets with ``fps`` under
     ``videos/``, WAV targets with ``sample_rate`` under ``audios/`` (each target an ordered (video, audio) pair),
@@ -197,6 +200,9 @@ def write_av_clips(
         fps: the clips' frame rate (written in the file and in each record's ``fps``).
         rate: the WAV files' sample rate (and each record's ``sample_rate``).
         channels: the WAV files' channel count.
+        height: frame rows (the square is drawn on a ``max(height, width)`` canvas, centre-cropped to this).
+        width: frame columns.
+        audio_seconds: each WAV's length (default: the clip's ``frames / fps``).
     """
     from PIL import Image
 
@@ -207,7 +213,12 @@ def write_av_clips(
     pitches = list(PITCHES)
 
     def pair(stem: str, colour: str, pitch: str) -> list[dict[str, Any]]:
-        clip, tone = av_clip(colour, pitch, frames, fps, rate, channels=channels)
+        side = max(height, width)
+        clip, tone = av_clip(colour, pitch, frames, fps, rate, size=side, channels=channels)
+        top, left = (side - height) // 2, (side - width) // 2
+        clip = np.ascontiguousarray(clip[:, top : top + height, left : left + width])
+        if audio_seconds is not None:
+            tone = av_clip(colour, pitch, 1, 1 / audio_seconds, rate, channels=channels)[1]
         return clips.write_av_pair(root, stem, clip, tone, fps, rate)
 
     for i in range(n):

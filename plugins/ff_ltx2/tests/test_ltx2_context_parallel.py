@@ -8,6 +8,8 @@ noise and losses per step, the same weights at the end.
 * IS / IC: I2AV LoRA SFT (the pinned first frame's per-token timesteps split with the tokens), 2 steps.
 * SD / CD: T2AV LoRA offline DPO (the reference: the LoRA disabled), beta 100, 2 steps.
 * SG / CG: T2AV LoRA Flow-GRPO (video and audio rewards), 1 iteration.
+* FS / FC: T2AV LoRA SFT with ``first_frame_conditioning_p: 0.5`` (per-token video timesteps for the pinned samples'
+  first latent frame, split with the tokens), 2 steps.
 """
 
 from __future__ import annotations
@@ -64,3 +66,18 @@ def test_cp2_dpo_trains_as_one_process(runs):
 
 def test_cp2_grpo_rolls_out_and_updates_as_one_process(runs):
     assert_same_grpo(runs["SG"], runs["CG"])
+
+
+def test_cp2_sft_with_first_frame_conditioning_trains_as_one_process(tiny_ltx2, tmp_path):
+    """4 clips in one batch at p = 0.5 (seed 0 of the recipe pins some and not others): each rank's per-token video
+    timestep is its slice of the tokens', so both ranks train as the one process does."""
+    from ltx2_geometry import ADAPTER_KWARGS
+
+    clips = write_av_clips(tmp_path / "clips", 4)
+    kwargs = ("--model.adapter_kwargs", json.dumps({**ADAPTER_KWARGS, "max_sequence_length": 16,
+                                                    "first_frame_conditioning_p": 0.5}))  # fmt: skip
+    one, cp = tmp_path / "FS", tmp_path / "FC"
+    wait({**cp_fit(one, recipe("sft_tiny"), tiny_ltx2("t2av"), 1, clips, *kwargs, *steps(2)),
+          **cp_fit(cp, recipe("sft_tiny"), tiny_ltx2("t2av"), 2, clips, *kwargs, *steps(2), "--trainer.strategy", CP2)})
+    assert_split(one, cp)
+    assert_same_training(one, cp)

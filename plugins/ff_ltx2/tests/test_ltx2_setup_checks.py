@@ -14,11 +14,10 @@ import pytest
 import torch
 from ff_ltx2 import LTX2I2AVAdapter, LTX2T2AVAdapter
 from ff_ltx2.testing import write_av_clips
-from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, SIZE
+from ltx2_geometry import ADAPTER_KWARGS
 
 from ff_core.callbacks.media_log import audio_to_wav
 from ff_core.cli import main
-from ff_core.contracts import MediaGeometry
 from ff_core.errors import ConfigError
 from ff_core.module import FlowModule
 from ff_core.objectives import SFTObjective
@@ -102,26 +101,6 @@ def test_component_names_fail_as_the_module_is_built(frozen, weights, message, n
     with pytest.raises(ConfigError, match=message):
         FlowModule("ltx2_t2av", NOWHERE, adapter_kwargs=ADAPTER_KWARGS, frozen_components=frozen,
                    objective=SFTObjective(component_weights=weights), sampling=sampling)  # fmt: skip
-
-
-@pytest.mark.parametrize(("other", "got"), [
-    ({"start": 0.25}, r"got 32x32, 9 frames at 8\.0 fps from 0\.25 s"),
-    ({"fps": 16.0}, r"got 32x32, 9 frames at 16\.0 fps from 0 s"),
-    ({"num_frames": 5}, r"got 32x32, 5 frames at 8\.0 fps from 0 s"),
-    ({"height": 16}, r"got 16x32, 9 frames"),
-])  # fmt: skip
-def test_a_bucket_whose_clip_differs_from_adapter_kwargs_fails_before_weights_load(tiny_ltx2, tmp_path, other, got,
-                                                                                   no_weights):  # fmt: skip
-    """A bucket replaces the video's geometry only; the audio is cut for adapter_kwargs' clip from 0 s. One equal to
-    adapter_kwargs' clip passes (bucket 0), another is refused naming it (``data.buckets[1]``)."""
-    clips = write_av_clips(tmp_path / "clips", 2)
-    same = {"height": SIZE, "width": SIZE, "num_frames": FRAMES, "fps": FPS}
-    LTX2T2AVAdapter.check_bucket(None, ADAPTER_KWARGS, MediaGeometry(**same))
-    message = (r"data\.buckets\[1\]: ltx2_t2av trains on one clip, model\.adapter_kwargs' 32x32, 9 frames at 8 fps "
-               r"from 0 s \(its audio is cut to that clip's clock\), " + got)
-    with pytest.raises(ConfigError, match=message):
-        fit_tiny(CONFIGS / "sft_tiny.yaml", tiny_ltx2("t2av"), [{"name": "clips", "dataset_dir": str(clips)}],
-                 tmp_path / "run", "--data.buckets", json.dumps([same, {**same, **other}]))  # fmt: skip
 
 
 # -- targets too short for the clip, from their headers -----------------------------------------------------
