@@ -18,12 +18,16 @@ instantiating it:
   sigmas (the pipeline deep-copies the scheduler for it).
 * decode: video VAE of the denormalised latents, audio VAE to a mel spectrogram, vocoder to the waveform.
 * targets (:meth:`encode_output`): the video clip on the ``frame_rate`` grid (the loader fits it to
-  :meth:`output_geometry`), the audio cut to the same clock ``num_frames / frame_rate`` (:mod:`ff_ltx2.audio`; a
+  :meth:`output_geometry`, or to its ``data.buckets`` entry: :meth:`check_bucket`), the audio cut to that clip's own
+  clock ``frames / frame_rate`` (:mod:`ff_ltx2.audio`; a
   soundtrack that ends early is right-padded with silence, as ltx-trainer's ``MediaDataset._extract_audio`` and
   Flow-Factory's ``prepare_ltx2_target_audio`` do), both VAE posteriors taken at their mode (``latent_dist.mode()``:
   ltx-trainer's ``scripts/process_videos.py`` ``encode_video`` / ``encode_audio`` call ltx-core's encoders, which
   return normalised means; Flow-Factory's ``encode_ltx2_target_video`` / ``encode_ltx2_target_audio`` take the mode);
   ``target_posterior="sample"`` draws posterior samples from the training generator instead.
+* ``first_frame_conditioning_p`` (ltx-trainer's text-to-video option): a per-sample Bernoulli(p) draw in
+  :meth:`prepare_condition`; a drawn sample's first latent frame stays clean, at timestep 0, out of the loss
+  (:meth:`_clean_state`, :meth:`_timesteps`).
 """
 
 from __future__ import annotations
@@ -50,9 +54,19 @@ from ff_core.adapter import (
     scheduler_sigma_table,
 )
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
-from ff_core.contracts import AUDIO_OUT, VIDEO_OUT, AudioSpan, MediaGeometry, MediaType, PipelineIOContract, SlotSpec
+from ff_core.contracts import (
+    AUDIO_OUT,
+    VIDEO_OUT,
+    AudioSpan,
+    MediaGeometry,
+    MediaType,
+    PipelineIOContract,
+    SlotSpec,
+    TensorColumns,
+)
 from ff_core.errors import ConfigError
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
+from ff_core.seeding import derive_seed
 from ff_ltx2.audio import log_mel
 
 # Spec dataset-guide, "Offline model support", ltx2_t2av: every candidate an exact ordered (video, audio) pair with
@@ -61,6 +75,15 @@ T2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT))
 # ltx2_i2av: the same pair, conditioned on the required first_frame image slot.
 I2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT), slots=(SlotSpec("first_frame", MediaType.IMAGE),))
 TEXT_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+# Tensor-parquet rows (docs/ltx2.md, "Training from shards"): the latents under FastVideo's T2VA names (``vae_latent``,
+# ``audio_latent``: its pyarrow_schema_t2va), the text under the condition keys: the connectors' outputs, stored at
+# max_sequence_length with the mask (the connectors fill padded positions with their learnable registers, so the
+# padding is content and is not stripped). The negative prompt's (CFG in sampling only) when the rows have it.
+T2AV_COLUMNS = TensorColumns(
+    condition=(*TEXT_KEYS, *(f"negative_{k}" for k in TEXT_KEYS)),
+    latents={"vae_latent": "video", "audio_latent": "audio"},
+    optional=tuple(f"negative_{k}" for k in TEXT_KEYS),
+)
 # LoRA targets that leave the audio stream's own layers frozen (docs/ltx2.md, "Freezing the audio stream"): the video
 # self- and text-attention and the audio-to-video attention (video queries reading the audio), never audio_attn1 /
 # audio_attn2 / video_to_audio_attn. peft matches a target on a "." boundary, so "attn1.to_q" is not "audio_attn1".
@@ -102,21 +125,40 @@ def video_vae_compression(config: dict[str, Any]) -> tuple[int, int]:
 KWARGS = "model.adapter_kwargs"
 # How encode_output takes the target latents from the VAE posteriors (adapter_kwargs.target_posterior).
 TARGET_POSTERIORS = ("mode", "sample")
+# The stream of first_frame_conditioning_p's draws, derived from the objective's condition generator (its seed): the
+# generator itself is left as it was (evaluation samples its noise from it next).
+FIRST_FRAME_STREAM = 0x1F1F
+# Set on a transformer whose video timestep may be per token (T2AV with first_frame_conditioning_p > 0): the
+# context-parallel plan, built from the class and the network, then splits the timestep with the tokens.
+PER_TOKEN_TIMESTEPS = "ff_per_token_timesteps"
+# AutoencoderKLLTX2Audio's mel_compression_ratio (diffusers' LATENT_DOWNSAMPLE_FACTOR): mel bins per latent bin.
+AUDIO_MEL_COMPRESSION = 4
+
+
+def geometry_problems(num_frames: int, height: int, width: int, spatial: int, temporal: int, patch: int,
+                      patch_t: int) -> list[tuple[str, str]]:  # fmt: skip
+    """``(key, reason)`` for each axis of a clip the checkpoint cannot encode (empty: it can): ``(num_frames - 1)``
+    divisible by the video VAE's temporal compression x the transformer's temporal patch (LTX-2: 8 k + 1 frames), the
+    canvas by its spatial compression x patch (LTX-2: multiples of 32)."""
+    problems = []
+    if num_frames < 1 or (num_frames - 1) % (temporal * patch_t):
+        problems.append(("num_frames", f"(num_frames - 1) must be divisible by {temporal * patch_t} (the video VAE's "
+                         f"temporal compression x patch), got {num_frames}; valid: "
+                         f"{', '.join(str(1 + k * temporal * patch_t) for k in range(1, 4))}, ..."))  # fmt: skip
+    for key, value in (("height", height), ("width", width)):
+        if value < 1 or value % (spatial * patch):
+            problems.append((key, f"must be a multiple of {spatial * patch} (video VAE compression x patch size), got "
+                             f"{value}"))  # fmt: skip
+    return problems
 
 
 def check_geometry(num_frames: int, height: int, width: int, spatial: int, temporal: int, patch: int,
                    patch_t: int) -> None:  # fmt: skip
-    """Refuse a clip geometry the checkpoint cannot encode: ``(num_frames - 1)`` divisible by the video VAE's temporal
-    compression x the transformer's temporal patch, the canvas by its spatial compression x patch. Used before
-    weights load (:meth:`LTX2T2AVAdapter.check_adapter_kwargs`, from the config files) and by the constructor."""
-    if (num_frames - 1) % (temporal * patch_t):
-        raise ConfigError(f"{KWARGS}.num_frames", f"(num_frames - 1) must be divisible by {temporal * patch_t} (the "
-                          f"video VAE's temporal compression x patch), got {num_frames}; valid: "
-                          f"{', '.join(str(1 + k * temporal * patch_t) for k in range(1, 4))}, ...")  # fmt: skip
-    for key, value in (("height", height), ("width", width)):
-        if value % (spatial * patch):
-            raise ConfigError(f"{KWARGS}.{key}", f"must be a multiple of {spatial * patch} (video VAE compression x "
-                              f"patch size), got {value}")  # fmt: skip
+    """Refuse a clip geometry the checkpoint cannot encode (:func:`geometry_problems`), naming the
+    ``model.adapter_kwargs`` key. Used before weights load (:meth:`LTX2T2AVAdapter.check_adapter_kwargs`, from the
+    config files) and by the constructor."""
+    for key, reason in geometry_problems(num_frames, height, width, spatial, temporal, patch, patch_t)[:1]:
+        raise ConfigError(f"{KWARGS}.{key}", reason)
 
 
 def _check_number(key: str, value: Any, *, integer: bool, minimum: float, strict: bool = False) -> None:
@@ -172,6 +214,7 @@ class LTX2T2AVAdapter(Adapter):
         "_class_name": ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline", "LTX2InContextPipeline",
                         "LTX2ModularPipeline", "LTX25ModularPipeline"),
         "transformer": ("LTX2VideoTransformer3DModel",)}
+    tensor_columns: ClassVar[TensorColumns] = T2AV_COLUMNS
 
     def __init__(
         self,
@@ -193,6 +236,7 @@ class LTX2T2AVAdapter(Adapter):
         mel_n_fft: int = 1024,
         audio_tolerance: float | None = None,
         target_posterior: str = "mode",
+        first_frame_conditioning_p: float = 0.0,
     ) -> None:
         """
         Args:
@@ -222,6 +266,10 @@ class LTX2T2AVAdapter(Adapter):
             target_posterior: ``"mode"`` (default): the target latents are the VAE posteriors' modes, video and
                 audio (ltx-trainer's ``encode_video`` / ``encode_audio``, Flow-Factory's LTX-2 target codec);
                 ``"sample"``: posterior samples drawn from the training generator (video first, then audio).
+            first_frame_conditioning_p: the share of training samples whose first latent frame is pinned clean
+                (timestep 0 on its tokens, not noised, out of the loss), so that one LoRA serves text-to-video and
+                image-to-video (ltx-trainer's ``first_frame_conditioning_p``; docs/ltx2.md, "First-frame
+                conditioning"). 0 (default): never; ``ltx2_i2av`` always pins its condition image and takes none.
         """
         super().__init__()
         self.transformer, self.vae, self.audio_vae, self.vocoder = transformer, vae, audio_vae, vocoder
@@ -233,13 +281,17 @@ class LTX2T2AVAdapter(Adapter):
         self.spatial_stride, self.temporal_stride = video_vae_compression(dict(vae.config))
         type(self)._check_values(height=height, width=width, num_frames=num_frames, frame_rate=frame_rate,
                                  max_sequence_length=max_sequence_length, mel_n_fft=mel_n_fft,
-                                 audio_tolerance=audio_tolerance, target_posterior=target_posterior)  # fmt: skip
+                                 audio_tolerance=audio_tolerance, target_posterior=target_posterior,
+                                 first_frame_conditioning_p=first_frame_conditioning_p)  # fmt: skip
         check_geometry(num_frames, height, width, self.spatial_stride, self.temporal_stride,
                        transformer.config.patch_size, transformer.config.patch_size_t)  # fmt: skip
         self.height, self.width, self.num_frames, self.frame_rate = height, width, num_frames, float(frame_rate)
         self.max_sequence_length = min(max_sequence_length, tokenizer.model_max_length)
         self.use_cross_timestep, self.mel_n_fft, self.audio_tolerance = use_cross_timestep, mel_n_fft, audio_tolerance
         self.target_posterior = target_posterior
+        self.first_frame_conditioning_p = float(first_frame_conditioning_p)
+        if self.first_frame_conditioning_p > 0:  # its training timesteps are per token: split them under cp
+            setattr(transformer, PER_TOKEN_TIMESTEPS, True)
         for frozen in (vae, audio_vae, vocoder, connectors, text_encoder):
             frozen.requires_grad_(False).eval()
 
@@ -261,6 +313,9 @@ class LTX2T2AVAdapter(Adapter):
             _check_number("frame_rate", values["frame_rate"], integer=False, minimum=0, strict=True)
         if values.get("audio_tolerance") is not None:
             _check_number("audio_tolerance", values["audio_tolerance"], integer=False, minimum=0)
+        p = values.get("first_frame_conditioning_p", 0.0)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ConfigError(f"{KWARGS}.first_frame_conditioning_p", f"must be a probability, 0 <= p <= 1, got {p!r}")
         if "target_posterior" in values and values["target_posterior"] not in TARGET_POSTERIORS:
             raise ConfigError(f"{KWARGS}.target_posterior", f"must be one of {', '.join(TARGET_POSTERIORS)}, got "
                               f"{values['target_posterior']!r}")  # fmt: skip
@@ -278,7 +333,7 @@ class LTX2T2AVAdapter(Adapter):
         settings = cls._settings(adapter_kwargs)
         cls._check_values(**{k: settings[k] for k in ("height", "width", "num_frames", "frame_rate",
                                                       "max_sequence_length", "mel_n_fft", "audio_tolerance",
-                                                      "target_posterior")})
+                                                      "target_posterior", "first_frame_conditioning_p")})
         try:
             resolve_dtype(settings["dtype"])
             cls._extra_kwargs(settings["image_crf"])
@@ -311,18 +366,75 @@ class LTX2T2AVAdapter(Adapter):
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
         geometry: MediaGeometry,
     ) -> None:  # fmt: skip
-        """Refuse a ``data.buckets`` clip other than ``adapter_kwargs``' (before weights load): a bucket replaces the
-        video's geometry only, while the audio is cut for the adapter's ``num_frames / frame_rate`` seconds, its span
-        checked from 0 s, the transformer conditioned on ``frame_rate`` and every clip encoded at the adapter's
-        canvas; a bucket with another size, length, rate or start would train on misaligned pairs or fail after
-        weights load."""
+        """Refuse a ``data.buckets`` clip the checkpoint cannot train on (before weights load). ltx-trainer's resolution
+        buckets ``WxHxF`` (``scripts/process_videos.py`` ``parse_resolution_buckets``): any canvas of multiples of the
+        video VAE's spatial compression x the transformer's patch (LTX-2: 32) and any ``8 k + 1`` frames (its temporal
+        compression x temporal patch), read from ``vae/config.json`` and ``transformer/config.json`` as
+        :func:`check_geometry` does (without a checkpoint only the rate is checked). The rate must be ``frame_rate``:
+        the clip's audio is cut to its own ``num_frames / frame_rate`` seconds and the transformer is conditioned on
+        ``frame_rate`` (its rope's seconds per latent frame). Any ``start`` >= 0: the video is decoded from there on
+        the clip's clock and the audio is cut from the same instant (:meth:`target_mel`), its span checked per bucket
+        (:meth:`resolve_bucket_geometry`)."""
         video, _ = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
-        ours = (video.height, video.width, video.num_frames, video.fps, 0.0)
-        if (geometry.height, geometry.width, geometry.num_frames, geometry.fps, geometry.start) != ours:
-            raise ValueError(f"{cls.name} trains on one clip, model.adapter_kwargs' {video.height}x{video.width}, "
-                             f"{video.num_frames} frames at {video.fps:g} fps from 0 s (its audio is cut to that "
-                             f"clip's clock), got {geometry.height}x{geometry.width}, {geometry.num_frames} frames at "
-                             f"{geometry.fps} fps from {geometry.start:g} s; leave data.buckets unset")  # fmt: skip
+        if geometry.num_frames is None or geometry.fps is None or not math.isclose(geometry.fps, video.fps):
+            raise ValueError(f"{cls.name} trains on clips at model.adapter_kwargs.frame_rate {video.fps:g} fps (the "
+                             "transformer's fps conditioning and the audio's clock), got "
+                             f"{'no clip' if geometry.num_frames is None else f'{geometry.num_frames} frames'} at "
+                             f"{geometry.fps} fps; give num_frames and fps: {video.fps:g}")  # fmt: skip
+        if pretrained_model_name_or_path is None:
+            return
+        from ff_core.pretrained import read_config
+
+        vae = read_config(pretrained_model_name_or_path, subfolder="vae")
+        transformer = read_config(pretrained_model_name_or_path, subfolder="transformer")
+        problems = geometry_problems(geometry.num_frames, geometry.height, geometry.width, *video_vae_compression(vae),
+                                     int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1)))
+        for key, reason in problems[:1]:
+            raise ValueError(f"{key}: {reason}")
+
+    @classmethod
+    def resolve_bucket_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> tuple[MediaGeometry, AudioSpan]:  # fmt: skip
+        """What a bucket's targets must cover: its clip, and the audio of that clip's own clock, ``num_frames /
+        frame_rate`` seconds from its ``start`` (:meth:`encode_output` cuts exactly that), with ``audio_tolerance``."""
+        _, span = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
+        return geometry, AudioSpan(geometry.num_frames / float(geometry.fps), start=geometry.start,
+                                   tolerance=span.tolerance)  # fmt: skip
+
+    @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The stored shapes the checkpoint's configs fix (``ff fit`` checks every shard row before weights load):
+        ``vae_latent`` (C, F', h, w) with C the video VAE's ``latent_channels``, F' a multiple of the transformer's
+        ``patch_size_t`` and h, w of its ``patch_size`` (what :meth:`pack_video` folds); ``audio_latent`` (C_a, L, M)
+        with the audio VAE's ``latent_channels`` and ``mel_bins`` / 4 (its mel compression); the prompt embeddings
+        (L, the transformer's ``caption_channels``) and their mask (L,). Nothing without a checkpoint."""
+        from ff_core.data.tensor_parquet.checks import StoredShape
+        from ff_core.pretrained import read_config
+
+        if pretrained_model_name_or_path is None:
+            return {}
+        vae = read_config(pretrained_model_name_or_path, subfolder="vae")
+        audio_vae = read_config(pretrained_model_name_or_path, subfolder="audio_vae")
+        transformer = read_config(pretrained_model_name_or_path, subfolder="transformer")
+        p, pt = int(transformer.get("patch_size", 1)), int(transformer.get("patch_size_t", 1))
+        audio = {0: int(audio_vae["latent_channels"])} if "latent_channels" in audio_vae else {}
+        if "mel_bins" in audio_vae:
+            audio[2] = int(audio_vae["mel_bins"]) // AUDIO_MEL_COMPRESSION
+        shapes: dict[str, Any] = {
+            "vae_latent": StoredShape(4, {0: int(vae["latent_channels"])} if "latent_channels" in vae else {},
+                                      {1: pt, 2: p, 3: p}, "(C, F', h, w): C = the video VAE's latent_channels"),
+            "audio_latent": StoredShape(3, audio, meaning="(C_a, L, M): the audio VAE's latent_channels, mel_bins / 4"),
+        }  # fmt: skip
+        width = {-1: int(transformer["caption_channels"])} if "caption_channels" in transformer else {}
+        for prefix in ("", "negative_"):
+            for key in ("video_prompt_embeds", "audio_prompt_embeds"):
+                shapes[prefix + key] = StoredShape(2, width, meaning="(max_sequence_length, caption_channels)")
+            shapes[prefix + "prompt_attention_mask"] = StoredShape(1, meaning="(max_sequence_length,)")
+        return shapes
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -379,6 +491,7 @@ class LTX2T2AVAdapter(Adapter):
         mel_n_fft: int = 1024,
         audio_tolerance: float | None = None,
         target_posterior: str = "mode",
+        first_frame_conditioning_p: float = 0.0,
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
     ) -> LTX2T2AVAdapter:
@@ -395,6 +508,7 @@ class LTX2T2AVAdapter(Adapter):
             mel_n_fft: see :class:`LTX2T2AVAdapter`.
             audio_tolerance: see :class:`LTX2T2AVAdapter`.
             target_posterior: see :class:`LTX2T2AVAdapter`.
+            first_frame_conditioning_p: see :class:`LTX2T2AVAdapter`.
             image_crf: ``ltx2_i2av`` only (:class:`LTX2I2AVAdapter`); ``ltx2_t2av`` refuses a value.
             dtype: weights dtype of the transformer, the connectors and the text encoder (VAEs, vocoder: fp32).
             revision: hub revision.
@@ -405,12 +519,14 @@ class LTX2T2AVAdapter(Adapter):
                                         "frame_rate": frame_rate, "max_sequence_length": max_sequence_length,
                                         "mel_n_fft": mel_n_fft, "audio_tolerance": audio_tolerance,
                                         "image_crf": image_crf, "dtype": dtype,
-                                        "target_posterior": target_posterior})  # fmt: skip
+                                        "target_posterior": target_posterior,
+                                        "first_frame_conditioning_p": first_frame_conditioning_p})  # fmt: skip
         extra = cls._extra_kwargs(image_crf)
         adapter = cls(**cls._components(path, dt, revision), **extra, height=height, width=width, num_frames=num_frames,
                       frame_rate=frame_rate, max_sequence_length=max_sequence_length,
                       use_cross_timestep=use_cross_timestep, mel_n_fft=mel_n_fft,
-                      audio_tolerance=audio_tolerance, target_posterior=target_posterior)  # fmt: skip
+                      audio_tolerance=audio_tolerance, target_posterior=target_posterior,
+                      first_frame_conditioning_p=first_frame_conditioning_p)  # fmt: skip
         local = Path(path).expanduser()
         adapter.source = {"checkpoint": str(local.resolve()) if local.exists() else path, "revision": revision,
                           "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
@@ -424,7 +540,9 @@ class LTX2T2AVAdapter(Adapter):
 
     per_token_timesteps: ClassVar[bool] = False
     """Whether the video timestep is per token (I2AV's pinned first frame), split with the tokens under context
-    parallelism."""
+    parallelism. The plan is built from the class and the network (:meth:`context_parallel_plan`), so a T2AV adapter
+    with ``first_frame_conditioning_p > 0`` marks its transformer instead (:data:`PER_TOKEN_TIMESTEPS`); T2AV's (B,)
+    timestep otherwise stays out of the plan (diffusers' hook would warn that it does not split it)."""
 
     @property
     def denoiser(self) -> nn.Module:
@@ -442,8 +560,9 @@ class LTX2T2AVAdapter(Adapter):
         ``rope_type: interleaved`` (the ``split`` layout's 4-D rope is left whole and the forward fails), misses the
         video cross-attention rope and the I2AV per-token timestep, and splits the prompt with its mask. Here: the video
         and audio tokens, each stream's self- and cross-attention rope in the checkpoint's layout, the per-token video
-        timestep (I2AV: :attr:`per_token_timesteps`), both outputs gathered; the prompts stay whole on every rank
-        (Ulysses attention over duplicated keys is exact)."""
+        timestep (:attr:`per_token_timesteps`: I2AV's; T2AV's with ``first_frame_conditioning_p > 0``, whose
+        transformer is marked :data:`PER_TOKEN_TIMESTEPS`; its sampling's (B,) timestep then passes whole), both outputs
+        gathered; the prompts stay whole on every rank (Ulysses attention over duplicated keys is exact)."""
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
         if isinstance(network, type):
@@ -454,7 +573,7 @@ class LTX2T2AVAdapter(Adapter):
             rope = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
         inputs = {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3),
                   "audio_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}
-        if cls.per_token_timesteps:  # I2AV: (B, video tokens), 0 on the pinned first frame
+        if cls.per_token_timesteps or getattr(network, PER_TOKEN_TIMESTEPS, False):  # (B, video tokens)
             inputs["timestep"] = ContextParallelInput(split_dim=1, expected_dims=2)
         return {
             "": inputs,
@@ -507,8 +626,23 @@ class LTX2T2AVAdapter(Adapter):
         reject_input_media(inputs, self.name)
         return self._text_rows(inputs)
 
-    def prepare_condition(self, batch: dict[str, Tensor]) -> Condition:
-        return move_condition(batch, self.transformer.device, self.transformer.dtype)
+    def prepare_condition(self, batch: dict[str, Tensor], generator: torch.Generator | None = None) -> Condition:
+        """The batch on the transformer's device and dtype; with ``first_frame_conditioning_p > 0`` and a
+        ``generator`` (the objective's seeded condition stream, :func:`~ff_core.objectives.flow_matching.
+        prepare_batch_condition`), also ``first_frame_pinned`` (B,) bool: which samples :meth:`_clean_state` pins.
+
+        ltx-trainer's draw (``training_strategies/base_strategy.py``, ``_create_first_frame_conditioning_mask``): one
+        Bernoulli(p) per sample, ``torch.rand(B) < p``. Drawn here once per batch, so the VAE-encoded targets
+        (:meth:`encode_output`) and the stored ones (:meth:`stored_latents`, tensor-parquet shards) pin the same
+        samples, from a stream derived from ``generator``'s seed (:data:`FIRST_FRAME_STREAM`) that leaves
+        ``generator`` itself untouched: evaluation samples with it next. Without a generator nothing is drawn."""
+        condition = move_condition(batch, self.transformer.device, self.transformer.dtype)
+        if self.first_frame_conditioning_p > 0 and generator is not None:
+            stream = torch.Generator().manual_seed(derive_seed(generator.initial_seed(), FIRST_FRAME_STREAM))
+            n = condition["video_prompt_embeds"].shape[0]
+            pinned = torch.rand(n, generator=stream) < self.first_frame_conditioning_p
+            condition["first_frame_pinned"] = pinned.to(self.transformer.device)
+        return condition
 
     def unconditional(self, condition: Condition) -> Condition | None:
         if "negative_video_prompt_embeds" not in condition:
@@ -617,26 +751,35 @@ class LTX2T2AVAdapter(Adapter):
                 raise ValueError(f"media[{i}]: {self.name} trains on exact (video, audio) pairs, got "
                                  f"{len(outputs)} item(s)")  # fmt: skip
             video, start = _to_video(outputs[0], i)
-            if tuple(video.shape) != (self.num_frames, 3, self.height, self.width):
-                raise ValueError(f"media[{i}][0]: a clip of {tuple(video.shape)} (F, 3, H, W); {self.name} trains on "
-                                 f"{self.num_frames} frames of {self.height}x{self.width} (the loader fits targets to "
-                                 "output_geometry(); fit others the same way)")  # fmt: skip
+            if videos and video.shape != videos[0].shape:
+                raise ValueError(f"media[{i}][0]: a clip of {tuple(video.shape)} (F, 3, H, W) in a batch whose first "
+                                 f"is {tuple(videos[0].shape)}: {self.name} trains each batch on one clip geometry "
+                                 "(data.buckets batches never mix buckets; batch mixed clips by bucket)")  # fmt: skip
             videos.append(video)
             starts.append(start)
+        frames, _, height, width = videos[0].shape
+        p, pt = self.transformer.config.patch_size, self.transformer.config.patch_size_t
+        for key, reason in geometry_problems(frames, height, width, self.spatial_stride, self.temporal_stride, p,
+                                             pt)[:1]:  # fmt: skip
+            raise ValueError(f"media[0][0]: a clip of {tuple(videos[0].shape)} (F, 3, H, W) the checkpoint cannot "
+                             f"encode: {key}: {reason} (the loader fits targets to output_geometry() or to their "
+                             "data.buckets entry; fit others the same way)")  # fmt: skip
         x = torch.stack(videos).to(self.vae.device)  # (B, F, 3, H, W)
         x = pixels_to_signed(x)
         return x.permute(0, 2, 1, 3, 4).contiguous(), starts
 
-    def target_mel(self, audio: Any, start: float, what: str) -> Tensor:
-        """One target's audio as the audio VAE's input (C, 4 L, M): cut to ``[start, start + duration)`` on its clock
+    def target_mel(self, audio: Any, start: float, what: str, seconds: float | None = None) -> Tensor:
+        """One target's audio as the audio VAE's input (C, 4 L, M): cut to ``[start, start + seconds)`` on its clock
         (or to the ``4 L`` mel hops' span when that is longer and the source has it), converted to the VAE's channels
-        and rate once, padded or trimmed to ``4 L`` mel hops, log-mel.
+        and rate once, padded or trimmed to ``4 L`` mel hops, log-mel; ``L = audio_frames_for(seconds)``.
 
         Args:
             audio: a ``DecodedAudio`` (its ``clock_rate`` honours the manifest's ``sample_rate``) or a float
                 (C, N) tensor already at the VAE's rate.
             start: the video clip's first second on the clip's clock (the audio is cut from the same instant).
             what: names the target in errors.
+            seconds: the video clip's own clock, ``frames / frame_rate`` (a ``data.buckets`` clip's); ``None``: the
+                adapter's clip, :attr:`duration`.
 
         One clock for both streams: ``start`` and the clip's duration are official seconds (the video's declared
         ``fps``), and the audio's sample ``n`` plays at ``n / clock_rate`` (its declared ``sample_rate``), both counted
@@ -644,14 +787,15 @@ class LTX2T2AVAdapter(Adapter):
         waveform's own start (file seconds) is put on that clock too: ``start * sample_rate / clock_rate``.
         """
         cfg = self.audio_vae.config
+        seconds = self.duration if seconds is None else seconds
         waveform, rate, offset = audio_on_clock(audio, cfg.sample_rate, what)
-        frames = 4 * self.audio_latent_frames
+        frames = 4 * self.audio_frames_for(seconds)
         samples = frames * cfg.mel_hop_length
         # 4 L hops can run past the clip's clock (L = round(duration * latents per second) rounded up): cut that much
         # of the source when it has it, so only a source that really ends is padded with silence; a clip is still
         # rejected only when it falls short of the clip's own duration.
-        window = clock_window(waveform, rate, start - offset, self.duration, tolerance=_tolerance(self.audio_tolerance),
-                              what=what, keep=max(self.duration, samples / float(cfg.sample_rate)))  # fmt: skip
+        window = clock_window(waveform, rate, start - offset, seconds, tolerance=_tolerance(self.audio_tolerance),
+                              what=what, keep=max(seconds, samples / float(cfg.sample_rate)))  # fmt: skip
         x = to_model_rate(window, rate, int(cfg.sample_rate), int(cfg.in_channels), samples)
         mel = log_mel(x.to(self.audio_vae.device), sample_rate=int(cfg.sample_rate), n_fft=self.mel_n_fft,
                       hop_length=int(cfg.mel_hop_length), n_mels=int(cfg.mel_bins))  # fmt: skip
@@ -662,15 +806,39 @@ class LTX2T2AVAdapter(Adapter):
         self, media: list[list[Any]], condition: Condition, generator: torch.Generator | None = None
     ) -> LatentState:
         x, starts = self._videos(media)
-        mels = torch.stack([self.target_mel(outputs[1], starts[i], f"media[{i}][1]")
+        # The batch's own clip (the adapter's, or a data.buckets entry's): its audio is cut to its clock.
+        seconds = x.shape[2] / self.frame_rate
+        mels = torch.stack([self.target_mel(outputs[1], starts[i], f"media[{i}][1]", seconds)
                             for i, outputs in enumerate(media)])  # fmt: skip
         # The posteriors' modes (ltx-trainer, Flow-Factory), or samples drawn from `generator`, video first.
         video = self._latents(self.vae.encode(x.to(self.vae.dtype)).latent_dist, generator)
         audio = self._latents(self.audio_vae.encode(mels.to(self.audio_vae.dtype)).latent_dist, generator)
-        audio = audio[:, :, : self.audio_latent_frames]
+        audio = audio[:, :, : self.audio_frames_for(seconds)]
         dtype = self.transformer.dtype
-        return LatentState({"video": self.normalize_video(video.float()).to(dtype),
-                            "audio": self.normalize_audio(audio.float()).to(dtype)})  # fmt: skip
+        return self._clean_state(self.normalize_video(video.float()).to(dtype),
+                                 self.normalize_audio(audio.float()).to(dtype), condition)  # fmt: skip
+
+    def stored_latents(self, latents: dict[str, Tensor], condition: Condition) -> LatentState:
+        """Stored (normalised) latents as :meth:`encode_output` returns them, through :meth:`_clean_state` (the
+        first latent frame pinned where encoding pins it)."""
+        state = super().stored_latents(latents, condition)
+        return self._clean_state(state.components["video"], state.components["audio"], condition)
+
+    def _clean_state(self, video: Tensor, audio: Tensor, condition: Condition) -> LatentState:
+        """The clean training state of encoded (or stored) latents: as they are, with the first latent frame of the
+        samples :meth:`prepare_condition` drew (``first_frame_pinned``) pinned: a video mask (B, 1, F', 1, 1), 0 on
+        those frames, so they are not noised, not in the loss, and seen at timestep 0 (:meth:`_timesteps`), as
+        ltx-trainer's ``TextToVideoStrategy.prepare_training_inputs`` keeps their clean latents (``torch.where``),
+        gives them timestep 0 (``_create_per_token_timesteps``) and masks them out of the loss (``video_loss_mask``).
+        The mask is set for every batch when ``first_frame_conditioning_p > 0`` (1 everywhere when none is drawn), so
+        the video timestep's shape does not change from batch to batch; a one-frame latent is never pinned (it would
+        leave nothing to learn: ltx-trainer's ``first_frame_end_idx < sequence_length``)."""
+        pinned = condition.get("first_frame_pinned")
+        if pinned is None or video.shape[2] < 2:
+            return LatentState({"video": video, "audio": audio})
+        mask = torch.ones(video.shape[0], 1, video.shape[2], 1, 1, device=video.device, dtype=video.dtype)
+        mask[:, 0, 0] = (~pinned.to(video.device, torch.bool)).to(video.dtype)[:, None, None]
+        return LatentState({"video": video, "audio": audio}, {"video": mask})
 
     def _latents(self, posterior: Any, generator: torch.Generator | None) -> Tensor:
         """``posterior.mode()``, or a sample from ``generator`` (``target_posterior="sample"``)."""
@@ -678,8 +846,16 @@ class LTX2T2AVAdapter(Adapter):
 
     # -- the denoiser ----------------------------------------------------------------------------
     def _timesteps(self, t: Tensor, state: LatentState) -> tuple[Tensor, Tensor]:
-        """(video, audio) timesteps: (B,) each (the pinned-token variant gives the video per-token ones)."""
-        return t, t
+        """(video, audio) timesteps: (B,) each; with a video mask (a pinned first latent frame: ``ltx2_i2av``'s
+        condition, or ``first_frame_conditioning_p``) the video's per token, ``t * mask`` (B, tokens), 0 on the pinned
+        tokens (ltx-trainer's ``_create_per_token_timesteps``, the I2V pipeline's ``timestep * (1 -
+        conditioning_mask)``); the audio's stays (B,)."""
+        mask = state.masks.get("video")
+        if mask is None:
+            return t, t
+        b, _, f, h, w = state.components["video"].shape
+        tokens = self.pack_video(mask.to(t.device, torch.float32).expand(b, 1, f, h, w))[..., 0]  # (B, tokens)
+        return t[:, None] * tokens, t
 
     def velocity(self, state: LatentState, sigma: Tensor, condition: Condition) -> LatentState:
         video, audio = state.components["video"], state.components["audio"]
@@ -707,7 +883,8 @@ class LTX2T2AVAdapter(Adapter):
         """Per sample ``[video uint8 (F, 3, H, W), audio float32 (channels, samples) at the vocoder's rate]``
         (``VideoProcessor.postprocess_video``: [-1, 1] -> [0, 1] -> ``round(x * 255)``).
 
-        The audio lasts exactly the clip's clock, ``round(num_frames / frame_rate * rate)`` samples: the pipeline's
+        The audio lasts exactly the clip's clock, ``round(frames / frame_rate * rate)`` samples (``frames``: the decoded
+        clip's, the adapter's ``num_frames`` for sampled states, a bucket's for its latents): the pipeline's
         waveform (the causal audio decoder gives ``4 L - 3`` mel hops for ``L`` latent frames, 30 ms short of the
         clock at LTX-2's 16 kHz / hop 160) right-padded with silence, or trimmed, so that audio and video end together
         when muxed and logged."""
@@ -720,7 +897,7 @@ class LTX2T2AVAdapter(Adapter):
         a = self.denormalize_audio(state.components["audio"].to(self.audio_vae.device, torch.float32))
         mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
         waveform = self.vocoder(mel.to(self.vocoder.dtype)).float().cpu()  # (B, channels, samples)
-        samples = round(self.duration * float(self.vocoder.config.output_sampling_rate))
+        samples = round(video.shape[2] / self.frame_rate * float(self.vocoder.config.output_sampling_rate))
         waveform = nn.functional.pad(waveform[..., :samples], (0, max(samples - waveform.shape[-1], 0)))
         return [[v.permute(1, 0, 2, 3).contiguous(), w] for v, w in zip(video, waveform)]
 

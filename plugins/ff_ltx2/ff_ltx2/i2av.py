@@ -7,15 +7,18 @@ denoising loop's ``timestep * (1 - conditioning_mask)``).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ff_core.adapter import Condition, ConditionInput, LatentState
-from ff_core.contracts import MediaGeometry, PipelineIOContract
+from ff_core.contracts import MediaGeometry, PipelineIOContract, TensorColumns
 from ff_core.data.media.geometry import ConditionResize, fit_condition_image
-from ff_ltx2.adapter import I2AV_CONTRACT, LTX2T2AVAdapter
+from ff_core.errors import ConfigError
+from ff_ltx2.adapter import I2AV_CONTRACT, KWARGS, T2AV_COLUMNS, LTX2T2AVAdapter
 
 
 class LTX2I2AVAdapter(LTX2T2AVAdapter):
@@ -41,6 +44,9 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
     #: The stretch's filter: the pipeline's ``VideoProcessor(..., resample="bilinear")``
     #: (pipelines/ltx2/pipeline_ltx2_image2video.py).
     condition_resample: ClassVar[str] = "bilinear"
+    #: T2AV's columns plus the condition image's latent, (C, 1, h, w) (FastVideo's I2V name, ``first_frame_latent``).
+    tensor_columns: ClassVar[TensorColumns] = dataclasses.replace(
+        T2AV_COLUMNS, condition={**T2AV_COLUMNS.condition, "first_frame_latent": "first_frame_latent"})
 
     def __init__(self, *, image_crf: int | None = None, **kwargs: Any) -> None:
         """
@@ -56,6 +62,45 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
         self.image_crf = int(resolve_default_image_crf(self.text_encoder) if image_crf is None else image_crf)
         if self.image_crf < 0:
             raise ValueError(f"model.adapter_kwargs.image_crf must be >= 0, got {image_crf}")
+
+    @classmethod
+    def resolve_tensor_shapes(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """T2AV's, and ``first_frame_latent`` (C, 1, h, w): one latent frame of the video latent's channels and
+        patch multiples."""
+        from ff_core.data.tensor_parquet.checks import StoredShape
+
+        shapes = super().resolve_tensor_shapes(pretrained_model_name_or_path, adapter_kwargs)
+        if "vae_latent" in shapes:
+            video = shapes["vae_latent"]
+            shapes["first_frame_latent"] = StoredShape(4, {**video.sizes, 1: 1}, {2: video.multiples[2],
+                                                       3: video.multiples[3]}, "(C, 1, h, w): the first latent frame")
+        return shapes
+
+    @classmethod
+    def _check_values(cls, **values: Any) -> None:
+        """T2AV's checks; ``first_frame_conditioning_p`` refused: every sample's first latent frame is the condition
+        image's already."""
+        super()._check_values(**values)
+        if values.get("first_frame_conditioning_p"):
+            raise ConfigError(f"{KWARGS}.first_frame_conditioning_p", f"{cls.name} pins its condition image's latent "
+                              "as every sample's first latent frame; the option is ltx2_t2av's (leave it 0)")
+
+    @classmethod
+    def check_bucket(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None,
+        geometry: MediaGeometry,
+    ) -> None:  # fmt: skip
+        """T2AV's rules, and the adapter's canvas: :meth:`preprocess` encodes each condition image once, at
+        ``adapter_kwargs``' height and width, and that latent is every clip's first latent frame, so only the frame
+        count (and ``start``) may differ (as Wan2.2 TI2V's ``check_bucket``)."""
+        video, _ = cls.resolve_output_geometry(pretrained_model_name_or_path, adapter_kwargs)
+        if (geometry.height, geometry.width) != (video.height, video.width):
+            raise ValueError(f"{cls.name} encodes its condition image once, at model.adapter_kwargs' "
+                             f"{video.height}x{video.width}, so it trains on that canvas only, got "
+                             f"{geometry.height}x{geometry.width}; give buckets of that canvas (any frame count)")
+        super().check_bucket(pretrained_model_name_or_path, adapter_kwargs, geometry)
 
     @classmethod
     def _extra_kwargs(cls, image_crf: int | None) -> dict[str, Any]:
@@ -121,24 +166,11 @@ class LTX2I2AVAdapter(LTX2T2AVAdapter):
         mask[:, :, 0] = 0
         return torch.cat([cond, video[:, :, 1:]], dim=2), mask
 
-    @torch.no_grad()
-    def encode_output(
-        self, media: list[list[Any]], condition: Condition, generator: torch.Generator | None = None
-    ) -> LatentState:
-        state = super().encode_output(media, condition, generator)
-        video, mask = self._pinned(state.components["video"], condition)
-        return LatentState({"video": video, "audio": state.components["audio"]}, {"video": mask})
+    def _clean_state(self, video: Tensor, audio: Tensor, condition: Condition) -> LatentState:
+        """Encoded or stored target latents with the condition's first latent frame pinned (mask 0 there)."""
+        video, mask = self._pinned(video, condition)
+        return LatentState({"video": video, "audio": audio}, {"video": mask})
 
     def _initial_state(self, video: Tensor, audio: Tensor, condition: Condition) -> LatentState:
         video, mask = self._pinned(video, condition)
         return LatentState({"video": video, "audio": audio}, {"video": mask})
-
-    def _timesteps(self, t: Tensor, state: LatentState) -> tuple[Tensor, Tensor]:
-        """Video: per token ``t * mask`` (B, tokens), 0 on the pinned first latent frame; audio: (B,)."""
-        video = state.components["video"]
-        mask = state.masks.get("video")
-        if mask is None:
-            return t, t
-        b, _, f, h, w = video.shape
-        tokens = self.pack_video(mask.to(t.device, torch.float32).expand(b, 1, f, h, w))[..., 0]  # (B, tokens)
-        return t[:, None] * tokens, t
