@@ -93,8 +93,8 @@ def shapes_latents_dir(tmp_path_factory, tiny_sd3, shapes_dir):
     recipe = Path(__file__).parent / "configs" / "sd3" / "sft_tiny.yaml"
     datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir)}])
     status = main(["data", "preprocess-latents", "--output", str(out), "--rows-per-file", "10", "--no-progress",
-                   "--dtype", "float32", "--config", str(recipe), "--model.pretrained_model_name_or_path", str(tiny_sd3),
-                   "--data.datasets", datasets])
+                   "--dtype", "float32", "--config", str(recipe),
+                   "--model.pretrained_model_name_or_path", str(tiny_sd3), "--data.datasets", datasets])
     assert status == 0
     return out
 

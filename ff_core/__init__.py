@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-ADAPTER_INTERFACE_VERSION = "1.6"
+ADAPTER_INTERFACE_VERSION = "1.7"
 """The version (``major.minor``) of the adapter interface this ff-core provides (:class:`ff_core.adapter.Adapter`, its
 stage methods and class attributes, the hooks of :mod:`ff_core.hookspecs`). A plugin declares the version it targets
 (:attr:`ff_core.adapter.Adapter.interface_version` or the ``ff_adapter_interface_version`` hook); ff refuses a plugin

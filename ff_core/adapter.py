@@ -142,6 +142,9 @@ class Adapter(nn.Module):
             (:func:`ff_core.pretrained.check_checkpoint_classes`): a checkpoint of another family is one line naming
             ``model.pretrained_model_name_or_path``. A component the file does not name (or names ``null``) is not
             checked. ``{}`` (default): no check.
+        training_kwargs: ``from_pretrained`` arguments that change training only, never a stored tensor (LTX-2's
+            ``first_frame_conditioning_p``): tensor-parquet shards written with another value are used without a
+            warning (:mod:`ff_core.data.tensor_parquet.provenance` compares every other ``adapter_kwargs`` entry).
     """
 
     name: ClassVar[str]
@@ -157,6 +160,7 @@ class Adapter(nn.Module):
     default_component_weights: ClassVar[dict[str, float] | None] = None
     latent_components: ClassVar[tuple[str, ...] | None] = None
     checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {}
+    training_kwargs: ClassVar[tuple[str, ...]] = ()
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None

@@ -230,9 +230,8 @@ def encode_rows(
         seed: the run's seed.
         dtype: floating-point tensors are stored in this dtype (``None``: as computed).
     """
-    from torch.utils.data import default_collate
-
     from ff_core.contracts import LATENT_BATCH_KEYS
+    from ff_core.data.cache.collation import collate_conditions
     from ff_core.data.dataflow import derive_seed
     from ff_core.data.media.conditions import condition_input
     from ff_core.data.samples import ConditionedRecord, RecordProcessor
@@ -240,7 +239,9 @@ def encode_rows(
     conditions = adapter.preprocess([condition_input(r, adapter.io_contract) for r in records])
     processor = RecordProcessor(adapter.output_geometry())  # the training loader's decoding and fitting
     samples = [processor.process(ConditionedRecord(start + k, r, {})) for k, r in enumerate(records)]
-    prepared = adapter.prepare_condition(default_collate(conditions))
+    # Collated as the training loader collates them (variable-length text embeddings padded per batch).
+    prepared = adapter.prepare_condition(collate_conditions(conditions, adapter.condition_collation,
+                                                            [f"{r.source}:{r.line}" for r in records]))
     preference = "chosen" in samples[0]
     arms = {"target": ("", (seed, start))} if not preference else {
         "chosen": (LATENT_BATCH_KEYS["preference"]["chosen_latents"], (seed, start, 1)),

@@ -420,7 +420,7 @@ class FlowDataModule(L.LightningDataModule):
         self.shard_sources = open_shards(configs, columns, cls.name, cached_groups=max(4, window or 0),
                                          supervision=self._supervision, hand_off=self.hand_off)
         # What each entry's shards were written for (adapter, contract, checkpoint, geometry) against this recipe.
-        expected = shard_provenance(cls, self.pretrained_model_name_or_path, self.adapter_kwargs, self._supervision)
+        expected = self._expected_provenance(cls)
         for cfg, source in zip(configs, self.shard_sources):
             check_provenance(f"data.datasets[{self.datasets.index(cfg)}].tensor_parquet_dir", source.dataset.files[0],
                              expected)  # fmt: skip
@@ -436,6 +436,18 @@ class FlowDataModule(L.LightningDataModule):
             log.warning("data.datasets: tensor-parquet row groups hold up to %d rows and Parquet decodes whole groups: "
                         "a uniformly shuffled row order decodes a group per row. Set data.row_group_window (e.g. 4) "
                         "to shuffle groups, then rows within windows of groups", largest)
+
+    def _expected_provenance(self, cls: type[Adapter]) -> dict[str, Any]:
+        """:func:`~ff_core.data.tensor_parquet.provenance.shard_provenance` of this run: from the linked
+        ``model.pretrained_model_name_or_path`` and ``adapter_kwargs`` (``ff fit``), else the attached module's (a
+        data module built in Python, not linked); with neither known only the adapter is compared."""
+        pretrained, kwargs = self.pretrained_model_name_or_path, self.adapter_kwargs
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if pretrained is None and getattr(module, "pretrained_model_name_or_path", None) is not None:
+            pretrained, kwargs = module.pretrained_model_name_or_path, module.adapter_kwargs
+        if pretrained is None:
+            return {"adapter": cls.name}
+        return shard_provenance(cls, pretrained, kwargs, self._supervision)
 
     # -- after weights: conditions and loaders -----------------------------------------------------------
     def _adapter(self) -> Adapter:

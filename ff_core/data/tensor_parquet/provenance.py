@@ -105,7 +105,8 @@ def shard_provenance(
     """
     from ff_core.pretrained import resolve_contract
 
-    kwargs = _settings(adapter_cls, adapter_kwargs)
+    kwargs = {k: v for k, v in _settings(adapter_cls, adapter_kwargs).items()
+              if k not in getattr(adapter_cls, "training_kwargs", ())}
     geometry = None
     resolve = getattr(adapter_cls, "resolve_output_geometry", None)
     if resolve is not None:
@@ -120,6 +121,7 @@ def shard_provenance(
         "pretrained_model_name_or_path": None if pretrained is None else str(pretrained),
         "adapter_kwargs": json.loads(json.dumps(kwargs, default=str)),
         "supervision": supervision,
+        "training_kwargs": list(getattr(adapter_cls, "training_kwargs", ())),
         "storage": dict(storage or {}),
     }
 
@@ -189,8 +191,11 @@ def provenance_differences(expected: Mapping[str, Any], found: Mapping[str, Any]
             continue
         errors.append(f"{key}: the shards were written for {_show(have)}, this run has {_show(want)}")
     warnings = []
+    if "adapter_kwargs" not in expected:  # a run that names no checkpoint and kwargs: nothing more to compare
+        return errors, warnings
     want_kwargs, have_kwargs = expected.get("adapter_kwargs") or {}, found.get("adapter_kwargs") or {}
-    for key in sorted((set(want_kwargs) | set(have_kwargs)) - set(_UNCOMPARED_KWARGS)):
+    ignored = {*_UNCOMPARED_KWARGS, *expected.get("training_kwargs", ())}
+    for key in sorted((set(want_kwargs) | set(have_kwargs)) - ignored):
         if want_kwargs.get(key) != have_kwargs.get(key):
             line = (f"model.adapter_kwargs.{key}: the shards were written with {_show(have_kwargs.get(key))}, this run "
                     f"has {_show(want_kwargs.get(key))}")

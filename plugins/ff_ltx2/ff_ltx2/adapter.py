@@ -215,6 +215,8 @@ class LTX2T2AVAdapter(Adapter):
                         "LTX2ModularPipeline", "LTX25ModularPipeline"),
         "transformer": ("LTX2VideoTransformer3DModel",)}
     tensor_columns: ClassVar[TensorColumns] = T2AV_COLUMNS
+    # Training-time settings: shards written with other values hold the same tensors (provenance ignores them).
+    training_kwargs: ClassVar[tuple[str, ...]] = ("first_frame_conditioning_p", "use_cross_timestep")
 
     def __init__(
         self,

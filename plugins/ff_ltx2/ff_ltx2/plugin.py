@@ -17,5 +17,6 @@ def ff_adapters():
 @hookimpl
 def ff_adapter_interface_version():
     """The ff adapter-interface version the adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
-    # 1.2: component_parameters, default_component_weights; 1.4: checks before weights load; 1.6: context_parallel_plan
-    return "1.6"
+    # 1.2: component_parameters, default_component_weights; 1.4: checks before weights load; 1.6: context_parallel_plan;
+    # 1.7: resolve_bucket_geometry, training_kwargs
+    return "1.7"
