@@ -7,9 +7,10 @@ Prints two markdown tables.
 1. **Step time.** Per family, the tiny checkpoint of the tests and its SFT recipes as shipped (``configs/ltx2/
    sft_tiny.yaml`` and ``sft_latents_tiny.yaml``, LTX-2's clip at 64x64 and 17 frames: :data:`GEOMETRY`;
    ``configs/minimax/t2va_sft_tiny.yaml`` and ``t2va_sft_latents_tiny.yaml``), run twice in fresh subprocesses side
-   by side (one intra-op thread, no loader workers, batches of 4, LoRA as the recipe): ``folder`` decodes each MP4 and
-   WAV, fits them, and encodes both streams with their VAEs every step; ``shards`` reads the rows ``ff data
-   preprocess-latents`` wrote (bf16, the default) and runs no VAE encode and no text encoder. The median step after 5
+   by side (one intra-op thread, no loader workers, batches of 4 for LTX-2 and 1 for H3, LoRA as the recipe):
+   ``folder`` decodes each MP4 and WAV, fits them, and encodes both streams with their VAEs every step; ``shards``
+   reads the rows ``ff data preprocess-latents`` wrote (bf16, the default) and runs no VAE encode and no text
+   encoder. The median step after 5
    warm-up steps, and the encoder forwards counted in training.
 2. **Storage.** The same split written with ``--dtype float32``, ``bfloat16`` and ``float8_e4m3fn``: bytes per row
    (parquet files, uncompressed), the latents' error against float32 (relative RMS and the largest relative error of
@@ -41,6 +42,7 @@ FAMILIES = {
 # at every step; H3 at its tiny recipe's clip (its frame rule fixes 24 fps, 5-15 s).
 GEOMETRY = {"ltx2": {"height": 64, "width": 64, "num_frames": 17}, "minimax": {}}
 CLIP_FRAMES = {"ltx2": 24}
+BATCH = {"ltx2": 4, "minimax": 1}  # H3 packs one request per sequence: its contract's max_batch_size is 1
 DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 LTX2_FULL_LATENT_ELEMENTS = 128 * 16 * 16 * 24 + 8 * 126 * 16  # video (C, F', h, w) + audio (C, L, M)
 
@@ -90,8 +92,10 @@ def child(args: argparse.Namespace) -> None:
     recipe = family[2] if args.variant == "shards" else family[1]
     cli = FlowCLI(FlowModule, FlowDataModule, run=False, args=[
         "--config", str(REPO / recipe), "--model.pretrained_model_name_or_path", args.model,
-        "--data.datasets", json.dumps([entry]), "--data.num_workers", "0", "--data.per_device_batch_size", "4",
+        "--data.datasets", json.dumps([entry]), "--data.num_workers", "0",
+        "--data.per_device_batch_size", str(BATCH[args.family]),
         "--data.cache_dir", args.cache, "--trainer.max_steps", str(args.steps), "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(Path(args.cache).parent / f"run-{args.family}-{args.variant}"),
         "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         *_overrides(args.family)])  # fmt: skip
@@ -204,13 +208,15 @@ def main() -> None:
             shard_run = run(args, family, "shards", roots["bfloat16"], model)
             steps.append((family, folder_run, shard_run, convert["bfloat16"]))
             stored += [(family, row) for row in storage(family, model, roots)]
-        print(f"\n{args.clips} clips, batches of 4, {args.steps} steps, 1 thread, no loader workers\n")
-        print("| family | variant | median step | encoder forwards in training | speed-up |")
+        print(f"\n{args.clips} clips, {args.steps} steps, 1 thread, no loader workers\n")
+        print("| family (batch) | variant | median step | encoder forwards in training | speed-up |")
         print("|---|---|---|---|---|")
         for family, f, s, convert in steps:
-            print(f"| {family} | folder | {f['step_s'] * 1000:.1f} ms | {f['encodes']} | |")
-            print(f"| {family} | shards (bf16; conversion {convert:.1f} s) | {s['step_s'] * 1000:.1f} ms | "
-                  f"{s['encodes']} | {f['step_s'] / s['step_s']:.2f}x |")
+            print(f"| {family} ({BATCH[family]}) | folder | {f['step_s'] * 1000:.1f} ms | {f['encodes']} | |")
+            print(f"| {family} ({BATCH[family]}) | shards (bf16) | {s['step_s'] * 1000:.1f} ms | {s['encodes']} | "
+                  f"{f['step_s'] / s['step_s']:.2f}x |")
+        print("\nconversion (`ff data preprocess-latents`, bf16, in-process, 0 when the workdir had the shards): "
+              + ", ".join(f"{family} {convert:.1f} s" for family, _, _, convert in steps))
         print("\n| family | storage | bytes per row | latent error (rel. RMS / max) | SFT loss change |")
         print("|---|---|---|---|---|")
         for family, r in stored:

@@ -7,6 +7,15 @@ training targets. Prints one Markdown row per mode: peak RSS over the process's 
 the latents' largest difference from the untiled encode.
 
     python benchmarks/bench_vae_tiling.py [--frames 33 --size 512 --batch 2]
+
+Full size (``--architecture wan2.1``): the Wan2.1 VAE's own architecture (``AutoencoderKLWan()``'s default config,
+the 127 M-parameter VAE of every Wan2.1 checkpoint, random weights: memory does not depend on them) measured at two
+small canvases (``--sizes``) and extrapolated, per mode, linearly in pixels per frame to ``--target`` (a clip encodes
+causally in chunks of 4 frames, so the activations grow with the canvas, not the clip; the clip's own input tensor is
+added for its frames). A computation from CPU measurements, not a GPU measurement.
+
+    python benchmarks/bench_vae_tiling.py --architecture wan2.1 --sizes 256 384 --frames 5 --batch 1 \
+        --target 720x1280x81
 """
 
 from __future__ import annotations
@@ -27,11 +36,15 @@ MODES = {"untiled": {}, "tiled (256 px tiles, stride 192)": {"tiling": {"tile_sa
                             "slicing": True}}  # fmt: skip
 
 
-def child(mode: dict, frames: int, size: int, batch: int, out: str) -> None:
+def child(mode: dict, frames: int, size: int, batch: int, out: str, architecture: str = "tiny") -> None:
     import torch
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan.from_pretrained(REPO / "build" / "tiny-wan-t2v", subfolder="vae").eval()
+    if architecture == "wan2.1":  # the real VAE's architecture (diffusers' defaults), random weights
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan().eval()
+    else:
+        vae = AutoencoderKLWan.from_pretrained(REPO / "build" / "tiny-wan-t2v", subfolder="vae").eval()
     if mode.get("tiling"):
         vae.enable_tiling(**mode["tiling"])
     if mode.get("slicing"):
@@ -55,11 +68,16 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=33)
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--architecture", choices=("tiny", "wan2.1"), default="tiny")
+    p.add_argument("--sizes", type=int, nargs=2, default=None, help="two canvases to extrapolate from")
+    p.add_argument("--target", default="720x1280x81", help="HxWxF of the extrapolated clip")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
-        return child(json.loads(a.child), a.frames, a.size, a.batch, a.out)
+        return child(json.loads(a.child), a.frames, a.size, a.batch, a.out, a.architecture)
+    if a.sizes:
+        return extrapolate(a)
     import tempfile
 
     import torch
@@ -78,6 +96,37 @@ def main() -> None:
             reference = latents if reference is None else reference
             diff = float((latents - reference).abs().max())
             print(f"| {name} | {r['peak_mib']:.0f} MiB | {r['seconds']:.1f} | {diff:.3f} |", flush=True)
+
+
+def measure(mode: dict, frames: int, size: int, batch: int, architecture: str, out: str) -> dict:
+    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(mode), "--out", out, "--frames", str(frames),
+                          "--size", str(size), "--batch", str(batch), "--architecture", architecture], cwd=REPO,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def extrapolate(a: argparse.Namespace) -> None:
+    """Per mode, peak RSS at the two ``--sizes``, the fitted MiB per pixel per frame-chunk, and the ``--target``
+    clip's predicted peak (plus its input tensor beyond the measured clips')."""
+    import tempfile
+
+    h, w, f = (int(v) for v in a.target.split("x"))
+    small, large = a.sizes
+    print(f"| {a.architecture} VAE, {a.batch} clip(s) of {a.frames} frames | peak at {small}x{small} | peak at "
+          f"{large}x{large} | computed for {h}x{w}, {f} frames |\n|---|---|---|---|")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, mode in list(MODES.items())[:2]:
+            peaks = [measure(mode, a.frames, s, a.batch, a.architecture, f"{tmp}/x.pt")["peak_mib"] for s in a.sizes]
+            tiled = bool(mode.get("tiling"))
+            # Untiled: activations scale with the canvas. Tiled: with the tile (256 px), whatever the canvas, so the
+            # larger measurement stands for any canvas beyond it, plus what holds the whole clip (input and output).
+            per_pixel = (peaks[1] - peaks[0]) / (large * large - small * small)
+            clip = a.batch * 3 * 4 * (f - a.frames) * h * w / 2**20  # the target's own fp32 input beyond the measured
+            if tiled:
+                predicted = peaks[1] + clip + a.batch * 3 * 4 * a.frames * (h * w - large * large) / 2**20
+            else:
+                predicted = peaks[1] + per_pixel * (h * w - large * large) + clip
+            print(f"| {name} | {peaks[0]:.0f} MiB | {peaks[1]:.0f} MiB | {predicted / 1024:.1f} GiB |", flush=True)
 
 
 if __name__ == "__main__":
