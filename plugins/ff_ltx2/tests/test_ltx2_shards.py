@@ -222,3 +222,29 @@ def test_shards_of_another_clip_or_checkpoint_are_refused_before_weights_load(ti
         setup(tiny_ltx2("t2av"), num_frames=17)
     with pytest.raises(ConfigError, match=r"checkpoint: the shards were computed by another vae"):
         setup(tiny_ltx2("i2av"))
+
+
+def test_fit_from_audio_video_shards_resumes_exactly(tiny_ltx2, clips, tmp_path):
+    """Killed after step 2 (mid-epoch: 4 rows in batches of 1, 2 micro-batches a step) and resumed from its
+    checkpoint: the same rows, noise and losses as the uninterrupted run, micro-batch for micro-batch."""
+    from ff_core.callbacks import SampleLog, read_sample_log
+
+    m = module("ltx2_t2av", tiny_ltx2("t2av"))
+    shards = tmp_path / "shards"
+    _, records = folder_batch(m.adapter, clips)
+    write_latent_shards(m.adapter, records, shards, batch_size=ROWS, dtype=torch.bfloat16, progress=False)
+
+    def fit(root, ckpt_path=None):
+        dm = FlowDataModule([{"name": "latents", "tensor_parquet_dir": str(shards)}], adapter="ltx2_t2av",
+                            per_device_batch_size=1)  # fmt: skip
+        ckpt = L.pytorch.callbacks.ModelCheckpoint(root / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            callbacks=[SampleLog(str(root / "ids"), outputs=("sigma", "noise_seed", "loss")), ckpt])
+        trainer.fit(module("ltx2_t2av", tiny_ltx2("t2av")), datamodule=dm, ckpt_path=ckpt_path)
+        return read_sample_log(root / "ids" / "rank0.jsonl")
+
+    full = fit(tmp_path / "full")
+    assert sorted(i for r in full[:4] for i in r["ids"]) == list(range(ROWS))  # one epoch: every row once
+    (step2,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    assert fit(tmp_path / "resumed", ckpt_path=step2) == full[4:]
