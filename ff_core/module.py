@@ -58,6 +58,8 @@ NOISE_SEED_KEY = "ff_noise_seed"
 """Checkpoint entry holding the run's resolved training-noise seed."""
 NONFINITE_KEY = "ff_nonfinite_skipped"
 """Checkpoint entry holding the steps ``model.nonfinite: skip`` skipped so far."""
+OBJECTIVE_STATE_KEY = "ff_objective_state"
+"""Checkpoint entry holding the objective's own state (:meth:`~ff_core.objectives.base.Objective.checkpoint_state`)."""
 
 
 # Saved in checkpoints' hyper-parameters: allow them under torch.load(weights_only=True), Lightning's default; under
@@ -495,6 +497,9 @@ class FlowModule(Evaluation, L.LightningModule):
         if self._run_noise_seed is not None:
             checkpoint[NOISE_SEED_KEY] = self._run_noise_seed
         checkpoint[NONFINITE_KEY] = self.nonfinite_guard.skipped
+        objective_state = self.objective.checkpoint_state()
+        if objective_state is not None:
+            checkpoint[OBJECTIVE_STATE_KEY] = objective_state
 
     def _checkpoint_keys(self, state_dict: dict[str, Any]) -> set[str]:
         """What a checkpoint holds: the LoRA tensors, or (full fine-tuning) every trained network (``denoisers()``)
@@ -512,6 +517,8 @@ class FlowModule(Evaluation, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_noise_seed = checkpoint.get(NOISE_SEED_KEY)
         self.nonfinite_guard.skipped = int(checkpoint.get(NONFINITE_KEY, 0))
+        if self._trainer is None or self._trainer.state.fn == "fit":
+            self.objective.load_checkpoint_state(checkpoint.get(OBJECTIVE_STATE_KEY))
         if self._trainer is not None and self._trainer.state.fn != "fit":  # a resume exports the LoRA again
             from ff_core.callbacks.checkpoint import check_lora_export
 

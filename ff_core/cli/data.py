@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --model: the recipe's model.adapter_kwargs as a JSON object (clip geometry), checked; "
                    "every target's header is checked against the clip the adapter cuts (too-short video or audio); "
                    "default: {} (the adapter's defaults)")
-    v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo"],
+    v.add_argument("--trainer", choices=["sft", "offline-dpo", "grpo", "nft"],
                    help="trainer type (default: detected; V2 records -> their supervision, else generation rows)")
     v.add_argument("--check-media", action="store_true", help="open and decode every referenced media file "
                    "(tensor-parquet: read every _bytes value and check its length)")

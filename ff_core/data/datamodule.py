@@ -56,6 +56,7 @@ from ff_core.data.media.target_spans import target_span_errors
 from ff_core.data.records import Record
 from ff_core.data.records.sources import (
     OFFLINE_TRAINERS,
+    ONLINE_TRAINERS,
     DatasetConfig,
     TrainerType,
     check_dataset_configs,
@@ -228,9 +229,10 @@ class FlowDataModule(L.LightningDataModule):
         if bad_samples not in ("error", "skip"):
             raise ConfigError("data.bad_samples", f"must be 'error' or 'skip', got {bad_samples!r}")
         self.bad_samples = bad_samples
-        if trainer_type == "grpo" and num_workers > 1:  # worker streams interleave whole batches: a step would split
-            # A ConfigError: `ff fit` prints it as one line, before any weight loads (not a ValueError traceback).
-            raise ConfigError("data.num_workers", f"{num_workers} with GRPO: a GRPO step holds whole prompt groups, "
+        if trainer_type in ONLINE_TRAINERS and num_workers > 1:  # worker streams interleave whole batches: a step
+            # would split. A ConfigError: `ff fit` prints it as one line, before any weight loads (not a traceback).
+            raise ConfigError("data.num_workers", f"{num_workers} with {trainer_type}: an online step holds whole "
+                              "prompt groups, "
                               "served by one stream per rank, and workers would split them; use 0 or 1 (prompts need "
                               "no decoding)")  # fmt: skip
         self.datasets = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
@@ -252,8 +254,8 @@ class FlowDataModule(L.LightningDataModule):
             raise ValueError(f"data.max_tokens must be an integer >= 1 or null, got {max_tokens!r}")
         if max_tokens is not None and self.buckets is None:
             raise ValueError("data.max_tokens sizes bucketed batches: set data.buckets too")
-        if self.buckets is not None and trainer_type == "grpo":
-            raise ValueError("data.buckets: GRPO rows are prompts (no target to bucket); leave it unset")
+        if self.buckets is not None and trainer_type in ONLINE_TRAINERS:
+            raise ValueError(f"data.buckets: {trainer_type} rows are prompts (no target to bucket); leave it unset")
         self.max_tokens = max_tokens
         self.bucket_assignment: list[int] | None = None
         """Each training record's bucket (``data.buckets``), assigned in :meth:`setup` from the targets' headers."""
@@ -285,7 +287,7 @@ class FlowDataModule(L.LightningDataModule):
 
     # -- before weights: read and validate -------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.trainer_type == "grpo" and self.grouping is not None and self.trainer is not None:
+        if self.trainer_type in ONLINE_TRAINERS and self.grouping is not None and self.trainer is not None:
             # Before any weights load: P * K samples per step must divide over the data-parallel ranks.
             check_grouping(*self.grouping, DataParallelCoords.from_trainer(self.trainer).world_size)
         if self.train_records or self.eval_records or self.train_rows is not None:
@@ -630,7 +632,7 @@ class FlowDataModule(L.LightningDataModule):
         table = self._conditioned("train", self.train_records)
         if self.trainer_type in OFFLINE_TRAINERS:
             return SamplerDistributor(table, **common), self.per_device_batch_size
-        if self.trainer_type == "grpo" and self.grouping is not None:
+        if self.trainer_type in ONLINE_TRAINERS and self.grouping is not None:
             prompts, group_size = self.grouping
             batch_size = check_grouping(prompts, group_size, coords.world_size)
             return GroupedDistributor(table, group_size, prompts, **common), batch_size

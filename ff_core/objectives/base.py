@@ -109,6 +109,14 @@ class Objective:
         model-based reward is loaded once); ``None``: none."""
         return None
 
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """State the objective keeps outside the module's parameters that a resumed run needs (DiffusionNFT's old
+        policy), saved in each checkpoint under ``ff_objective_state``; ``None``: nothing."""
+        return None
+
+    def load_checkpoint_state(self, state: dict[str, Any] | None) -> None:
+        """Take back what :meth:`checkpoint_state` saved (``None``: the checkpoint holds none)."""
+
     def training_step(self, module: Any, batch: dict[str, Any], generator: torch.Generator) -> None:
         """One manual-optimisation step (objectives with ``automatic_optimization = False``): the objective calls
         ``module.optimizers()``, ``module.manual_backward``, ``module.clip_gradients`` and ``module.log`` itself.

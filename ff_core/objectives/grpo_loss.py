@@ -19,67 +19,13 @@ and with a KL penalty of weight ``kl_beta`` to the reference policy, either on t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-def group_advantages(rewards: Tensor, groups: Tensor, global_std: bool = False, eps: float = 1e-4) -> Tensor:
-    """Group-relative advantages ``(r - mean_group) / (std + eps)``, shape like ``rewards``, fp32.
-
-    Computed in float64, as flow_grpo's ``PerPromptStatTracker`` (``np.array(rewards, dtype=np.float64)``): in fp32 the
-    mean of K equal rewards is off by a rounding (22.37 x 8 sums to a value that is not 8 x 22.37), and that residue
-    divided by ``std + eps ~ 1e-4`` gave a tied group advantages of up to 0.1, one sign for the whole group. A group
-    whose rewards are all equal (:func:`tied_groups`) gets exactly 0.
-
-    Args:
-        rewards: one reward per sample, shape (N,), every sample of each group present.
-        groups: the group id of each sample, shape (N,).
-        global_std: divide by the std of all ``rewards`` instead of each group's.
-        eps: added to the std (Flow-GRPO's 1e-4).
-    """
-    r = rewards.double()
-    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=torch.float64, device=r.device).index_add_(0, inverse, r)
-    mean = (sums / counts)[inverse]
-    if global_std:
-        std = r.std(correction=0).expand_as(r)
-    else:
-        sq = torch.zeros_like(sums).index_add_(0, inverse, (r - mean) ** 2)
-        std = (sq / counts).sqrt()[inverse]
-    advantages = (r - mean) / (std + eps)
-    return advantages.masked_fill(tied_groups(rewards, groups), 0.0).float()
-
-
-def tied_groups(rewards: Tensor, groups: Tensor) -> Tensor:
-    """Per sample, whether every reward of its group is equal (the group's reward std is zero), shape (N,), bool:
-    such a group teaches nothing (its advantages are 0). flow_grpo logs their share as ``zero_std_ratio``
-    (scripts/train_sd3.py, ``calculate_zero_std_ratio``)."""
-    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-    r = rewards.double()
-
-    def reduce(start: float, how: str) -> Tensor:
-        out = torch.full((len(counts),), start, dtype=torch.float64, device=r.device)
-        return out.scatter_reduce_(0, inverse, r, how)
-
-    return (reduce(-math.inf, "amax") == reduce(math.inf, "amin"))[inverse]
-
-
-def zero_std_ratio(rewards: Tensor, groups: Tensor) -> Tensor:
-    """The share of groups whose rewards are all equal (zero std), a 0-d fp32 tensor: flow_grpo's ``zero_std_ratio``."""
-    tied = tied_groups(rewards, groups)
-    _, first = _first_of_each_group(groups)
-    return tied[first].float().mean()
-
-
-def _first_of_each_group(groups: Tensor) -> tuple[Tensor, Tensor]:
-    """``(group ids, index of each id's first sample)``."""
-    ids, inverse = torch.unique(groups, return_inverse=True)
-    positions = torch.arange(len(groups), device=groups.device)
-    first = torch.full((len(ids),), len(groups), dtype=torch.long, device=groups.device)
-    return ids, first.scatter_reduce_(0, inverse, positions, "amin")
+# Group advantages are shared with DiffusionNFT: they live in advantages.py (imported here for older imports).
+from ff_core.objectives.advantages import group_advantages, tied_groups, zero_std_ratio  # noqa: F401
 
 
 @dataclass

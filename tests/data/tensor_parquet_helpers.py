@@ -53,7 +53,8 @@ def card_decode(row: dict, name: str) -> torch.Tensor:
     """The card's loading recipe, verbatim but for the dtype map: the independent reference decoder."""
     strs = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "float64": torch.float64, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-            "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool}
+            "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool,
+            "float8_e4m3fn": torch.float8_e4m3fn}
     dt = strs[row[f"{name}_dtype"]]
     return torch.frombuffer(bytearray(row[f"{name}_bytes"]), dtype=dt).reshape(row[f"{name}_shape"])
 

@@ -67,7 +67,7 @@ def test_validate_names_file_row_and_column(tmp_path):
     assert code == 2
     assert out.splitlines() == [
         f"{path}: x_dtype: row 1 (dataset row 1): unknown dtype 'bf16'; expected one of float32, bfloat16, "
-        "float16, float64, int8, int16, int32, int64, uint8, bool",
+        "float16, float64, int8, int16, int32, int64, uint8, bool, float8_e4m3fn",
         f"{path}: x_shape: row 2 (dataset row 2): null value",
         f"ff data validate: 2 problem(s) in {tmp_path}",
     ]

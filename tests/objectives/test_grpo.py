@@ -256,7 +256,7 @@ def test_settings_the_run_cannot_honour_fail_before_weights_load():
 
     objective(mini_batches=2).check_run(dp_world_size=1)  # 4 samples in micro-batches of 2: 2 runs
     with pytest.raises(ConfigError, match=r"model.objective.mini_batches: 2 optimiser steps per pass, but each rank "
-                                          r"replays only 1 micro-batch\(es\) \(2 samples per rank"):
+                                          r"trains on only 1 micro-batch\(es\) \(2 samples per rank"):
         objective(mini_batches=2).check_run(dp_world_size=2)
     with pytest.raises(ValueError, match="do not divide over 3 data-parallel ranks"):
         objective().check_run(dp_world_size=3)

@@ -22,6 +22,7 @@ SUPERVISION_FOR_TRAINER: dict[str, Supervision | None] = {
     "sft": "demonstration",
     "offline-dpo": "preference",
     "grpo": None,
+    "nft": None,
 }
 # Field of each candidate, in ``Record.candidates`` order.
 CANDIDATE_FIELDS: dict[str, tuple[str, ...]] = {

@@ -30,8 +30,10 @@ from ff_core.data.records import (
 from ff_core.errors import DatasetError, DatasetErrors
 
 Split = Literal["train", "test"]
-TrainerType = Literal["sft", "offline-dpo", "grpo"]
+TrainerType = Literal["sft", "offline-dpo", "grpo", "nft"]
 OFFLINE_TRAINERS = ("sft", "offline-dpo")
+ONLINE_TRAINERS = ("grpo", "nft")
+"""Trainers whose rows are prompts sampled in groups (Flow-GRPO, DiffusionNFT)."""
 
 
 @dataclass
@@ -220,7 +222,7 @@ def load_split(cfg: DatasetConfig, split: Split, trainer_type: TrainerType | Non
         raise DatasetErrors([DatasetError(
             cfg.root, None, None, f"dataset {cfg.name!r}: no training split (neither train.jsonl nor train.txt exists)"
         )])
-    if split == "test" or trainer_type == "grpo":
+    if split == "test" or trainer_type in ONLINE_TRAINERS:
         schema: Schema = "legacy"
     elif trainer_type in OFFLINE_TRAINERS:
         schema = "v2"
