@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -105,3 +106,55 @@ def test_resumed_run_equals_the_uninterrupted_one(nft_run, tiny_sd3, prompts_dir
     resumed_old = cli.model.objective.checkpoint_state()["old_policy"]
     for k, v in last[OBJECTIVE_STATE_KEY]["old_policy"].items():
         torch.testing.assert_close(resumed_old[k], v, rtol=0, atol=0)
+
+
+class DumpOldPolicy(L.Callback):
+    """Saves, per rank, the trained weights, DiffusionNFT's old policy and each step's gathered reward mean."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath, self.rewards = Path(dirpath), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rewards.append(float(trainer.callback_metrics["train/reward_mean"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        weights = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+        torch.save({"weights": weights, "old": pl_module.objective.checkpoint_state()["old_policy"],
+                    "rewards": self.rewards}, self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
+
+
+def test_two_process_ddp_keeps_weights_and_old_policies_in_step(tiny_sd3, prompts_dir, tmp_path):
+    """2 gloo ranks, each group split over them: the same gathered rewards, identical weights and old policies at
+    the end (gradients averaged once per optimiser step, the old policy's EMA of identical weights), and trained."""
+    from tests.test_ddp_resume import LAUNCHER_VARS, free_port
+
+    callbacks = [{"class_path": "tests.test_nft_fit.DumpOldPolicy", "init_args": {"dirpath": str(tmp_path / "out")}}]
+    cmd = [sys.executable, "-m", "ff_core.cli", "fit", *nft_args(
+        tiny_sd3, prompts_dir, tmp_path, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+        "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.callbacks", json.dumps(callbacks))]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["rewards"] == ranks[1]["rewards"] and len(ranks[0]["rewards"]) == 2
+    for key in ("weights", "old"):
+        for name, w in ranks[0][key].items():
+            assert torch.equal(w, ranks[1][key][name]), (key, name)
+    assert any(w.abs().sum() > 0 for n, w in ranks[0]["weights"].items() if "lora_B" in n)
+
+
+def test_sharded_strategies_are_refused_before_weights_load(tiny_sd3):
+    """FSDP2 and DeepSpeed shard the parameters whose storages the old policy swaps: refused, naming what runs."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from ff_core.errors import ConfigError
+    from ff_core.objectives import NFTObjective
+
+    module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
+                        objective=NFTObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2))
+    with pytest.raises(ConfigError, match=r"NFTObjective runs on one device, DDP, not under FSDP2"):
+        module._check_strategy(ModelParallelStrategy.__new__(ModelParallelStrategy))
