@@ -28,6 +28,7 @@ PROMPTS = ["a red square with a low tone", "a red square with a low tone"]
 @pytest.fixture(scope="module")
 def adapter(tiny_ltx2):
     adapter = LTX2T2AVAdapter.from_pretrained(tiny_ltx2("t2av"), **ADAPTER_KWARGS)
+    torch.manual_seed(0)  # peft draws lora_A from the global generator: the checks' margins are for these weights
     apply_lora(adapter, LoRAConfig(rank=2, alpha=2))
     return adapter
 
