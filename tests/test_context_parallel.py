@@ -71,11 +71,11 @@ class Rollouts(L.Callback):
             return
         update = objective.update
 
-        def recorded(module, adapter, rollouts):
+        def recorded(module, adapter, rollouts, *rest):
             self.records.append([{"final": {k: v.detach().cpu() for k, v in r.trajectory.final.components.items()},
                                   "log_probs": [t.log_prob.detach().cpu() for t in r.trajectory.transitions],
                                   "advantages": r.advantages.detach().cpu()} for r in rollouts])  # fmt: skip
-            return update(module, adapter, rollouts)
+            return update(module, adapter, rollouts, *rest)
 
         objective.update = recorded
 
