@@ -81,15 +81,20 @@ class BuiltinRewards:
     @hookspecs.hookimpl
     def ff_rewards() -> list[type[Reward]]:
         # Only classes: the CLIP model loads when a recipe builds the reward (transformers imports lazily, in __init__).
+        from ff_core.rewards.aesthetic import AestheticReward
         from ff_core.rewards.audio import AudioLoudnessReward
         from ff_core.rewards.clap import ClapScoreReward
         from ff_core.rewards.clip import ClipScoreReward
+        from ff_core.rewards.hps import HpsReward
         from ff_core.rewards.image import BrightnessReward, ColourReward, JpegCompressibilityReward
+        from ff_core.rewards.image_reward import ImageRewardReward
         from ff_core.rewards.ocr import OcrReward
+        from ff_core.rewards.pickscore import PickScoreReward
         from ff_core.rewards.vlm_judge import VlmJudgeReward
 
         return [ColourReward, BrightnessReward, JpegCompressibilityReward, AudioLoudnessReward, ClipScoreReward,
-                OcrReward, ClapScoreReward, VlmJudgeReward]
+                OcrReward, ClapScoreReward, VlmJudgeReward,
+                PickScoreReward, AestheticReward, HpsReward, ImageRewardReward]
 
 
 @dataclass
