@@ -90,11 +90,12 @@ class BuiltinRewards:
         from ff_core.rewards.image_reward import ImageRewardReward
         from ff_core.rewards.ocr import OcrReward
         from ff_core.rewards.pickscore import PickScoreReward
+        from ff_core.rewards.remote import RemoteReward
         from ff_core.rewards.vlm_judge import VlmJudgeReward
 
         return [ColourReward, BrightnessReward, JpegCompressibilityReward, AudioLoudnessReward, ClipScoreReward,
                 OcrReward, ClapScoreReward, VlmJudgeReward,
-                PickScoreReward, AestheticReward, HpsReward, ImageRewardReward]
+                PickScoreReward, AestheticReward, HpsReward, ImageRewardReward, RemoteReward]
 
 
 @dataclass

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1] / "ff_core"
 # never import each other. The first prefix that matches a module names its part (longer prefixes first).
 LEVELS: list[dict[str, tuple[str, ...]]] = [
     {"testing": ("ff_core.testing",)},  # the plugin author's kit: builds on everything
-    {"cli": ("ff_core.cli",)},  # `ff …`: Lightning's subcommands and ff's own (data, plugins, the scaffold)
+    # `ff …`: Lightning's subcommands and ff's own (data, plugins, rewards, the scaffold); `python -m
+    # ff_core.rewards.serve` is `ff rewards serve`, an entry point that resolves reward names through the registry.
+    {"cli": ("ff_core.cli", "ff_core.rewards.serve")},
     {
         "training": (  # the LightningModule and LightningDataModule and what Lightning calls around them
             "ff_core.module", "ff_core.evaluation", "ff_core.data.datamodule", "ff_core.callbacks", "ff_core.lora",

@@ -23,17 +23,20 @@ def test_help_describes_ff_and_lists_every_subcommand(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]"
-    assert lines[1:6] == ["       ff data {validate,inspect} DATASET_DIR [options]",
+    assert lines[1:8] == ["       ff data {validate,inspect} DATASET_DIR [options]",
                           "       ff data preprocess --config recipe.yaml [--section.key value ...]",
                           "       ff data preprocess-latents --config recipe.yaml --output ROOT "
                           "[--section.key value ...]",
                           "       ff plugins",
-                          "       ff plugins new NAME [--dir DIR]"]
-    assert lines[7].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
+                          "       ff plugins new NAME [--dir DIR]",
+                          "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] "
+                          "[--device cpu]",
+                          "       ff rewards list"]
+    assert lines[9].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
     block = lines[lines.index("commands:") + 1 : lines.index("", lines.index("commands:"))]
     assert [line[2:].split("  ")[0] for line in block] == [
         "fit", "validate", "test", "predict", "data validate", "data inspect", "data preprocess",
-        "data preprocess-latents", "plugins", "plugins new"]
+        "data preprocess-latents", "plugins", "plugins new", "rewards serve", "rewards list"]
     assert lines[-1] == "`ff COMMAND --help` shows a command's options (`ff fit --help` lists every config key)."
     assert main(["-h"]) == 0 and capsys.readouterr().out == out
 
@@ -47,8 +50,8 @@ def test_no_arguments_prints_the_help_and_fails(capsys):
 def test_unknown_command_names_the_closest(capsys):
     assert main(["dta", "validate", "x"]) == 2
     assert capsys.readouterr().err == (
-        "ff: unknown command 'dta'; did you mean 'data'? (commands: fit, validate, test, predict, data, plugins;"
-        " see ff --help)\n")
+        "ff: unknown command 'dta'; did you mean 'data'? (commands: fit, validate, test, predict, data, plugins,"
+        " rewards; see ff --help)\n")
 
 
 def test_plugins_takes_no_arguments_but_new(capsys):

@@ -1,8 +1,9 @@
-"""The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins`` and ``ff data``.
+"""The ``ff`` command: LightningCLI (fit / validate / test / predict) plus ``ff plugins``, ``ff data`` and
+``ff rewards``.
 
 ``ff fit --config recipe.yaml`` builds FlowModule (``model:``), FlowDataModule (``data:``) and Lightning's
-Trainer (``trainer:``) from one YAML (see :mod:`ff_core.cli.flow_cli`). ``ff --help``, ``ff plugins`` and
-``ff data`` are answered here without importing Lightning, so they answer quickly.
+Trainer (``trainer:``) from one YAML (see :mod:`ff_core.cli.flow_cli`). ``ff --help``, ``ff plugins``, ``ff data``
+and ``ff rewards`` are answered here without importing Lightning, so they answer quickly.
 
 A mistake the user can fix (an unknown ``model.adapter``, a checkpoint that is neither a folder nor a hub id, a
 dataset problem) ends ``ff fit`` with its message and exit status 2, not a traceback. Output piped into a
@@ -37,9 +38,10 @@ _OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints thes
 def usage() -> str:
     """``ff --help``: what ff is and every subcommand, Lightning's and ff's own."""
     from ff_core.cli.data import DATA_COMMANDS
+    from ff_core.cli.rewards import REWARDS_COMMANDS
 
     rows = [*TRAINER_COMMANDS.items(), *((f"data {k}", v) for k, v in DATA_COMMANDS.items()), ("plugins", PLUGINS_HELP),
-            ("plugins new", PLUGINS_NEW_HELP)]  # fmt: skip
+            ("plugins new", PLUGINS_NEW_HELP), *((f"rewards {k}", v) for k, v in REWARDS_COMMANDS.items())]  # fmt: skip
     width = max(len(name) for name, _ in rows) + 2
     return "\n".join([
         "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]",
@@ -49,6 +51,8 @@ def usage() -> str:
         "       ff data preprocess-latents --config recipe.yaml --output ROOT [--section.key value ...]",
         "       ff plugins",
         "       ff plugins new NAME [--dir DIR]",
+        "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] [--device cpu]",
+        "       ff rewards list",
         "",
         "ff post-trains flow-matching models on PyTorch Lightning. A recipe is one YAML with model: (FlowModule:",
         "adapter, checkpoint, objective), data: (FlowDataModule: datasets, batch sizes) and trainer: (Lightning's",
@@ -122,7 +126,7 @@ def _plugins_new(args: list[str]) -> int:
 
 
 def _unknown_command(name: str) -> int:
-    commands = [*TRAINER_COMMANDS, "data", "plugins"]
+    commands = [*TRAINER_COMMANDS, "data", "plugins", "rewards"]
     close = difflib.get_close_matches(name, commands, n=1)
     guess = f"; did you mean {close[0]!r}?" if close else ""
     print(f"ff: unknown command {name!r}{guess} (commands: {', '.join(commands)}; see ff --help)", file=sys.stderr)
@@ -173,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ff_core.cli.data import main as data_main
 
         return pipe_safe(lambda: data_main(args[1:]))
+    if first == "rewards":
+        from ff_core.cli.rewards import main as rewards_main
+
+        return pipe_safe(lambda: rewards_main(args[1:]))
     if not first.startswith("-") and first not in TRAINER_COMMANDS:
         return _unknown_command(first)
     lightning_args = None if argv is None else args
