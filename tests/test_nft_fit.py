@@ -16,6 +16,7 @@ from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.module import OBJECTIVE_STATE_KEY, FlowModule
 from ff_core.objectives.nft_loss import old_policy_decay
+from ff_core.sharding import full_tensor
 from ff_core.testing.shapes import write_prompt_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,9 +120,10 @@ class DumpOldPolicy(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        weights = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
-        torch.save({"weights": weights, "old": pl_module.objective.checkpoint_state()["old_policy"],
-                    "rewards": self.rewards}, self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
+        weights = {n: full_tensor(p.detach()).clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+        old = {n: full_tensor(t).clone() for n, t in pl_module.objective._old_policy(pl_module).items()}
+        torch.save({"weights": weights, "old": old, "rewards": self.rewards},
+                   self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
 
 
 def test_two_process_ddp_keeps_weights_and_old_policies_in_step(tiny_sd3, prompts_dir, tmp_path):
@@ -147,14 +149,57 @@ def test_two_process_ddp_keeps_weights_and_old_policies_in_step(tiny_sd3, prompt
     assert any(w.abs().sum() > 0 for n, w in ranks[0]["weights"].items() if "lora_B" in n)
 
 
-def test_sharded_strategies_are_refused_before_weights_load(tiny_sd3):
-    """FSDP2 and DeepSpeed shard the parameters whose storages the old policy swaps: refused, naming what runs."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
+def test_deepspeed_is_refused_before_weights_load(tiny_sd3):
+    """DeepSpeed's engine keeps its own flat copies of the parameters, which the old policy cannot be copied into."""
     from ff_core.errors import ConfigError
     from ff_core.objectives import NFTObjective
+    from ff_core.strategies import DeepSpeedStrategy
 
     module = FlowModule("sd3-5", str(tiny_sd3), adapter_kwargs={"resolution": 32},
                         objective=NFTObjective(rewards=[{"name": "colour"}], group_size=2, prompts_per_step=2))
-    with pytest.raises(ConfigError, match=r"NFTObjective runs on one device, DDP, not under FSDP2"):
-        module._check_strategy(ModelParallelStrategy.__new__(ModelParallelStrategy))
+    with pytest.raises(ConfigError, match=r"NFTObjective runs on one device, DDP, FSDP2 \(ModelParallelStrategy\), "
+                       r"not under DeepSpeed"):  # fmt: skip
+        module._check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))
+
+
+FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                    "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1,
+                                  "save_distributed_checkpoint": False}})  # fmt: skip
+
+
+def start(tiny_sd3, prompts_dir, root: Path, max_steps: int, strategy: str, *extra: str) -> dict:
+    from tests.test_fsdp2 import launch
+
+    root.mkdir()
+    callbacks = [{"class_path": "ff_core.callbacks.FlowCheckpoint",
+                  "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "dirpath": str(root / "ckpt")}},
+                 {"class_path": "tests.test_nft_fit.DumpOldPolicy", "init_args": {"dirpath": str(root / "out")}}]
+    args = nft_args(tiny_sd3, prompts_dir, root, "--trainer.strategy", strategy, "--trainer.devices", "2",
+                    "--trainer.max_steps", str(max_steps), "--trainer.limit_val_batches", "0", "--trainer.logger",
+                    "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", json.dumps(callbacks),
+                    *extra)  # fmt: skip
+    return {root: launch(root, args)}
+
+
+def test_fsdp2_trains_and_resumes_as_ddp(tiny_sd3, prompts_dir, tmp_path):
+    """2 gloo ranks under FSDP2 (LoRA, the old policy sharded as the parameters) take DDP's two steps: the same
+    gathered rewards, the same LoRA and old policy at the end (within float tolerance: reduce-scatter sums in another
+    order than all-reduce); resumed from its step-1 checkpoint (the old policy saved whole, re-sharded), the FSDP2
+    run ends where the uninterrupted one does."""
+    from tests.test_fsdp2 import wait
+
+    d, a, b = tmp_path / "D", tmp_path / "A", tmp_path / "B"
+    wait({**start(tiny_sd3, prompts_dir, d, 2, "ddp"), **start(tiny_sd3, prompts_dir, a, 2, FSDP2)})
+    ckpt = next((a / "ckpt").glob("*step=1.ckpt"))
+    wait(start(tiny_sd3, prompts_dir, b, 2, FSDP2, "--ckpt_path", str(ckpt)))
+    runs = {name: [torch.load(root / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+            for name, root in (("D", d), ("A", a), ("B", b))}  # fmt: skip
+    for rank in (0, 1):
+        assert runs["A"][rank]["rewards"] == pytest.approx(runs["D"][rank]["rewards"], rel=1e-4)
+        assert runs["B"][rank]["rewards"] == pytest.approx(runs["D"][rank]["rewards"][1:], rel=1e-4)
+        for run in ("A", "B"):
+            for key in ("weights", "old"):
+                expected, actual = runs["D"][rank][key], runs[run][rank][key]
+                assert expected.keys() == actual.keys()
+                for name, w in expected.items():
+                    torch.testing.assert_close(actual[name], w, rtol=1e-4, atol=1e-6, msg=f"{run} {key} {name}")

@@ -20,8 +20,10 @@ the step's prompt groups, as GRPO's (:mod:`ff_core.objectives.online`):
    optimiser step (0 at first: the old policy follows the trained one, then lags it more, up to ``decay_max``).
 
 The old policy is a copy of the trained parameters (the LoRA's, or every trained weight under full fine-tuning),
-kept on the trained parameters' device and saved in checkpoints (``ff_objective_state``), so a resumed run samples
-from the same policy. Swapping it in exchanges tensor storages (no copy). It runs on one device and under DDP.
+kept beside them (on their device; under FSDP2 sharded as they are) and saved whole in checkpoints
+(``ff_objective_state``), so a resumed run samples from the same policy. Swapping it in exchanges tensor storages (no
+copy); FSDP2's sharded parameters are copied in place instead (FSDP2 all-gathers from their own storage), with one
+temporary copy of the rank's shards. It runs on one device, under DDP and under FSDP2; DeepSpeed is refused.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ class NFTObjective(OnlineObjective):
     trainer_type = "nft"
     method = "DiffusionNFT"
     supports_frozen_components = True
-    sharding_strategies = frozenset()  # one device and DDP: the old policy swaps whole parameter storages
+    # FSDP2: the old policy is copied into the DTensor shards in place; DeepSpeed's engine keeps its own flat copies of
+    # the parameters (and ZeRO-3 partitions them), which the old policy cannot be swapped into.
+    sharding_strategies = frozenset({"fsdp2"})
 
     def __init__(
         self,
@@ -204,15 +208,32 @@ class NFTObjective(OnlineObjective):
                            "different model.lora setting?")  # fmt: skip
         for n, p in trained:
             old = self._old[n]
-            if old.device != p.device or old.dtype != p.dtype:
+            if _sharded(p) and not _sharded(old):  # whole, from a checkpoint: shard it as the parameter
+                from torch.distributed.tensor import distribute_tensor
+
+                self._old[n] = distribute_tensor(old.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
+            elif old.device != p.device or old.dtype != p.dtype:
                 self._old[n] = old.to(device=p.device, dtype=p.dtype)
         return self._old
 
     @contextlib.contextmanager
     def sampling_policy(self, module: Any) -> Iterator[None]:
-        """The old policy's weights in the trained parameters' place (their storages exchanged, no copy)."""
+        """The old policy's weights in the trained parameters' place: their storages exchanged (no copy), or, for
+        FSDP2's sharded parameters, copied into the shards in place and back."""
         old = self._old_policy(module)
         trained = self._trained(module)
+        if any(_sharded(p) for _, p in trained):
+            with torch.no_grad():
+                current = {n: p.detach().clone() for n, p in trained}
+                for n, p in trained:
+                    p.copy_(old[n])
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for n, p in trained:
+                        p.copy_(current[n])
+            return
 
         def swap() -> None:
             with torch.no_grad():
@@ -235,7 +256,19 @@ class NFTObjective(OnlineObjective):
         return d
 
     def checkpoint_state(self) -> dict[str, Any] | None:
-        return None if self._old is None else {OLD_POLICY_KEY: {n: t.detach().cpu() for n, t in self._old.items()}}
+        """The old policy whole, on the CPU (FSDP2's shards gathered one tensor at a time: every rank calls this, as
+        Lightning builds the checkpoint on every rank; only global rank 0 keeps the tensors, which it writes)."""
+        if self._old is None:
+            return None
+        import torch.distributed as dist
+
+        keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        out = {}
+        for n, t in self._old.items():
+            whole = t.detach().full_tensor() if _sharded(t) else t.detach()  # collective for DTensors
+            if keep:
+                out[n] = whole.cpu()
+        return {OLD_POLICY_KEY: out}
 
     def load_checkpoint_state(self, state: dict[str, Any] | None) -> None:
         if state is None or OLD_POLICY_KEY not in state:
@@ -337,3 +370,9 @@ class NFTObjective(OnlineObjective):
         stats.old_deviation.append(component_mean({k: (x.detach().float() - plan.old[j][k].float()) ** 2
                                                    for k, x in v.items()}, masks, **reduction))  # fmt: skip
         return loss
+
+
+def _sharded(tensor: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
