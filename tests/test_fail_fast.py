@@ -132,5 +132,5 @@ def test_grpo_with_two_workers_is_one_line_before_weights_load(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == (
-        "ff fit: data.num_workers: 2 with grpo: an online step holds whole prompt groups, served by one stream per rank, "
-        "and workers would split them; use 0 or 1 (prompts need no decoding)")
+        "ff fit: data.num_workers: 2 with grpo: an online step holds whole prompt groups, served by one stream per "
+        "rank, and workers would split them; use 0 or 1 (prompts need no decoding)")
