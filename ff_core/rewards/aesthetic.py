@@ -18,16 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ff_core.rewards.base import Reward, RewardBatch
-from ff_core.rewards.media import (
-    IMAGE_OR_VIDEO,
-    check_counts,
-    load_state_dict,
-    projected,
-    score_images,
-    to_pil,
-    torch_dtype,
-)
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, score_images, to_pil
+from ff_core.rewards.models import ModelReward, from_pretrained, load_state_dict, projected
 
 
 class AestheticHead(nn.Module):
@@ -48,7 +41,7 @@ class AestheticHead(nn.Module):
         return self.layers(embed)
 
 
-class AestheticReward(Reward):
+class AestheticReward(ModelReward):
     """LAION aesthetic predictor: ``MLP(E_image / ||E_image||)`` with CLIP ViT-L/14's image embedding; about 1 to 10,
     unbounded (the head is linear), higher = more aesthetic; the prompt is not used.
 
@@ -67,6 +60,7 @@ class AestheticReward(Reward):
 
     name = "aesthetic"
     media_types = IMAGE_OR_VIDEO
+    module_names = ("model", "head")
 
     def __init__(
         self,
@@ -76,31 +70,19 @@ class AestheticReward(Reward):
         batch_size: int = 32,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import CLIPModel, CLIPProcessor
 
-        check_counts(batch_size, video_frames)
-        self.dtype = torch_dtype(dtype)
-        try:
-            self.model = CLIPModel.from_pretrained(pretrained_model_name_or_path, dtype=self.dtype).eval()
-            self.processor = CLIPProcessor.from_pretrained(pretrained_model_name_or_path)
-        except OSError as exc:  # transformers' message for a folder or hub id it cannot load
-            raise ValueError(f"pretrained_model_name_or_path {pretrained_model_name_or_path!r}: {exc}") from None
-        self.head = AestheticHead(self.model.config.projection_dim).eval()
+        super().__init__(dtype, batch_size=batch_size, video_frames=video_frames)
+        self.model = from_pretrained(CLIPModel, pretrained_model_name_or_path, dtype=self.dtype)
+        self.processor = from_pretrained(CLIPProcessor, pretrained_model_name_or_path)
+        self.head = AestheticHead(self.model.config.projection_dim)
         try:
             self.head.load_state_dict(load_state_dict(head_path))
         except (OSError, RuntimeError, ValueError) as exc:  # no file, not tensors, or not the head's keys / shapes
             raise ValueError(f"head_path {head_path!r}: {exc}") from None
-        self.model.requires_grad_(False)
-        self.head.requires_grad_(False)
+        self.freeze()
         self.video_frames = video_frames
         self.batch_size = batch_size
-
-    def to(self, device: torch.device | str) -> AestheticReward:
-        super().to(device)
-        self.model.to(self.device)
-        self.head.to(self.device)
-        return self
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         return score_images(batch, self.media_types, self.name, self.video_frames, self.batch_size, self._score)

@@ -19,7 +19,9 @@ import math
 import torch
 from torch import Tensor
 
-from ff_core.rewards.base import Reward, RewardBatch
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import score_in_batches
+from ff_core.rewards.models import ModelReward, from_pretrained, projected
 
 
 def resample(waveform: Tensor, orig_freq: int, new_freq: int, lowpass_filter_width: int = 6,
@@ -55,7 +57,7 @@ def resample(waveform: Tensor, orig_freq: int, new_freq: int, lowpass_filter_wid
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
-class ClapScoreReward(Reward):
+class ClapScoreReward(ModelReward):
     """Cosine similarity of CLAP's audio embedding of each sample and text embedding of its prompt, times ``scale``
     (and ``exp(logit_scale_a)`` with ``logit_scale: true``, ``ClapModel``'s ``logits_per_audio``).
 
@@ -85,29 +87,16 @@ class ClapScoreReward(Reward):
         batch_size: int = 16,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import ClapModel, ClapProcessor
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.dtype = getattr(torch, dtype, None)
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
-        try:
-            self.model = ClapModel.from_pretrained(pretrained_model_name_or_path, dtype=self.dtype).eval()
-            self.processor = ClapProcessor.from_pretrained(pretrained_model_name_or_path)
-        except OSError as exc:  # transformers' message for a folder or hub id it cannot load
-            raise ValueError(f"pretrained_model_name_or_path {pretrained_model_name_or_path!r}: {exc}") from None
-        self.model.requires_grad_(False)
+        super().__init__(dtype, batch_size=batch_size)
+        self.model = from_pretrained(ClapModel, pretrained_model_name_or_path, dtype=self.dtype)
+        self.processor = from_pretrained(ClapProcessor, pretrained_model_name_or_path)
+        self.freeze()
         self.scale = scale
         self.logit_scale = logit_scale
         self.sample_rate = sample_rate
         self.batch_size = batch_size
-
-    def to(self, device: torch.device | str) -> ClapScoreReward:
-        super().to(device)
-        self.model.to(self.device)
-        return self
 
     def waveform(self, audio: Tensor, rate: float) -> Tensor:
         """A float (C, N) waveform at ``rate`` Hz as the feature extractor takes it: mono (the channels' mean) at its
@@ -123,26 +112,19 @@ class ClapScoreReward(Reward):
         if rate is None:
             raise ValueError("reward 'clap': the batch does not give the audio's sample rate; set args.sample_rate")
         audio = [self.waveform(x, rate) for x in outputs]
-        scores = [self._score(audio[i:i + self.batch_size], batch.prompts[i:i + self.batch_size])
-                  for i in range(0, len(audio), self.batch_size)]  # fmt: skip
-        return torch.cat(scores).float() * self.scale if scores else torch.zeros(0)
+        return score_in_batches(self._score, audio, batch.prompts, self.batch_size) * self.scale
 
     @torch.no_grad()
     def _score(self, audio: list[Tensor], prompts: list[str]) -> Tensor:
         extractor, tokenizer = self.processor.feature_extractor, self.processor.tokenizer
         text = tokenizer(list(prompts), padding=True, truncation=True, return_tensors="pt").to(self.device)
         features = extractor([a.numpy() for a in audio], sampling_rate=extractor.sampling_rate, return_tensors="pt")
-        text_embeds = _pooled(self.model.get_text_features(input_ids=text["input_ids"],
+        text_embeds = projected(self.model.get_text_features(input_ids=text["input_ids"],
                                                            attention_mask=text.get("attention_mask")))
         is_longer = features["is_longer"].to(self.device) if "is_longer" in features else None
-        audio_embeds = _pooled(self.model.get_audio_features(
+        audio_embeds = projected(self.model.get_audio_features(
             input_features=features["input_features"].to(self.device, self.dtype), is_longer=is_longer))
         # Both are already L2-normalised by ClapModel; normalising again is a no-op that keeps older versions right.
         score = (torch.nn.functional.normalize(audio_embeds.float(), dim=-1)
                  * torch.nn.functional.normalize(text_embeds.float(), dim=-1)).sum(-1)
         return score * self.model.logit_scale_a.exp().float() if self.logit_scale else score
-
-
-def _pooled(out) -> Tensor:
-    """The embeddings from ``get_*_features``: a tensor (transformers 4) or an output's ``pooler_output`` (5)."""
-    return out if isinstance(out, Tensor) else out.pooler_output

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ff_core.rewards.base import Reward, RewardBatch
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, score_in_batches, to_pil
+from ff_core.rewards.models import ModelReward, from_pretrained
 
 
-class ClipScoreReward(Reward):
+class ClipScoreReward(ModelReward):
     """Cosine similarity of CLIP's image and text embeddings of each sample and its prompt, times ``scale``.
 
     The model folder holds a ``CLIPModel`` and its processor (image processor + tokenizer), as
@@ -29,7 +31,7 @@ class ClipScoreReward(Reward):
     """
 
     name = "clip_score"
-    media_types = ("image", "video")
+    media_types = IMAGE_OR_VIDEO
 
     def __init__(
         self,
@@ -39,45 +41,27 @@ class ClipScoreReward(Reward):
         batch_size: int = 32,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import CLIPModel, CLIPProcessor
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.dtype = getattr(torch, dtype, None)
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
-        try:
-            self.model = CLIPModel.from_pretrained(pretrained_model_name_or_path, dtype=self.dtype).eval()
-            self.processor = CLIPProcessor.from_pretrained(pretrained_model_name_or_path)
-        except OSError as exc:  # transformers' message for a folder or hub id it cannot load
-            raise ValueError(f"pretrained_model_name_or_path {pretrained_model_name_or_path!r}: {exc}") from None
-        self.model.requires_grad_(False)
+        super().__init__(dtype, batch_size=batch_size)
+        self.model = from_pretrained(CLIPModel, pretrained_model_name_or_path, dtype=self.dtype)
+        self.processor = from_pretrained(CLIPProcessor, pretrained_model_name_or_path)
+        self.freeze()
         self.scale = scale
         self.clip_negative = clip_negative
         self.batch_size = batch_size
 
-    def to(self, device: torch.device | str) -> ClipScoreReward:
-        super().to(device)
-        self.model.to(self.device)
-        return self
-
     def __call__(self, batch: RewardBatch) -> Tensor:
         images = [x if x.dim() == 3 else x[len(x) // 2] for x in batch.outputs(self.media_types, self.name)]
-        scores = [self._score(images[i:i + self.batch_size], batch.prompts[i:i + self.batch_size])
-                  for i in range(0, len(images), self.batch_size)]
-        out = torch.cat(scores).float() if scores else torch.zeros(0)
+        out = score_in_batches(self._score, images, batch.prompts, self.batch_size)
         return out.clamp_min(0) * self.scale if self.clip_negative else out * self.scale
 
     @torch.no_grad()
     def _score(self, images: list[Tensor], prompts: list[str]) -> Tensor:
-        from PIL import Image
-
         # The processor resizes, crops and normalises as the model was trained; PIL images leave no doubt about the
         # channel axis (a 3 x 3 x W array would be ambiguous).
-        pil = [Image.fromarray(x.detach().to("cpu", torch.uint8).permute(1, 2, 0).numpy()) for x in images]
         inputs = self.processor(
-            text=list(prompts), images=pil, return_tensors="pt",
+            text=list(prompts), images=to_pil(images), return_tensors="pt",
             padding=True, truncation=True,
         ).to(self.device)
         out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),

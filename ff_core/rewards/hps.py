@@ -27,18 +27,9 @@ import re
 import torch
 from torch import Tensor
 
-from ff_core.rewards.base import Reward, RewardBatch
-from ff_core.rewards.media import (
-    IMAGE_OR_VIDEO,
-    center_crop,
-    check_counts,
-    load_state_dict,
-    normalise,
-    projected,
-    resize_shorter_tensor,
-    score_images,
-    torch_dtype,
-)
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, center_crop, normalise, resize_shorter_tensor, score_images
+from ff_core.rewards.models import ModelReward, from_pretrained, load_state_dict, projected
 
 _TOP_LEVEL = {
     "logit_scale": "logit_scale",
@@ -97,7 +88,7 @@ def open_clip_to_transformers(state_dict: dict[str, Tensor]) -> dict[str, Tensor
     return out
 
 
-class HpsReward(Reward):
+class HpsReward(ModelReward):
     """HPS v2 / v2.1 of each image and its prompt: the cosine similarity of the HPS model's image and text features,
     in [-1, 1] (generated images score about 0.2 to 0.35).
 
@@ -129,31 +120,21 @@ class HpsReward(Reward):
         batch_size: int = 32,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import AutoTokenizer, CLIPConfig, CLIPModel
 
-        check_counts(batch_size, video_frames)
-        self.dtype = torch_dtype(dtype)
+        super().__init__(dtype, batch_size=batch_size, video_frames=video_frames)
         path = pretrained_model_name_or_path
-        try:
-            config = CLIPConfig.from_pretrained(path)
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            if checkpoint is None:
-                self.model = CLIPModel.from_pretrained(path, dtype=self.dtype)
-        except OSError as exc:  # transformers' message for a folder or hub id it cannot load
-            raise ValueError(f"pretrained_model_name_or_path {path!r}: {exc}") from None
-        if checkpoint is not None:
+        config = from_pretrained(CLIPConfig, path)
+        self.tokenizer = from_pretrained(AutoTokenizer, path)
+        if checkpoint is None:
+            self.model = from_pretrained(CLIPModel, path, dtype=self.dtype)
+        else:
             self.model = _load_converted(config, checkpoint, self.dtype, path)
-        self.model.eval().requires_grad_(False)
+        self.freeze()
         self.image_size = int(config.vision_config.image_size)
         self.max_length = int(config.text_config.max_position_embeddings)
         self.video_frames = video_frames
         self.batch_size = batch_size
-
-    def to(self, device: torch.device | str) -> HpsReward:
-        super().to(device)
-        self.model.to(self.device)
-        return self
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         return score_images(batch, self.media_types, self.name, self.video_frames, self.batch_size, self._score)

@@ -30,18 +30,9 @@ import torch
 from torch import Tensor
 
 from ff_core.rewards.aesthetic import AestheticHead
-from ff_core.rewards.base import Reward, RewardBatch
-from ff_core.rewards.media import (
-    IMAGE_OR_VIDEO,
-    center_crop,
-    check_counts,
-    load_state_dict,
-    normalise,
-    resize_shorter_pil,
-    score_images,
-    to_pil,
-    torch_dtype,
-)
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, center_crop, normalise, resize_shorter_pil, score_images, to_pil
+from ff_core.rewards.models import ModelReward, from_pretrained, given_path, load_state_dict
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward.__init__: the raw rewards' statistics
 MAX_LENGTH = 35  # ImageReward.score's tokenizer(max_length=35)
@@ -82,7 +73,7 @@ def image_reward_to_transformers(state_dict: dict[str, Tensor]) -> tuple[dict, d
     return vision, text, head
 
 
-class ImageRewardReward(Reward):
+class ImageRewardReward(ModelReward):
     """ImageReward of each image and its prompt, standardised by the training rewards' mean and std (about
     N(0, 1) over its training comparisons, unbounded; higher = preferred).
 
@@ -103,6 +94,7 @@ class ImageRewardReward(Reward):
 
     name = "image_reward"
     media_types = IMAGE_OR_VIDEO
+    module_names = ("vision", "text", "head")
 
     def __init__(
         self,
@@ -112,11 +104,9 @@ class ImageRewardReward(Reward):
         batch_size: int = 32,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import BertTokenizer
 
-        check_counts(batch_size, video_frames)
-        self.dtype = torch_dtype(dtype)
+        super().__init__(dtype, batch_size=batch_size, video_frames=video_frames)
         folder = Path(pretrained_model_name_or_path)
         try:
             weights = next((folder / f"ImageReward.{ext}" for ext in ("pt", "safetensors")
@@ -125,33 +115,23 @@ class ImageRewardReward(Reward):
             med_config = json.loads((folder / "med_config.json").read_text())
         except (OSError, RuntimeError, ValueError) as exc:
             raise ValueError(f"pretrained_model_name_or_path {str(folder)!r}: {exc}") from None
-        tokenizer_path = tokenizer_name_or_path or str(folder)
-        try:
-            self.tokenizer = BertTokenizer.from_pretrained(tokenizer_path)
-        except OSError as exc:
-            key = "tokenizer_name_or_path" if tokenizer_name_or_path else "pretrained_model_name_or_path"
-            raise ValueError(f"{key} {tokenizer_path!r} holds no BERT tokenizer: {exc}") from None
+        key, tokenizer_path = given_path(tokenizer_name_or_path=tokenizer_name_or_path,
+                                         pretrained_model_name_or_path=str(folder))
+        self.tokenizer = from_pretrained(BertTokenizer, tokenizer_path, key, holds="BERT tokenizer")
         # BLIP's init_tokenizer: the decoder's [DEC] and the encoder's [ENC] (ids 30522, 30523; unused by the score).
         self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
         self.vision, self.text = _build(vision, text, med_config, self.dtype, str(folder))
         # ImageReward's MLP is improved-aesthetic-predictor's layer stack (ImageReward.py: "Based on ...
         # improved-aesthetic-predictor"), on the BERT's 768-dim [CLS] state.
-        self.head = AestheticHead(self.text.config.hidden_size).eval()
+        self.head = AestheticHead(self.text.config.hidden_size)
         try:
             self.head.load_state_dict(head)
         except RuntimeError as exc:
             raise ValueError(f"pretrained_model_name_or_path {str(folder)!r}: the MLP head: {exc}") from None
-        for module in (self.vision, self.text, self.head):
-            module.eval().requires_grad_(False)
+        self.freeze()
         self.image_size = int(self.vision.config.image_size)
         self.video_frames = video_frames
         self.batch_size = batch_size
-
-    def to(self, device: torch.device | str) -> ImageRewardReward:
-        super().to(device)
-        for module in (self.vision, self.text, self.head):
-            module.to(self.device)
-        return self
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         return score_images(batch, self.media_types, self.name, self.video_frames, self.batch_size, self._score)

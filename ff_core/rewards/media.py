@@ -1,5 +1,6 @@
-"""What the model-based image rewards share: frames picked from videos, batched scoring averaged back per sample,
-weight files and dtype, and the resize / centre-crop transforms of the reference scorers.
+"""What the model-based rewards share about media: frames picked from videos, batched scoring (averaged back per
+sample for frames), PIL conversion, and the resize / centre-crop transforms of the reference scorers. Loading the
+models is :mod:`ff_core.rewards.models`.
 
 The reference scorers preprocess with torchvision, which does not import beside every torch build (ff does not
 depend on it); :func:`resize_shorter_tensor`, :func:`resize_shorter_pil` and :func:`center_crop` are its
@@ -10,9 +11,7 @@ from torchvision 0.28's ``transforms/functional.py`` (``_compute_resized_output_
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -24,37 +23,6 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP (Radford et al. 2
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # open_clip, BLIP and ImageReward reuse
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a ValueError naming the value for anything that is not a dtype."""
-    value = getattr(torch, dtype, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
-    return value
-
-
-def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a PyTorch pickle (``.pth`` / ``.pt``, read with
-    ``weights_only=True``: tensors only, no code run)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {str(path)!r}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:  # objects other than tensors and plain containers
-        raise ValueError(f"{str(path)!r} holds more than tensors; save its state dict alone: {exc}") from None
-
-
-def check_counts(batch_size: int, video_frames: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if video_frames < 1:
-        raise ValueError(f"video_frames must be >= 1, got {video_frames}")
-
-
 def frame_indices(num_frames: int, video_frames: int) -> list[int]:
     """The frames of a ``num_frames``-frame video that are scored: the middle one (``T // 2``) when
     ``video_frames`` is 1, else ``min(video_frames, T)`` evenly spaced ones, first and last included."""
@@ -62,6 +30,14 @@ def frame_indices(num_frames: int, video_frames: int) -> list[int]:
         return [num_frames // 2]
     k = min(video_frames, num_frames)
     return torch.linspace(0, num_frames - 1, k).round().long().tolist()
+
+
+def score_in_batches(score: Callable[[list, list[str]], Tensor], items: list, prompts: list[str],
+                     batch_size: int) -> Tensor:
+    """``score(items, prompts)`` on ``batch_size`` items at a time, concatenated as float ((n,) scores, on the device
+    ``score`` returns them on; an empty float32 tensor on the CPU for no items)."""
+    scores = [score(items[i:i + batch_size], prompts[i:i + batch_size]) for i in range(0, len(items), batch_size)]
+    return torch.cat(scores).float() if scores else torch.zeros(0)
 
 
 def score_images(
@@ -85,18 +61,10 @@ def score_images(
         images += frames
         owner += [i] * len(frames)
     prompts = [batch.prompts[i] for i in owner]
-    scores = [score(images[i:i + batch_size], prompts[i:i + batch_size]).float().cpu()
-              for i in range(0, len(images), batch_size)]
-    flat = torch.cat(scores) if scores else torch.zeros(0)
+    flat = score_in_batches(score, images, prompts, batch_size).cpu()
     index = torch.tensor(owner, dtype=torch.long)
     total = torch.zeros(len(batch)).index_add_(0, index, flat)
     return total / torch.bincount(index, minlength=len(batch)).clamp_min(1)
-
-
-def projected(out) -> Tensor:
-    """The projected embeddings ``CLIPModel.get_image_features`` / ``get_text_features`` return: the tensor itself
-    (transformers 4) or the output's ``pooler_output`` (transformers 5)."""
-    return out if isinstance(out, Tensor) else out.pooler_output
 
 
 def to_pil(images: list[Tensor]) -> list:

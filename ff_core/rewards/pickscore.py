@@ -17,15 +17,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ff_core.rewards.base import Reward, RewardBatch
-from ff_core.rewards.media import IMAGE_OR_VIDEO, check_counts, projected, score_images, to_pil, torch_dtype
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, score_images, to_pil
+from ff_core.rewards.models import ModelReward, from_pretrained, given_path, projected
 
 FLOW_GRPO_DIVISOR = 26.0
 """flow_grpo's ``scores / 26``: generated images' PickScores lie around 20 to 23 (Flow-GRPO's tables), so /26 brings
 them near [0.8, 0.9]."""
 
 
-class PickScoreReward(Reward):
+class PickScoreReward(ModelReward):
     """PickScore of each image and its prompt: ``logit_scale.exp() * cos(E_image, E_text)`` (divided by 26 with
     ``normalise``), in ``[-s, s]`` for ``s = logit_scale.exp()``; higher = preferred.
 
@@ -57,32 +58,19 @@ class PickScoreReward(Reward):
         batch_size: int = 32,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
         from transformers import AutoProcessor, CLIPModel
 
-        check_counts(batch_size, video_frames)
-        self.dtype = torch_dtype(dtype)
-        try:
-            self.model = CLIPModel.from_pretrained(pretrained_model_name_or_path, dtype=self.dtype).eval()
-        except OSError as exc:  # transformers' message for a folder or hub id it cannot load
-            raise ValueError(f"pretrained_model_name_or_path {pretrained_model_name_or_path!r}: {exc}") from None
-        processor_path = processor_name_or_path or pretrained_model_name_or_path
-        try:
-            self.processor = AutoProcessor.from_pretrained(processor_path)
-        except OSError as exc:
-            key = "processor_name_or_path" if processor_name_or_path else "pretrained_model_name_or_path"
-            raise ValueError(f"{key} {processor_path!r} holds no CLIP processor: {exc}") from None
-        self.model.requires_grad_(False)
+        super().__init__(dtype, batch_size=batch_size, video_frames=video_frames)
+        self.model = from_pretrained(CLIPModel, pretrained_model_name_or_path, dtype=self.dtype)
+        key, processor_path = given_path(processor_name_or_path=processor_name_or_path,
+                                         pretrained_model_name_or_path=pretrained_model_name_or_path)
+        self.processor = from_pretrained(AutoProcessor, processor_path, key, holds="CLIP processor")
+        self.freeze()
         # calc_probs' max_length=77: PickScore_v1's text positions (a smaller test model has fewer).
         self.max_length = int(self.model.config.text_config.max_position_embeddings)
         self.normalise = normalise
         self.video_frames = video_frames
         self.batch_size = batch_size
-
-    def to(self, device: torch.device | str) -> PickScoreReward:
-        super().to(device)
-        self.model.to(self.device)
-        return self
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         scores = score_images(batch, self.media_types, self.name, self.video_frames, self.batch_size, self._score)

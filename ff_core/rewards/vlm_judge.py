@@ -23,7 +23,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from ff_core.rewards.base import Reward, RewardBatch
+from ff_core.rewards.base import RewardBatch
+from ff_core.rewards.media import IMAGE_OR_VIDEO, score_in_batches, to_pil
+from ff_core.rewards.models import ModelReward, from_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def expected_score(values: list[int], spellings: list[list[int]], chain: list[in
     return (exact_t * torch.tensor(values, dtype=torch.float32, device=probs.device)).sum(-1) / exact_t.sum(-1)
 
 
-class VlmJudgeReward(Reward):
+class VlmJudgeReward(ModelReward):
     """The score a vision-language model gives each sample for its prompt, normalised to [0, 1].
 
     The folder holds a transformers image-text-to-text model (``AutoModelForImageTextToText``: Qwen2.5-VL, Gemma 3,
@@ -98,7 +100,7 @@ class VlmJudgeReward(Reward):
     """
 
     name = "vlm_judge"
-    media_types = ("image", "video")
+    media_types = IMAGE_OR_VIDEO
 
     def __init__(
         self,
@@ -115,7 +117,6 @@ class VlmJudgeReward(Reward):
         batch_size: int = 4,
         dtype: str = "bfloat16",
     ) -> None:
-        super().__init__()
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         if score_mode not in ("logits", "generate"):
@@ -126,21 +127,14 @@ class VlmJudgeReward(Reward):
             raise ValueError(f"min_score must be below max_score, got {min_score} and {max_score}")
         if not 0 <= fallback_score <= 1:
             raise ValueError(f"fallback_score is a normalised score in [0, 1], got {fallback_score}")
-        for key, value in (("num_frames", num_frames), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        self.dtype = getattr(torch, dtype, None)
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
+        super().__init__(dtype, num_frames=num_frames, batch_size=batch_size, max_new_tokens=max_new_tokens)
         path = pretrained_model_name_or_path
-        try:
-            self.processor = AutoProcessor.from_pretrained(path)
-            self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype).eval()
-        except (OSError, ValueError) as exc:  # a folder transformers cannot load, or of another kind of model
-            raise ValueError(f"pretrained_model_name_or_path {path!r}: {exc}") from None
+        # ValueError too: a folder of another kind of model.
+        self.processor = from_pretrained(AutoProcessor, path, errors=(OSError, ValueError))
+        self.model = from_pretrained(AutoModelForImageTextToText, path, errors=(OSError, ValueError), dtype=self.dtype)
         if getattr(self.processor, "chat_template", None) is None:
             raise ValueError(f"pretrained_model_name_or_path {path!r}: the processor has no chat template")
-        self.model.requires_grad_(False)
+        self.freeze()
         self.tokenizer = self.processor.tokenizer
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -168,11 +162,6 @@ class VlmJudgeReward(Reward):
                              "one-token scores (e.g. 0..9) or score_mode 'generate'")  # fmt: skip
         return spellings, chain
 
-    def to(self, device: torch.device | str) -> VlmJudgeReward:
-        super().to(device)
-        self.model.to(self.device)
-        return self
-
     def question(self, prompt: str, media: str) -> str:
         """``template`` with its placeholders filled."""
         out = self.template.replace("{prompt}", prompt).replace("{media}", media)
@@ -180,12 +169,10 @@ class VlmJudgeReward(Reward):
 
     def inputs(self, samples: list[Tensor], prompts: list[str], padding_side: str) -> Any:
         """The processor's batch for ``samples`` (uint8 image (3, H, W) / video (T, 3, H, W)) and their prompts."""
-        from PIL import Image
-
         texts, images, videos = [], [], []
         for x, prompt in zip(samples, prompts):
             frames = [x] if x.dim() == 3 else [x[i] for i in _spread(len(x), self.num_frames)]
-            pil = [Image.fromarray(f.detach().to("cpu", torch.uint8).permute(1, 2, 0).numpy()) for f in frames]
+            pil = to_pil(frames)
             if x.dim() == 4 and self.as_video:
                 content: list[dict[str, Any]] = [{"type": "video"}]
                 videos.append(pil)
@@ -205,9 +192,7 @@ class VlmJudgeReward(Reward):
     def __call__(self, batch: RewardBatch) -> Tensor:
         samples = batch.outputs(self.media_types, self.name)
         score = self._logits if self.score_mode == "logits" else self._generate
-        scores = [score(samples[i:i + self.batch_size], batch.prompts[i:i + self.batch_size])
-                  for i in range(0, len(samples), self.batch_size)]  # fmt: skip
-        raw = torch.cat(scores).float().cpu() if scores else torch.zeros(0)
+        raw = score_in_batches(score, samples, batch.prompts, self.batch_size).cpu()
         return (raw - self.min_score) / (self.max_score - self.min_score)
 
     @torch.no_grad()
