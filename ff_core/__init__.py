@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-ADAPTER_INTERFACE_VERSION = "1.7"
+ADAPTER_INTERFACE_VERSION = "1.8"
 """The version (``major.minor``) of the adapter interface this ff-core provides (:class:`ff_core.adapter.Adapter`, its
 stage methods and class attributes, the hooks of :mod:`ff_core.hookspecs`). A plugin declares the version it targets
 (:attr:`ff_core.adapter.Adapter.interface_version` or the ``ff_adapter_interface_version`` hook); ff refuses a plugin
@@ -21,7 +21,8 @@ replays call it when components step on their own schedules).
 1.5: evaluation samples with the checkpoint's own scheduler (``Adapter.sampling_schedulers``, default: the adapter's
 ``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with
 ``sample``'s ``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only
-when set."""
+when set.
+1.8: ``Adapter.io_contract_variants`` (the contracts of a family's checkpoint variants, read without a checkpoint)."""
 
 from ff_core import moved as _moved  # noqa: E402 - after the constants above, which plugins read first
 

@@ -145,6 +145,11 @@ class Adapter(nn.Module):
         training_kwargs: ``from_pretrained`` arguments that change training only, never a stored tensor (LTX-2's
             ``first_frame_conditioning_p``): tensor-parquet shards written with another value are used without a
             warning (:mod:`ff_core.data.tensor_parquet.provenance` compares every other ``adapter_kwargs`` entry).
+        io_contract_variants: the contracts :meth:`resolve_contract` returns for the family's checkpoint variants, by
+            variant name (Wan I2V: ``i2v``, ``flf2v``, ``ti2v``, ``a14b``), readable without a checkpoint: what a tool
+            that picks a workflow before any checkpoint is known reads (the offline smoke datasets' catalogue,
+            :mod:`ff_core.data.smoke`, checks that ``wan2_i2v`` realises first-last-frame-to-video through ``flf2v``).
+            ``{}`` (default): :attr:`io_contract` is the only one.
     """
 
     name: ClassVar[str]
@@ -161,6 +166,7 @@ class Adapter(nn.Module):
     latent_components: ClassVar[tuple[str, ...] | None] = None
     checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {}
     training_kwargs: ClassVar[tuple[str, ...]] = ()
+    io_contract_variants: ClassVar[dict[str, PipelineIOContract]] = {}
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None

@@ -539,6 +539,8 @@ class WanI2VAdapter(WanT2VAdapter):
 
     name: ClassVar[str] = "wan2_i2v"
     io_contract: ClassVar[PipelineIOContract] = I2V_CONTRACTS["i2v"]
+    #: Every checkpoint variant's contract, read without a checkpoint (ff_core.data.smoke: ``wan-flf2v`` is ``flf2v``).
+    io_contract_variants: ClassVar[dict[str, PipelineIOContract]] = I2V_CONTRACTS
     #: ``stretch``: ``WanImageToVideoPipeline``'s ``video_processor.preprocess`` (LANCZOS, aspect not kept) for the
     #: VAE and the raw image for CLIP; ``cover``: ff's rule before issue 23 (bilinear cover + centre crop, the same
     #: canvas image for CLIP). A subclass (``model.adapter: my_pkg.mod:Class``) may pick ``cover``.
