@@ -23,20 +23,24 @@ def test_help_describes_ff_and_lists_every_subcommand(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]"
-    assert lines[1:8] == ["       ff data {validate,inspect} DATASET_DIR [options]",
-                          "       ff data preprocess --config recipe.yaml [--section.key value ...]",
-                          "       ff data preprocess-latents --config recipe.yaml --output ROOT "
-                          "[--section.key value ...]",
-                          "       ff plugins",
-                          "       ff plugins new NAME [--dir DIR]",
-                          "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] "
-                          "[--device cpu]",
-                          "       ff rewards list"]
-    assert lines[9].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
+    assert lines[1:11] == ["       ff data {validate,inspect} DATASET_DIR [options]",
+                           "       ff data preprocess --config recipe.yaml [--section.key value ...]",
+                           "       ff data preprocess-latents --config recipe.yaml --output ROOT "
+                           "[--section.key value ...]",
+                           "       ff data smoke build OUT [--seed N] [--overwrite]",
+                           "       ff data smoke prepare --algorithm {sft,offline-dpo} --profile NAME_OR_ALIAS "
+                           "--world-size N [options]",
+                           "       ff data smoke list",
+                           "       ff plugins",
+                           "       ff plugins new NAME [--dir DIR]",
+                           "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] "
+                           "[--device cpu]",
+                           "       ff rewards list"]
+    assert lines[12].startswith("ff post-trains flow-matching models on PyTorch Lightning.")
     block = lines[lines.index("commands:") + 1 : lines.index("", lines.index("commands:"))]
     assert [line[2:].split("  ")[0] for line in block] == [
         "fit", "validate", "test", "predict", "data validate", "data inspect", "data preprocess",
-        "data preprocess-latents", "plugins", "plugins new", "rewards serve", "rewards list"]
+        "data preprocess-latents", "data smoke", "plugins", "plugins new", "rewards serve", "rewards list"]
     assert lines[-1] == "`ff COMMAND --help` shows a command's options (`ff fit --help` lists every config key)."
     assert main(["-h"]) == 0 and capsys.readouterr().out == out
 

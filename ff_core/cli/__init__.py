@@ -45,10 +45,13 @@ def usage() -> str:
     width = max(len(name) for name, _ in rows) + 2
     return "\n".join([
         "usage: ff {fit,validate,test,predict} [--config recipe.yaml] [--section.key value ...]",
-        "       ff data {" + ",".join(k for k in DATA_COMMANDS if not k.startswith("preprocess")) + "} DATASET_DIR "
+        "       ff data {" + ",".join(k for k in DATA_COMMANDS if k in ("validate", "inspect")) + "} DATASET_DIR "
         "[options]",
         "       ff data preprocess --config recipe.yaml [--section.key value ...]",
         "       ff data preprocess-latents --config recipe.yaml --output ROOT [--section.key value ...]",
+        "       ff data smoke build OUT [--seed N] [--overwrite]",
+        "       ff data smoke prepare --algorithm {sft,offline-dpo} --profile NAME_OR_ALIAS --world-size N [options]",
+        "       ff data smoke list",
         "       ff plugins",
         "       ff plugins new NAME [--dir DIR]",
         "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] [--device cpu]",

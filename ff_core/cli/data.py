@@ -1,7 +1,8 @@
 """``ff data ...``: dataset tools that need no weights and no GPU (but ``preprocess``).
 
 ``ff data preprocess --config recipe.yaml`` builds a recipe's condition caches ahead of training; it loads the
-model (see :mod:`ff_core.cli.preprocess`).
+model (see :mod:`ff_core.cli.preprocess`). ``ff data smoke {build,prepare,list}``: the offline smoke datasets
+(:mod:`ff_core.cli.smoke`).
 
 ``ff data validate DATASET_DIR [--model NAME] [--trainer sft|offline-dpo|grpo] [--split train|test]
 [--check-media]`` reads a dataset folder exactly as training would (spec: dataset-guide, "Directory and
@@ -54,6 +55,8 @@ DATA_COMMANDS = {
     "preprocess": "build a recipe's condition caches ahead of training: ff data preprocess --config recipe.yaml",
     "preprocess-latents": "write a recipe's training split as tensor-parquet shards (conditions + clean latents): "
                           "ff data preprocess-latents --config recipe.yaml --output ROOT",
+    "smoke": "the offline smoke datasets: ff data smoke build OUT | prepare --algorithm A --profile P --world-size N "
+             "| list",
 }
 
 
@@ -127,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                    "read from its config files only")
     sub.add_parser("preprocess", help=DATA_COMMANDS["preprocess"])
     sub.add_parser("preprocess-latents", help=DATA_COMMANDS["preprocess-latents"])
+    sub.add_parser("smoke", help=DATA_COMMANDS["smoke"])
     return parser
 
 
@@ -156,6 +160,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         from ff_core.cli.preprocess_latents import main as preprocess_latents
 
         return preprocess_latents(argv[1:], out)
+    if list(argv[:1]) == ["smoke"]:  # its own subcommands (ff_core.cli.smoke)
+        from ff_core.cli.smoke import main as smoke
+
+        return smoke(argv[1:], out)
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage

@@ -25,11 +25,13 @@ class Support:
         alias: the catalogue entry.
         contract: the adapter's contract for the alias's variant (``None`` when unserved).
         reason: why it is not served (``None`` when served).
+        adapter_class: the installed adapter class (``None`` when it is not installed).
     """
 
     alias: Alias
     contract: PipelineIOContract | None = None
     reason: str | None = None
+    adapter_class: type | None = None
 
     @property
     def served(self) -> bool:
@@ -79,12 +81,13 @@ def support(alias: Alias, adapters: dict[str, type] | None = None) -> Support:
         variants = getattr(cls, "io_contract_variants", {}) or {}
         if alias.variant not in variants:
             return Support(alias, reason=f"adapter {alias.adapter!r} has no {alias.variant!r} checkpoint variant "
-                                         f"(its variants: {', '.join(sorted(variants)) or 'none'})")  # fmt: skip
+                                         f"(its variants: {', '.join(sorted(variants)) or 'none'})",
+                           adapter_class=cls)  # fmt: skip
         contract = variants[alias.variant]
     problem = realises(contract, PROFILES[alias.profile])
     if problem:
-        return Support(alias, reason=f"adapter {alias.adapter!r}: {problem}")
-    return Support(alias, contract=contract)
+        return Support(alias, reason=f"adapter {alias.adapter!r}: {problem}", adapter_class=cls)
+    return Support(alias, contract=contract, adapter_class=cls)
 
 
 def support_table(adapters: dict[str, type] | None = None) -> dict[str, Support]:
