@@ -87,11 +87,12 @@ def _build(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _prepare(args: argparse.Namespace, out: TextIO) -> int:
-    from ff_core.data.datamodule import cache_root
     from ff_core.data.smoke.prepare import DEFAULT_OUTPUT, prepare
 
+    # The default source's cache: $FF_CACHE_DIR, else ~/.cache/ff/datasets (ff's cache folder, without importing
+    # the data module and Lightning for it).
     done = prepare(args.algorithm, args.profile, args.world_size, args.per_device_batch_size, args.batches_per_rank,
-                   source=args.source, output=args.output or DEFAULT_OUTPUT, cache_dir=cache_root())  # fmt: skip
+                   source=args.source, output=args.output or DEFAULT_OUTPUT)
     folder = done.train.parent
     print(f"prepared {done.rows} rows of {done.alias} (adapter {done.adapter}) for {args.algorithm} at world size "
           f"{args.world_size} x batch {args.per_device_batch_size} x {args.batches_per_rank} batches per rank: "
