@@ -67,8 +67,13 @@ def flf2v_checkpoint(tmp_path_factory) -> Path | None:
     return build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-flf2v"), variant="flf2v")
 
 
-def test_the_catalogue_has_flow_factorys_names_and_serves_what_is_installed():
+def test_the_catalogue_has_flow_factorys_names_and_serves_what_is_installed(capsys):
     assert tuple(ALIASES) == FLOW_FACTORY_ALIASES
+    assert main(["data", "smoke", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0] == "text_to_image  -> image" and listed[1] == "  sd35-t2i  [sd3-5]  served"
+    assert any(line.startswith("  image-i2i  [flux1-kontext]  not served: adapter 'flux1-kontext' is not installed")
+               for line in listed)  # fmt: skip
     assert {a.profile for a in ALIASES.values()} == set(PROFILES)
     table = support_table()
     for name in ("image-i2i", "bagel-mri2i"):  # no ff adapter of FLUX.1 Kontext or Bagel: listed, never faked
