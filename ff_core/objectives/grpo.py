@@ -113,7 +113,7 @@ class GRPOObjective(OnlineObjective):
     """Flow-GRPO on prompt rows (module docstring; maths and keys: docs/objectives.md, "GRPO").
 
     Args:
-        rewards: the weighted rewards to maximise, each ``{name, weight, args, label}`` (a
+        rewards: the weighted rewards to maximise, each ``{name, weight, args, label, offload}`` (a
             :class:`~ff_core.rewards.base.RewardSpec`; ``ff plugins`` lists the names). Plain mappings, not RewardSpec
             objects, in the signature: jsonargparse merges a list of dataclasses item by item, so a command-line
             ``rewards`` override would inherit the recipe's ``args``; a list of mappings is replaced whole.

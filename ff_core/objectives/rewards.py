@@ -7,7 +7,8 @@ those classes (:func:`ff_core.plugins.get_reward_class`), so it sits above the r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ class Rewards:
         self.config_key = config_key
         self.specs: list[RewardSpec] = [RewardSpec.from_config(s, f"{config_key}[{i}]") for i, s in enumerate(specs)]
         self.rewards: list[Reward] = [_build(s, f"{config_key}[{i}]") for i, s in enumerate(self.specs)]
+        self.device = torch.device("cpu")
         keys = [s.key for s in self.specs]
         for i, key in enumerate(keys):
             if key in keys[:i]:
@@ -63,8 +65,11 @@ class Rewards:
         return any(r.kind == GROUPWISE for r in self.rewards)
 
     def to(self, device: torch.device | str) -> Rewards:
-        for reward in self.rewards:
-            reward.to(device)
+        """Score on ``device``: each reward moves there, but one with ``offload`` stays in CPU memory and visits it
+        only while it scores (:meth:`_score`)."""
+        self.device = torch.device(device)
+        for spec, reward in zip(self.specs, self.rewards):
+            reward.to("cpu" if spec.offload else self.device)
         return self
 
     # -- checks before training ----------------------------------------------------------------------------
@@ -144,7 +149,7 @@ class Rewards:
         for spec, reward in zip(self.specs, self.rewards):
             if reward.kind != kind:
                 continue
-            with torch.no_grad():
+            with torch.no_grad(), _visiting(reward, self.device if spec.offload else None):
                 scores = reward(batch)
             out[spec.key] = _check_scores(scores, len(batch), spec.key)
         return out
@@ -174,3 +179,18 @@ def _build(spec: RewardSpec, key: str) -> Reward:
         raise ConfigError(f"{key}.args", f"reward {spec.name!r}: {exc}") from None
     except ValueError as exc:  # the reward's own check of a value
         raise ConfigError(f"{key}.args", f"reward {spec.name!r}: {exc}") from None
+
+
+@contextmanager
+def _visiting(reward: Reward, device: torch.device | None) -> Iterator[None]:
+    """An offloaded reward on ``device`` for the time it scores, back in CPU memory after (``None``: stays put)."""
+    if device is None or device.type == "cpu":
+        yield
+        return
+    reward.to(device)
+    try:
+        yield
+    finally:
+        reward.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

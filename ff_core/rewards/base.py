@@ -142,12 +142,15 @@ class RewardSpec:
         args: keyword arguments of the reward class's ``__init__``.
         label: the key it is logged and reported under (``val/reward/<label>``); default: ``name``. Needed when one
             reward appears twice with different ``args``.
+        offload: keep the reward's model in CPU memory and move it to the training device only while it scores
+            (a large judge then takes accelerator memory only during scoring, at the cost of two copies per step).
     """
 
     name: str
     weight: float = 1.0
     args: dict[str, Any] = field(default_factory=dict)
     label: str | None = None
+    offload: bool = False
 
     @property
     def key(self) -> str:
@@ -164,15 +167,17 @@ def _as_spec(spec: RewardSpec | dict[str, Any], key: str) -> RewardSpec:
     if isinstance(spec, RewardSpec):
         result = spec
     elif isinstance(spec, dict):
-        unknown = set(spec) - {"name", "weight", "args", "label"}
+        unknown = set(spec) - {"name", "weight", "args", "label", "offload"}
         if unknown or "name" not in spec:
             what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else "missing `name`"
-            raise ConfigError(key, f"{what}; a reward is {{name, weight, args, label}}")
+            raise ConfigError(key, f"{what}; a reward is {{name, weight, args, label, offload}}")
         result = RewardSpec(**spec)
     else:
         raise ConfigError(key, f"expected {{name, weight, args}}, found {type(spec).__name__}")
     if not isinstance(result.weight, (int, float)) or not math.isfinite(result.weight):
         raise ConfigError(f"{key}.weight", f"expected a finite number, found {result.weight!r}")
+    if not isinstance(result.offload, bool):
+        raise ConfigError(f"{key}.offload", f"expected true or false, found {result.offload!r}")
     if not isinstance(result.args, dict):
         raise ConfigError(f"{key}.args", f"expected a mapping of keyword arguments, found {result.args!r}")
     return result

@@ -188,3 +188,43 @@ def test_ff_plugins_lists_the_rewards():
     for name in ("audio_loudness", "brightness", "clip_score", "colour", "jpeg_compressibility"):
         assert any(line.startswith(f"reward {name}  [ff-core ") for line in lines), lines
     assert any(line.endswith("pointwise reward of audio") for line in lines)
+
+
+
+class MoveRecorder(Reward):
+    """Records where it is moved and where it scores."""
+
+    name = "move_recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[str] = []
+
+    def to(self, device):
+        self.moves.append(str(device))
+        return super().to(device)
+
+    def __call__(self, batch):
+        self.moves.append(f"score on {self.device}")
+        return torch.zeros(len(batch))
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_an_offloaded_reward_visits_the_device_only_while_it_scores(offload):
+    """``offload: true``: kept on the CPU, moved to the scoring device for its call and back after; without it the
+    reward moves to the device once. ("meta" stands for an accelerator: the visit happens for any non-CPU device.)"""
+    rewards = Rewards([{"name": "tests.rewards.test_rewards_base:MoveRecorder", "offload": offload}])
+    rewards.to("meta")
+    batch = RewardBatch([[torch.zeros(3, 2, 2, dtype=torch.uint8)]], ["p"], [{}])
+    rewards(batch)
+    rewards(batch)
+    moves = rewards.rewards[0].moves
+    if offload:
+        assert moves == ["cpu", "meta", "score on meta", "cpu", "meta", "score on meta", "cpu"]
+    else:
+        assert moves == ["meta", "score on meta", "score on meta"]
+
+
+def test_offload_must_be_a_boolean():
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.offload: expected true or false"):
+        Rewards([{"name": "colour", "offload": "yes"}])
