@@ -370,7 +370,8 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     on a dataset of the supervision its objective consumes (demonstrations or preference pairs) is finite."""
     assert recipe.read_text().startswith(f"# ff fit --config configs/{recipe.relative_to(REPO / 'configs')}")
     trainer_type = recipe_trainer_type(recipe)
-    if trainer_type == "grpo":  # prompt rows; the recipe runs end to end in tests/test_grpo_fit.py
+    online = trainer_type in ("grpo", "nft")
+    if online:  # prompt rows; the recipes run end to end in tests/test_grpo_fit.py and tests/test_nft_fit.py
         from ff_core.testing.shapes import write_prompt_dataset
 
         data_dir = write_prompt_dataset(tmp_path / "prompts")
@@ -395,7 +396,7 @@ def test_every_shipped_recipe_builds(recipe, tiny_sd3, request, tmp_path):
     if cli.model.eval_rewards:
         assert cli.model.eval_reward_set.keys == [s.key for s in cli.model.eval_rewards]
     cli.model.configure_model()
-    if trainer_type == "grpo":
+    if online:
         assert cli.datamodule.grouping == cli.model.objective.grouping
         return
     # Training noise levels follow the schedule the recipe samples with (the checkpoint scheduler's shift).
