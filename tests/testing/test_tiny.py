@@ -116,6 +116,7 @@ def test_tiny_datasets_are_valid_v2_datasets_of_each_output_kind(kind, tmp_path)
     records = list(load_split(DatasetConfig(name=kind, dataset_dir=str(root), eval={}), "train", None))
     assert len(records) == 3
     for record in records:
-        ((target,),) = record.candidates
-        assert target.type.value == kind and target.path.is_file()
-        assert decode_media(target, referenced_by=record.where) is not None
+        (targets,) = record.candidates  # video+audio: the ordered (video, audio) pair
+        assert "+".join(t.type.value for t in targets) == kind
+        for target in targets:
+            assert target.path.is_file() and decode_media(target, referenced_by=record.where) is not None
