@@ -34,7 +34,7 @@ LEVELS: list[dict[str, tuple[str, ...]]] = [
     {
         "base": (
             "ff_core.errors", "ff_core.atomic", "ff_core.disk_full", "ff_core.seeding", "ff_core.groups",
-            "ff_core.audio", "ff_core.image_latents", "ff_core.moved",
+            "ff_core.audio", "ff_core.image_latents", "ff_core.prompt_templates", "ff_core.moved",
         ),
     },
 ]  # fmt: skip
