@@ -36,8 +36,14 @@ callable on any adapter); this module holds the hooks, fixtures and tests.
 
 Conditions are built from the adapter's contract (:meth:`AdapterConformance.make_inputs`: the prompts, negative
 prompts when the contract takes them, an image per required image slot), batches no larger than its
-``max_batch_size``. Override the ``make_*`` and ``reference_*`` methods for what the defaults cannot know (outputs
-other than images, pipeline arguments for condition media, a packed latent layout).
+``max_batch_size``. Targets are what training delivers (:meth:`AdapterConformance.make_targets`,
+:mod:`ff_core.testing.conformance_targets`): tiny PNG / MP4 / WAV files written for every output of the contract and
+decoded by the training loader's own code, so ``encode_output`` gets ``uint8`` (3, H, W) images, ``DecodedVideo``
+clips (frames ``uint8`` (F, H, W, 3)) and ``DecodedAudio`` waveforms, as in ``ff fit``. Guidance goes to the pipeline
+arguments the kit is told (:attr:`AdapterConformance.reference_cfg_argument`,
+:attr:`AdapterConformance.reference_embedded_guidance_argument`). Override the ``make_*`` and ``reference_*`` methods
+for what the defaults cannot know (condition slots other than images, pipeline arguments for condition media, a
+packed latent layout).
 """
 
 from __future__ import annotations
@@ -61,12 +67,15 @@ from ff_core.contracts import MediaGeometry, MediaType, PipelineIOContract
 from ff_core.lora import LoRAConfig, apply_lora, lora_config, lora_configs, lora_state_dict, lora_state_dicts
 from ff_core.objectives import SFTObjective
 from ff_core.plugins import get_adapter_class
+from ff_core.sampling import guides
 from ff_core.testing.conformance_checks import (
     ConformanceChecks,
     ReferenceCase,
     vae_posterior,
 )
 from ff_core.testing.conformance_checks import vae_posterior_sample as vae_posterior_sample  # for plugin tests
+from ff_core.testing.conformance_targets import encoding_delivered, loader_targets
+from ff_core.testing.conformance_targets import media_tensor as media_tensor  # for plugin tests' reference_encode
 from ff_core.testing.reference import (
     LatentLayout,
     PipelineRun,
@@ -86,6 +95,16 @@ class AdapterConformance(ConformanceChecks):
             the maths checks off.
         reference_layout: how the pipeline's latents map to the adapter's state (default: the same tensor).
         reference_steps: sampling steps of the reference runs.
+        reference_cfg_argument: the pipeline ``__call__`` argument that carries ff's CFG scale (true classifier-free
+            guidance: the negative branch combined with the conditional velocity): ``"guidance_scale"`` (default: SD3,
+            Wan), ``"true_cfg_scale"`` (FLUX.1, HunyuanVideo), ``None`` (a pipeline without CFG: only runs at scale 1).
+            Read by the default :meth:`reference_guidance_kwargs`.
+        reference_embedded_guidance_argument: the pipeline argument that carries the embedded (distilled) guidance
+            scale a guidance-embedded denoiser is conditioned on (``Adapter.embedded_guidance``): ``"guidance_scale"``
+            in FLUX.1 and HunyuanVideo; ``None`` (default): the pipeline has none. Required, and distinct from
+            :attr:`reference_cfg_argument`, when the adapter has embedded guidance: the kit refuses to guess which
+            scale ``guidance_scale`` is (:meth:`~ff_core.testing.conformance_checks.ConformanceChecks.
+            reference_guidance_arguments`). Read by the default :meth:`reference_embedded_guidance_kwargs`.
         reference_guidance: the CFG scale of the guided reference run.
         reference_component_guidance: ``(scales, rescales)``, per latent component, of one more guided reference run
             (``model.sampling.guidance_scale`` / ``guidance_rescale`` as mappings: LTX-2's per-stream scales and
@@ -108,6 +127,11 @@ class AdapterConformance(ConformanceChecks):
         roundtrip_tolerance: largest mean |decode(encode(x)) - x| in uint8 units on the trained tiny VAE: coarse (a
             wrong pixel range, no decode), since a briefly trained tiny VAE reconstructs loosely (the SD3 one: about
             29 and 41 on the two held-out shapes); the latent normalisation is :meth:`check_encoding`'s to catch.
+        target_sample_rate: the rate of the kit's WAV targets (each record's ``sample_rate``): ``encode_output``
+            converts to its model's rate itself, as in training; set it to the audio VAE's for a
+            :meth:`reference_encode` that takes the waveform as it is.
+        target_audio_seconds: the length of the kit's audio targets; ``None``: the video file's beside it (its clip
+            and one frame), else 1 s.
     """
 
     adapter_cls: ClassVar[type[Adapter]]
@@ -117,6 +141,8 @@ class AdapterConformance(ConformanceChecks):
     reference_pipeline: ClassVar[Any] = None
     reference_layout: ClassVar[LatentLayout] = LatentLayout()
     reference_steps: ClassVar[int] = 3
+    reference_cfg_argument: ClassVar[str | None] = "guidance_scale"
+    reference_embedded_guidance_argument: ClassVar[str | None] = None
     reference_guidance: ClassVar[float] = 4.0
     reference_component_guidance: ClassVar[tuple[dict[str, float], dict[str, float]] | None] = None
     reference_embedded_guidance: ClassVar[float] = 1.5
@@ -128,6 +154,8 @@ class AdapterConformance(ConformanceChecks):
     encode_atol: ClassVar[float] = 1e-4
     reference_posterior: ClassVar[str] = "sample"
     roundtrip_tolerance: ClassVar[float] = 64.0
+    target_sample_rate: ClassVar[int] = 16000
+    target_audio_seconds: ClassVar[float | None] = None
     seed: ClassVar[int] = 7
 
     # -- to provide ---------------------------------------------------------------------------------------
@@ -159,26 +187,21 @@ class AdapterConformance(ConformanceChecks):
             inputs.append(ConditionInput(self.prompts[i], negative_prompt=negative, media=media))
         return inputs
 
-    def make_targets(self, adapter: Adapter, n: int) -> list[list[torch.Tensor]]:
-        """Decoded target media per sample, in the contract's output order (default: images at the resolution)."""
-        if adapter.io_contract.output_types != (MediaType.IMAGE,):
-            raise NotImplementedError("override make_targets for non-image outputs")
-        height, width = self._image_size(adapter)
-        g = torch.Generator().manual_seed(0)
-        return [[torch.randint(0, 256, (3, height, width), generator=g, dtype=torch.uint8)] for _ in range(n)]
+    def make_targets(self, adapter: Adapter, n: int) -> list[list[Any]]:
+        """The targets of ``n`` samples exactly as ``ff fit``'s loader hands them to ``encode_output``, in the
+        contract's output order: a PNG, MP4 or WAV per output written with random content (a two-pitch stereo tone
+        for audio) and decoded by the training loader's code, fitted to ``output_geometry()``
+        (:func:`~ff_core.testing.conformance_targets.loader_targets`): images ``uint8`` (3, H, W), videos
+        ``DecodedVideo`` (frames ``uint8`` (F, H, W, 3), ``fps``, ``timestamps``), audio ``DecodedAudio`` (waveform
+        (C, N) at :attr:`target_sample_rate`). Every check that encodes targets (the SFT step, tensor rows, the
+        encoding check, seeding) takes these; override only to feed other content in the same form."""
+        return self._loader_targets(adapter, n, "random", seed=0)
 
-    def make_roundtrip_targets(self, adapter: Adapter, n: int, folder: Path) -> list[list[torch.Tensor]]:
-        """Media of the trained VAE's domain (default: held-out shapes images at the output geometry)."""
-        from ff_core.testing.shapes import write_shapes_dataset
-        from ff_core.testing.tiny import load_images
-
-        if adapter.io_contract.output_types != (MediaType.IMAGE,):
-            raise NotImplementedError("override make_roundtrip_targets for non-image outputs")
-        height, width = self._image_size(adapter)
-        root = write_shapes_dataset(folder / "roundtrip-shapes", n_train=n, n_test=6, size=max(height, width),
-                                    seed=123)  # fmt: skip
-        images = ((load_images(root / "images", max(height, width)) + 1) * 127.5).round().to(torch.uint8)
-        return [[img[:, :height, :width]] for img in images]
+    def make_roundtrip_targets(self, adapter: Adapter, n: int, folder: Path) -> list[list[Any]]:
+        """Media of the trained VAE's domain, decoded as :meth:`make_targets`' are: held-out shapes images,
+        moving-shapes clips (:mod:`ff_core.testing.shapes`, :mod:`ff_core.testing.moving_shapes`), tones; written
+        under ``folder``."""
+        return self._loader_targets(adapter, n, "shapes", seed=123, folder=folder / "roundtrip-targets")
 
     def load_reference_pipeline(self, pretrained: Path) -> Any:
         """The reference pipeline on the tiny checkpoint (default: ``reference_pipeline.from_pretrained``)."""
@@ -195,9 +218,17 @@ class AdapterConformance(ConformanceChecks):
         return out if geometry.num_frames is None else {**out, "num_frames": geometry.num_frames}
 
     def reference_guidance_kwargs(self, guidance_scale: float) -> dict[str, Any]:
-        """The pipeline's CFG argument for ``guidance_scale`` (default ``guidance_scale``; FLUX.1: ``true_cfg_scale``
-        with its embedded guidance beside it)."""
-        return {"guidance_scale": guidance_scale}
+        """The pipeline's arguments for ff's CFG scale ``guidance_scale``: ``{reference_cfg_argument: scale}``
+        (:attr:`reference_cfg_argument`; nothing at scale 1 for a pipeline without CFG). Override for several
+        arguments (LTX-2: the same scale on ``guidance_scale`` and ``audio_guidance_scale``, its extra guidance terms
+        off)."""
+        argument = self.reference_cfg_argument
+        if argument is not None:
+            return {argument: guidance_scale}
+        if guides(guidance_scale):
+            raise AssertionError(f"{type(self).__name__}.reference_cfg_argument is None (the pipeline takes no CFG), "
+                                 f"but a run at CFG scale {guidance_scale:g} was asked for")  # fmt: skip
+        return {}
 
     def reference_component_guidance_kwargs(self, scales: dict[str, float], rescales: dict[str, float]
                                             ) -> dict[str, Any]:  # fmt: skip
@@ -208,9 +239,11 @@ class AdapterConformance(ConformanceChecks):
                                   "arguments in reference_component_guidance_kwargs")  # fmt: skip
 
     def reference_embedded_guidance_kwargs(self, scale: float) -> dict[str, Any]:
-        """The pipeline's argument for the distilled-guidance scale ``scale`` (default ``guidance_scale``, as
-        ``FluxPipeline``'s)."""
-        return {"guidance_scale": scale}
+        """The pipeline's argument for the distilled-guidance scale ``scale``: ``{reference_embedded_guidance_argument:
+        scale}`` (:attr:`reference_embedded_guidance_argument`; ``{}`` when it is ``None``, which the kit refuses for
+        an adapter with embedded guidance)."""
+        argument = self.reference_embedded_guidance_argument
+        return {} if argument is None else {argument: scale}
 
     def reference_condition(self, pipe: Any, adapter: Adapter, inputs: list[ConditionInput],
                             run: PipelineRun) -> dict[str, Tensor]:  # fmt: skip
@@ -286,6 +319,8 @@ class AdapterConformance(ConformanceChecks):
     @pytest.fixture(scope="class")
     @classmethod
     def batch(cls, adapter, inputs) -> dict[str, Any]:
+        """A training batch: the inputs' collated conditions, and targets as the loader delivers them
+        (:meth:`make_targets`)."""
         conditions = adapter.preprocess(inputs)
         return {"condition": default_collate(conditions), "target": cls().make_targets(adapter, len(inputs))}
 
@@ -316,8 +351,15 @@ class AdapterConformance(ConformanceChecks):
         (geometry, *_) = adapter.output_geometry()
         if geometry is not None:
             return geometry.height, geometry.width
-        size = getattr(adapter, "resolution")
+        size = getattr(adapter, "resolution", 32)  # the template's adapter_kwargs; an audio-only family: unused
         return size, size
+
+    def _loader_targets(self, adapter: Adapter, n: int, content: str, seed: int, folder: Path | None = None
+                        ) -> list[list[Any]]:  # fmt: skip
+        contract = adapter.io_contract
+        return loader_targets(contract.output_types, adapter.output_geometry(), n, size=self._image_size(adapter),
+                              content=content, seed=seed, sample_rate=self.target_sample_rate,
+                              audio_seconds=self.target_audio_seconds, folder=folder)  # fmt: skip
 
     def _slot_image(self, adapter: Adapter, folder: Path, slot: str, seed: int) -> dict[str, Any]:
         from PIL import Image
@@ -425,9 +467,15 @@ class AdapterConformance(ConformanceChecks):
             assert all(o[key].shape == value.shape for o in out), key
             assert not value.requires_grad, key
 
+    def test_encode_output_takes_the_targets_training_delivers(self, adapter, inputs):
+        """``encode_output`` of real files decoded by the training loader's code (``DecodedVideo`` clips, not tensors
+        of the kit's making), and an SFT loss on them (:meth:`check_training_targets`)."""
+        self.check_training_targets(adapter, inputs)
+
     def test_stages_agree_on_latent_geometry(self, adapter, batch, inputs):
         condition = adapter.prepare_condition(batch["condition"])
-        clean = adapter.encode_output(batch["target"], condition)
+        with encoding_delivered(adapter, batch["target"]):
+            clean = adapter.encode_output(batch["target"], condition)
         assert isinstance(clean, LatentState) and clean.batch_size == len(inputs)
         noise = adapter.initial_noise(condition, torch.Generator().manual_seed(0))
         assert list(noise.components) == list(clean.components)
@@ -443,7 +491,9 @@ class AdapterConformance(ConformanceChecks):
 
     def test_decode_follows_the_output_contract(self, adapter, batch, inputs):
         condition = adapter.prepare_condition(batch["condition"])
-        media = adapter.decode(adapter.encode_output(batch["target"], condition))
+        with encoding_delivered(adapter, batch["target"]):
+            clean = adapter.encode_output(batch["target"], condition)
+        media = adapter.decode(clean)
         assert len(media) == len(inputs)
         for sample in media:
             assert len(sample) == len(adapter.io_contract.outputs)
@@ -482,7 +532,8 @@ class AdapterConformance(ConformanceChecks):
         state = torch.random.get_rng_state()
 
         def run(seed):
-            return adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(seed))
+            with encoding_delivered(adapter, batch["target"]):
+                return adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(seed))
 
         a = run(0)
         torch.manual_seed(1234)  # another global state must not matter
@@ -495,7 +546,8 @@ class AdapterConformance(ConformanceChecks):
     def test_noise_schedule_and_its_shift(self, adapter, batch):
         """Training's default shift is the one sampling uses; a sampling shift override gives a valid grid."""
         condition = adapter.prepare_condition(batch["condition"])
-        clean = adapter.encode_output(batch["target"], condition)
+        with encoding_delivered(adapter, batch["target"]):
+            clean = adapter.encode_output(batch["target"], condition)
         assert adapter.timestep_shift() > 0 and adapter.timestep_shift(clean) > 0
         for shift in (None, 1.0, 3.0):
             sigmas = adapter.sampling_sigmas(4, shift=shift)
@@ -514,7 +566,8 @@ class AdapterConformance(ConformanceChecks):
         assert {id(m) for m in adapter.trained_networks()} == {id(m) for m in networks}
         assert all(m.training for network in networks for m in network.modules())
         self.check_frozen_in_eval(adapter, "after .train() with its denoisers trainable")
-        loss = SFTObjective().training_loss(adapter, batch).loss
+        with encoding_delivered(adapter, batch["target"], "encode_output (in SFTObjective.training_loss)"):
+            loss = SFTObjective().training_loss(adapter, batch).loss
         assert torch.isfinite(loss)
         loss.backward()
         trained = [p for network in networks for p in network.parameters()]
@@ -531,7 +584,8 @@ class AdapterConformance(ConformanceChecks):
             pytest.skip(f"{self.adapter_cls.__name__} declares no tensor_columns (no training from shards)")
         conditions = adapter.preprocess(inputs)
         condition = adapter.prepare_condition(default_collate(conditions))
-        clean = adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(0))
+        with encoding_delivered(adapter, batch["target"]):
+            clean = adapter.encode_output(batch["target"], condition, generator=torch.Generator().manual_seed(0))
         rows = [columns.to_row(c, {k: v[i].cpu() for k, v in clean.components.items()})
                 for i, c in enumerate(conditions)]
         assert set(columns.required) <= set(rows[0]), f"rows lack {set(columns.required) - set(rows[0])}"
@@ -563,7 +617,8 @@ class AdapterConformance(ConformanceChecks):
         assert adapter.release_preprocessing() == list(adapter.preprocessing_components)
         assert adapter.preprocessing_released
         assert all(getattr(adapter, name) is None for name in adapter.preprocessing_components)
-        loss = SFTObjective().training_loss(adapter, batch, torch.Generator().manual_seed(0)).loss
+        with encoding_delivered(adapter, batch["target"], "encode_output (in SFTObjective.training_loss)"):
+            loss = SFTObjective().training_loss(adapter, batch, torch.Generator().manual_seed(0)).loss
         loss.backward()
         trained = [p for network in adapter.denoisers().values() for p in network.parameters()]
         assert torch.isfinite(loss) and any(p.grad is not None for p in trained)

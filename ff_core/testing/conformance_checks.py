@@ -8,6 +8,7 @@ author overrides, the fixtures and the pytest tests that call these checks.
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,14 @@ from torch.utils.data import default_collate
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState
 from ff_core.contracts import MediaType
 from ff_core.lora import LoRAConfig, apply_lora, lora_configs, lora_state_dicts
+from ff_core.objectives import SFTObjective
 from ff_core.sampling import guided_velocity, guides
+from ff_core.testing.conformance_targets import describe_targets, encoding_delivered, media_tensor
 from ff_core.testing.reference import (
     PipelineRun,
     check_close,
     condition_differences,
+    denoiser_guidance,
     diagnose_velocity,
     differences,
     first_latents,
@@ -39,27 +43,82 @@ class ConformanceChecks:
     def run_reference(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput], *,
                       guidance_scale: float | dict[str, float], embedded_guidance: float | None = None,
                       guidance_rescale: dict[str, float] | None = None) -> ReferenceCase:  # fmt: skip
-        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it (with
-        the distilled-guidance scale ``embedded_guidance``, :meth:`reference_embedded_guidance_kwargs`; ``None``:
-        the pipeline's default; per-component ``guidance_scale`` and ``guidance_rescale`` through
-        :meth:`reference_component_guidance_kwargs`)."""
+        """Prepare the adapter's condition and initial noise (seed :attr:`seed`) and run the pipeline from it, with the
+        guidance arguments :meth:`reference_guidance_arguments` maps ff's scales to (``embedded_guidance``: the
+        distilled-guidance scale; ``None``: the adapter's default; per-component ``guidance_scale`` and
+        ``guidance_rescale`` through :meth:`reference_component_guidance_kwargs`)."""
+        scales = (guidance_scale, embedded_guidance, guidance_rescale)
+        cfg, embedded = self.reference_guidance_arguments(adapter, pipe, *scales)
         condition = prepare(adapter, inputs)
         init = adapter.initial_noise(condition, torch.Generator().manual_seed(self.seed))
-        per_component = isinstance(guidance_scale, dict) or guidance_rescale is not None
-        guidance = (self.reference_component_guidance_kwargs(guidance_scale, guidance_rescale or {}) if per_component
-                    else self.reference_guidance_kwargs(guidance_scale))  # fmt: skip
         kwargs = {"prompt": [c.prompt for c in inputs], "output_type": "pt",
                   "generator": torch.Generator().manual_seed(self.seed),
-                  **guidance, **self.reference_call_kwargs(adapter, inputs)}
-        if embedded_guidance is not None:
-            kwargs.update(self.reference_embedded_guidance_kwargs(embedded_guidance))
+                  **cfg, **embedded, **self.reference_call_kwargs(adapter, inputs)}  # fmt: skip
         if adapter.io_contract.uses_cfg:
             kwargs["negative_prompt"] = [c.negative_prompt or "" for c in inputs]
         layout = self.reference_layout
         run = self.reference_run(pipe, layout.pipeline_latents(pipe, init),
                                  call_latents=layout.call_latents(pipe, init), steps=self.reference_steps,
                                  denoisers=list(adapter.denoisers()), **kwargs)  # fmt: skip
-        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance, guidance_rescale)
+        note = guidance_note(pipe, guidance_scale, cfg, embedded, run)
+        return ReferenceCase(inputs, condition, init, run, guidance_scale, embedded_guidance, guidance_rescale, note)
+
+    def reference_guidance_arguments(self, adapter: Adapter, pipe: Any, guidance_scale: float | dict[str, float],
+                                     embedded_guidance: float | None = None,
+                                     guidance_rescale: dict[str, float] | None = None,
+                                     ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+        """The pipeline's guidance arguments of one reference run, ``(CFG arguments, embedded-guidance arguments)``,
+        each ff scale on the argument declared for it:
+
+        * ff's CFG scale (``model.sampling.guidance_scale``: two velocities combined, the negative branch from
+          ``unconditional``) on :attr:`reference_cfg_argument` (:meth:`reference_guidance_kwargs`; per component:
+          :meth:`reference_component_guidance_kwargs`);
+        * for an adapter with a guidance-embedded denoiser (``embedded_guidance`` not ``None``), the distilled scale
+          (``embedded_guidance``, else the adapter's default, passed explicitly: never the two sides' defaults) on
+          :attr:`reference_embedded_guidance_argument` (:meth:`reference_embedded_guidance_kwargs`).
+
+        Refused with a message saying which scale went to which argument: a guidance-embedded adapter whose pipeline
+        argument for the embedded guidance is not declared (FLUX.1's and HunyuanVideo's ``guidance_scale`` is the
+        embedded guidance: mapping ff's CFG onto it conditions the pipeline's denoiser on the CFG scale), one argument
+        declared for both, and an argument the pipeline's ``__call__`` does not take."""
+        per_component = isinstance(guidance_scale, dict) or guidance_rescale is not None
+        cfg = (self.reference_component_guidance_kwargs(guidance_scale, guidance_rescale or {}) if per_component
+               else self.reference_guidance_kwargs(guidance_scale))  # fmt: skip
+        pipeline, adapter_name = type(pipe).__name__, type(adapter).__name__
+        where = _arguments(cfg)
+        embedded: dict[str, Any] = {}
+        if adapter.embedded_guidance is not None:
+            scale = adapter.embedded_guidance if embedded_guidance is None else embedded_guidance
+            embedded = self.reference_embedded_guidance_kwargs(scale)
+            if not embedded:
+                raise AssertionError(
+                    f"{adapter_name} has a guidance-embedded denoiser (embedded_guidance {adapter.embedded_guidance:g})"
+                    f", but the kit names no {pipeline} argument for the embedded guidance "
+                    f"(reference_embedded_guidance_argument is None), while ff's CFG scale {_scale(guidance_scale)} "
+                    f"goes to {where} (reference_cfg_argument). In a guidance-distilled pipeline (FLUX.1, "
+                    "HunyuanVideo) `guidance_scale` is the embedded guidance and true CFG is `true_cfg_scale`: declare "
+                    "both, reference_cfg_argument = 'true_cfg_scale' and reference_embedded_guidance_argument = "
+                    f"'guidance_scale' (or what {pipeline} calls them; reference_cfg_argument = None if it has no CFG)."
+                )
+            shared = sorted(set(cfg) & set(embedded))
+            if shared:
+                raise AssertionError(
+                    f"ambiguous guidance mapping: ff's CFG scale {_scale(guidance_scale)} (reference_cfg_argument) and "
+                    f"{adapter_name}'s embedded guidance {scale:g} (reference_embedded_guidance_argument) both go to "
+                    f"{pipeline}'s {', '.join(shared)}: one argument cannot carry both. Name the pipeline's true-CFG "
+                    "argument in reference_cfg_argument (FLUX.1: 'true_cfg_scale'; None if it has none) and its "
+                    "embedded-guidance argument in reference_embedded_guidance_argument (FLUX.1, HunyuanVideo: "
+                    "'guidance_scale')."
+                )
+        unknown = _unknown_arguments(pipe, [*cfg, *embedded])
+        if unknown:
+            also = f", the embedded guidance to {_arguments(embedded)}" if embedded else ""
+            raise AssertionError(
+                f"{pipeline}.__call__ takes no {', '.join(unknown)}: ff's CFG scale {_scale(guidance_scale)} was to go "
+                f"to {where}{also}. Its guidance arguments: {', '.join(_guidance_parameters(pipe)) or 'none'} (set "
+                "reference_cfg_argument / reference_embedded_guidance_argument)."
+            )
+        return cfg, embedded
 
     def check_condition(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Prompt encoding: the prepared condition against the pipeline's tensors of the same name
@@ -127,7 +186,8 @@ class ConformanceChecks:
                                         atol=self.velocity_atol, component=name)  # fmt: skip
                 raise AssertionError(
                     f"velocity{what} at sigma {sigma:.4g} (step {k} of {self.reference_steps}) differs from "
-                    f"{type(pipe).__name__}'s denoiser step at the same latents, component {name!r}: {problem}. {why}"
+                    f"{type(pipe).__name__}'s denoiser step at the same latents, component {name!r}: {problem}. {why} "
+                    f"{case.guidance_note}".rstrip()
                 )
 
     def check_sampling(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
@@ -155,7 +215,8 @@ class ConformanceChecks:
         for name, tensor in final.components.items():
             check_close(f"the final {name!r} latents of {self.reference_steps}-step sampling at guidance "
                         f"{case.guidance_scale}{what}", tensor, theirs.components[name], atol=self.sample_atol,
-                        rtol=self.sample_atol, mask=case.init.masks.get(name), hint=hint)  # fmt: skip
+                        rtol=self.sample_atol, mask=case.init.masks.get(name),
+                        hint=f"{hint} {case.guidance_note}".strip())  # fmt: skip
 
     def check_component_guidance(self, adapter: Adapter, pipe: Any, inputs: list[ConditionInput]) -> None:
         """Per-component CFG scales and guidance rescales (:attr:`reference_component_guidance`): a sampling run gives
@@ -192,15 +253,17 @@ class ConformanceChecks:
                                  "range.")  # fmt: skip
 
     def check_encoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
-        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`) with a seeded generator gives, in every
+        """Encoding: ``encode_output`` of the targets (:meth:`make_targets`: what training's loader delivers, decoded
+        from real files) with a seeded generator gives, in every
         latent component, the latents of the pipeline's own VAE path (:meth:`reference_encode`: the posterior the
         reference trainer takes, :attr:`reference_posterior`, a sample from the same generator or the mode,
         normalised as the pipeline's latents are). No trained VAE needed: a random one with a non-identity
         normalisation tells an ``encode_output`` that skips it (the decoding check sees only ``decode``'s side), and
         its posterior's spread tells a sample from the mode."""
         targets = self.make_targets(adapter, len(case.inputs))
-        with torch.no_grad():
+        with torch.no_grad(), encoding_delivered(adapter, targets):
             ours = adapter.encode_output(targets, case.condition, generator=torch.Generator().manual_seed(self.seed))
+        with torch.no_grad():
             theirs = self.reference_encode(pipe, adapter, targets, torch.Generator().manual_seed(self.seed))
         if isinstance(theirs, Tensor):
             if len(ours.components) != 1:
@@ -265,20 +328,43 @@ class ConformanceChecks:
                 )
 
     def check_roundtrip(self, adapter: Adapter, inputs: list[ConditionInput], folder: Path) -> None:
-        """encode -> decode on the trained tiny VAE within :attr:`roundtrip_tolerance` (mean, uint8 units)."""
+        """encode -> decode on the trained tiny VAE within :attr:`roundtrip_tolerance` (mean, uint8 units), images and
+        videos (:meth:`make_roundtrip_targets`, decoded as training decodes them)."""
         targets = self.make_roundtrip_targets(adapter, len(inputs), folder)
         condition = prepare(adapter, inputs)
-        with torch.no_grad():
+        with torch.no_grad(), encoding_delivered(adapter, targets):
             clean = adapter.encode_output(targets, condition, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
             media = adapter.decode(clean)
+        kinds = adapter.io_contract.output_types
         for i, (ours, target) in enumerate(zip(media, targets)):
             for j, (x, y) in enumerate(zip(ours, target)):
-                error = float((x.float() - y.float()).abs().mean())
+                if kinds[j] is MediaType.AUDIO:  # uint8 units: pictures only (an audio target is at its file's rate)
+                    continue
+                error = float((x.float() - media_tensor(y).float()).abs().mean())
                 assert error <= self.roundtrip_tolerance, (
                     f"encode_output -> decode round trip of output {j} of sample {i} on the trained tiny VAE: mean "
                     f"|decoded - target| = {error:.1f} > {self.roundtrip_tolerance:g} (uint8 units): encode_output "
                     "and decode do not invert each other (VAE latent normalisation, pixel range [-1, 1])"
                 )
+
+    def check_training_targets(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
+        """``encode_output`` takes the targets ``ff fit``'s loader delivers (:meth:`make_targets`: real files decoded
+        by the loader's code, :mod:`~ff_core.testing.conformance_targets`), giving one clean latent per sample, and an
+        SFT loss on them is finite: an adapter written for another form (tensors of the kit's making) fails here, naming
+        the form it was given, instead of at the first training step."""
+        targets = self.make_targets(adapter, len(inputs))
+        condition = prepare(adapter, inputs)
+        with torch.no_grad(), encoding_delivered(adapter, targets):
+            clean = adapter.encode_output(targets, condition, generator=torch.Generator().manual_seed(0))
+        assert isinstance(clean, LatentState) and clean.batch_size == len(inputs), (
+            f"{type(adapter).__name__}.encode_output of {describe_targets(targets)} gives {type(clean).__name__} "
+            f"of batch size {getattr(clean, 'batch_size', '?')}, expected a LatentState of {len(inputs)}"
+        )
+        batch = {"condition": default_collate(adapter.preprocess(inputs)), "target": targets}
+        with torch.no_grad(), encoding_delivered(adapter, targets, "encode_output (in SFTObjective.training_loss)"):
+            loss = SFTObjective().training_loss(adapter, batch, torch.Generator().manual_seed(0)).loss
+        assert torch.isfinite(loss), f"the SFT loss on {describe_targets(targets)} is {float(loss)}"
 
     def check_lora_in_pipeline(self, pretrained: Path, inputs: list[ConditionInput], folder: Path,
                                adapter: Adapter | None = None) -> None:  # fmt: skip
@@ -313,6 +399,7 @@ class ConformanceChecks:
             "frozen_in_eval": lambda: self.check_frozen_in_eval(adapter, "after from_pretrained"),
             "preprocess_deterministic": lambda: self.check_preprocess_is_deterministic(adapter, inputs),
             "cfg": lambda: self.check_cfg(adapter, inputs),
+            "training_targets": lambda: self.check_training_targets(adapter, inputs),
         }
         if pipe is not None:
             case = self.run_reference(adapter, pipe, inputs, guidance_scale=1.0)
@@ -357,19 +444,60 @@ class ReferenceCase:
         guidance_scale: the CFG scale of the run (one, or per latent component).
         embedded_guidance: its distilled-guidance scale; ``None``: the pipeline's and the adapter's defaults.
         guidance_rescale: its guidance rescale per latent component; ``None``: off.
+        guidance_note: which pipeline argument each ff scale went to, and the guidance input its denoiser received
+            (:func:`guidance_note`), for failure messages.
     """
 
     def __init__(self, inputs: list[ConditionInput], condition: Condition, init: LatentState, run: PipelineRun,
                  guidance_scale: float | dict[str, float], embedded_guidance: float | None = None,
-                 guidance_rescale: dict[str, float] | None = None) -> None:  # fmt: skip
+                 guidance_rescale: dict[str, float] | None = None, guidance_note: str = "") -> None:  # fmt: skip
         self.inputs, self.condition, self.init, self.run = inputs, condition, init, run
         self.guidance_scale, self.embedded_guidance = guidance_scale, embedded_guidance
-        self.guidance_rescale = guidance_rescale
+        self.guidance_rescale, self.guidance_note = guidance_rescale, guidance_note
 
 
 def prepare(adapter: Adapter, inputs: list[ConditionInput]) -> Condition:
     """The adapter's prepared condition of ``inputs`` (preprocess, collate, prepare_condition)."""
     return adapter.prepare_condition(default_collate(adapter.preprocess(inputs)))
+
+
+def guidance_note(pipe: Any, guidance_scale: float | dict[str, float], cfg: dict[str, Any], embedded: dict[str, Any],
+                  run: PipelineRun) -> str:  # fmt: skip
+    """Where each ff scale went in one reference run (``cfg``, ``embedded``: :meth:`ConformanceChecks.
+    reference_guidance_arguments`' result) and the guidance input the pipeline's denoiser received: a scale on the wrong
+    argument looks like a wrong denoiser, so the denoiser and sampling checks' failures say it."""
+    note = f"Guidance: ff's CFG scale {_scale(guidance_scale)} went to {type(pipe).__name__}'s {_arguments(cfg)}"
+    if embedded:
+        note += f", the embedded guidance to {_arguments(embedded)}"
+    received = denoiser_guidance(run)
+    if received:
+        note += "; its denoiser received " + ", ".join(f"{k}={v:g}" for k, v in received.items())
+    return note + "."
+
+
+def _scale(scale: float | dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in scale.items()) if isinstance(scale, dict) else f"{scale:g}"
+
+
+def _arguments(kwargs: dict[str, Any]) -> str:
+    """``guidance_scale=4, audio_guidance_scale=4`` (``no argument`` when empty)."""
+    return ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v!r}" for k, v in kwargs.items()
+                     ) or "no argument"  # fmt: skip
+
+
+def _call_parameters(pipe: Any) -> dict[str, inspect.Parameter] | None:
+    """The named parameters of ``pipe.__call__``; ``None`` when it takes ``**kwargs`` (any name goes)."""
+    params = inspect.signature(pipe.__call__).parameters
+    return None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) else dict(params)
+
+
+def _unknown_arguments(pipe: Any, names: list[str]) -> list[str]:
+    params = _call_parameters(pipe)
+    return [] if params is None else [n for n in names if n not in params]
+
+
+def _guidance_parameters(pipe: Any) -> list[str]:
+    return [n for n in _call_parameters(pipe) or {} if "guidance" in n or "cfg" in n]
 
 
 POSTERIORS = ("mode", "sample")
@@ -379,11 +507,12 @@ POSTERIORS = ("mode", "sample")
 def vae_posterior(vae: Any, media: list[list[Tensor]], posterior: str,
                   generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
     """``vae.encode(x).latent_dist.mode()`` (``posterior="mode"``) or ``.sample(generator)`` (``"sample"``) of each
-    sample's first output as one batch: uint8 images (3, H, W) or videos (F, 3, H, W, ff's media layout; the VAE takes
-    (B, 3, F, H, W)), scaled to [-1, 1]."""
+    sample's first output as one batch: uint8 images (3, H, W) or videos (a ``DecodedVideo``, as training delivers it,
+    or frames (F, 3, H, W); :func:`~ff_core.testing.conformance_targets.media_tensor`; the VAE takes (B, 3, F, H, W)),
+    scaled to [-1, 1]."""
     if posterior not in POSTERIORS:
         raise ValueError(f"posterior must be one of {POSTERIORS}, got {posterior!r}")
-    x = torch.stack([outputs[0] for outputs in media]).float() / 127.5 - 1
+    x = torch.stack([media_tensor(outputs[0]) for outputs in media]).float() / 127.5 - 1
     if x.ndim == 5:
         x = x.permute(0, 2, 1, 3, 4)
     param = next(vae.parameters())

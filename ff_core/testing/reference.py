@@ -253,6 +253,17 @@ def diagnose_velocity(
             "and the condition passed to the denoiser.")
 
 
+def denoiser_guidance(run: PipelineRun) -> dict[str, float]:
+    """The guidance inputs the pipeline's denoiser received at its first recorded call: keyword tensors named
+    ``*guidance*`` (FLUX.1's and HunyuanVideo's ``guidance``, the embedded guidance; HunyuanVideo scales it by 1000
+    before the call), by name, first element. Empty when none was recorded."""
+    if not run.calls:
+        return {}
+    _, _, _, kwargs = run.calls[0]
+    return {k: float(v.flatten()[0]) for k, v in kwargs.items()
+            if "guidance" in k and isinstance(v, Tensor) and v.numel()}  # fmt: skip
+
+
 def state_tensor(state: LatentState) -> Tensor:
     """The first component of ``state``: the one whose noise levels sampling steps through (the CFG check compares
     it; the denoiser, sampling and encoding checks compare every component)."""

@@ -9,18 +9,16 @@ The kit records the pipeline's ``latents`` and ``audio_latents`` after every ste
 instance. Latents cross with the pipeline's own functions: packed and normalised as the callback shows them,
 unpacked and denormalised as ``__call__`` takes them."""
 
-import math
-
 import torch
 from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 from ff_ltx2 import LTX2I2AVAdapter, LTX2T2AVAdapter
 from ff_ltx2.audio import log_mel
 from ff_ltx2.testing import build_tiny_ltx2
-from ltx2_geometry import ADAPTER_KWARGS, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
+from ltx2_geometry import ADAPTER_KWARGS, AUDIO_RATE, FPS, FRAMES, PLAIN_GUIDANCE, SIZE
 from PIL import Image
 
 from ff_core.adapter import LatentState
-from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.conformance import AdapterConformance, media_tensor
 from ff_core.testing.reference import LatentLayout
 
 
@@ -64,16 +62,8 @@ class TestLTX2T2AVConformance(AdapterConformance):
     def build_checkpoint(self, path):
         return build_tiny_ltx2(path, variant=self.variant)
 
-    def make_targets(self, adapter, n):
-        """(video, audio) pairs: random frames, and a 16 kHz stereo tone lasting the clip."""
-        g = torch.Generator().manual_seed(0)
-        t = torch.arange(round(FRAMES / FPS * 16000)) / 16000
-        out = []
-        for i in range(n):
-            video = torch.randint(0, 256, (FRAMES, 3, SIZE, SIZE), generator=g, dtype=torch.uint8)
-            audio = (0.3 * torch.sin(2 * math.pi * 220.0 * (i + 1) * t)).repeat(2, 1)
-            out.append([video, audio])
-        return out
+    # The kit's (video, audio) targets: an MP4 and a stereo WAV at the tiny audio VAE's rate, decoded as training does.
+    target_sample_rate = AUDIO_RATE
 
     def load_reference_pipeline(self, pretrained):
         pipe = self.reference_pipeline.from_pretrained(pretrained)
@@ -117,22 +107,22 @@ class TestLTX2T2AVConformance(AdapterConformance):
 
         * video: ``pipe.video_processor.preprocess_video`` of the frames in [0, 1], ``pipe.vae.encode(x)
           .latent_dist.mode()``, ``LTX2Pipeline._normalize_latents``;
-        * audio: each clip-long tone at the audio VAE's rate cut by hand to the ``4 L`` mel hops' samples, LTX-2's
+        * audio: each decoded waveform (at the audio VAE's rate) cut by hand to the ``4 L`` mel hops' samples, LTX-2's
           log-mel (``ff_ltx2.audio.log_mel``, held against a hand STFT in test_ltx2_audio.py) cut to ``4 L`` frames,
           ``pipe.audio_vae.encode(mel).latent_dist.mode()`` cut to ``L`` latent frames, then the pipeline's
           ``_pack_audio_latents`` / ``_normalize_audio_latents`` / ``_unpack_audio_latents``.
         """
         assert self.reference_posterior == "mode"
         vae, audio_vae = pipe.vae, pipe.audio_vae
-        frames = [video.float() / 255 for video, _ in targets]  # (F, 3, H, W) in [0, 1]
+        frames = [media_tensor(video).float() / 255 for video, _ in targets]  # DecodedVideo -> (F, 3, H, W) in [0, 1]
         pixels = pipe.video_processor.preprocess_video(frames, height=SIZE, width=SIZE)
         z = vae.encode(pixels).latent_dist.mode()
         video = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         cfg = audio_vae.config
         frames_l = round(FRAMES / FPS * cfg.sample_rate / cfg.mel_hop_length / 4)  # LTX2Pipeline's audio_num_frames
         samples = 4 * frames_l * cfg.mel_hop_length
-        assert all(audio.shape[-1] >= samples for _, audio in targets)  # make_targets' tones last the clip
-        waves = torch.stack([audio[:, :samples] for _, audio in targets])
+        assert all(audio.sample_rate == cfg.sample_rate and audio.waveform.shape[-1] >= samples for _, audio in targets)
+        waves = torch.stack([media_tensor(audio)[:, :samples] for _, audio in targets])
         mel = log_mel(waves, sample_rate=cfg.sample_rate, n_fft=1024, hop_length=cfg.mel_hop_length,
                       n_mels=cfg.mel_bins)[:, :, : 4 * frames_l]  # fmt: skip
         za = audio_vae.encode(mel).latent_dist.mode()[:, :, :frames_l]

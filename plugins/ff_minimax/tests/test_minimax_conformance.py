@@ -11,11 +11,11 @@ unpacking written from ``MiniMaxH3AfterDenoiseStep`` (never the adapter's)."""
 
 from __future__ import annotations
 
-import math
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import ModularPipeline
 from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3LoopSchedulerStep
@@ -24,7 +24,7 @@ from ff_minimax.testing import TINY_FRAMES, TINY_SIZE, build_tiny_minimax
 from ff_minimax.text import load_processor
 
 from ff_core.adapter import LatentState
-from ff_core.testing.conformance import AdapterConformance
+from ff_core.testing.conformance import AdapterConformance, media_tensor
 from ff_core.testing.reference import LatentLayout, PipelineRun
 
 ADAPTER_KWARGS = {"height": TINY_SIZE, "width": TINY_SIZE, "num_frames": TINY_FRAMES}
@@ -80,16 +80,9 @@ class TestMiniMaxH3T2VAConformance(AdapterConformance):
         pipe.update_components(processor=load_processor(pretrained))
         return pipe
 
-    def make_targets(self, adapter, n):
-        """(video, audio) pairs: random frames, and a stereo tone at the audio VAE's rate lasting the clip."""
-        g = torch.Generator().manual_seed(0)
-        rate = adapter.audio_rate
-        t = torch.arange(adapter.audio_samples) / rate
-        out = []
-        for i in range(n):
-            video = torch.randint(0, 256, (TINY_FRAMES, 3, TINY_SIZE, TINY_SIZE), generator=g, dtype=torch.uint8)
-            out.append([video, (0.3 * torch.sin(2 * math.pi * 220.0 * (i + 1) * t)).repeat(2, 1)])
-        return out
+    # The kit's (video, audio) targets: an MP4 and a stereo WAV at the tiny audio VAE's rate (ff_minimax.testing's
+    # sampling_rate), decoded as training does.
+    target_sample_rate = 8000
 
     def reference_guidance_kwargs(self, guidance_scale):
         """Guidance-distilled: the pipeline takes no guidance argument."""
@@ -145,19 +138,24 @@ class TestMiniMaxH3T2VAConformance(AdapterConformance):
         * video: pixels in [0, 1] normalised by the pipeline's ``pixel_mean`` / ``pixel_std`` (as
           ``encode_vae_condition`` does), ``pipe.vae.encode(x).latent_dist.mode()`` in fp32, ``(z - latents_mean) /
           latents_std`` from the VAE's config (the inverse of ``MiniMaxH3VaeDecoderStep``'s ``z * std + mean``);
-        * audio: each stereo channel of the clip-long waveform (``make_targets``: exactly ``L * hop`` samples at the
-          audio VAE's rate) as one mono item, ``pipe.audio_vae.encode(w).latent_dist.mode()``, normalised per latent
-          channel from the audio VAE's config (the inverse of ``MiniMaxH3AudioDecoderStep``'s).
+        * audio: each stereo channel of the decoded waveform (at the audio VAE's rate) cut by hand to, or right-padded
+          with silence to, the aligned ``L * hop`` samples, as one mono item,
+          ``pipe.audio_vae.encode(w).latent_dist.mode()``, normalised per latent channel from the audio VAE's config
+          (the inverse of ``MiniMaxH3AudioDecoderStep``'s).
         """
         assert self.reference_posterior == "mode"
         vae, audio_vae = pipe.vae, pipe.audio_vae
-        videos = torch.stack([video for video, _ in targets]).permute(0, 2, 1, 3, 4).float() / 255  # (B, 3, F, H, W)
+        videos = torch.stack([media_tensor(video) for video, _ in targets])  # DecodedVideo -> (B, F, 3, H, W)
+        videos = videos.permute(0, 2, 1, 3, 4).float() / 255  # (B, 3, F, H, W)
         pmean = torch.tensor(pipe.pixel_mean).view(1, -1, 1, 1, 1)
         pstd = torch.tensor(pipe.pixel_std).view(1, -1, 1, 1, 1)
         z = vae.encode((videos - pmean) / pstd).latent_dist.mode().float()
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-        waves = torch.stack([audio for _, audio in targets])  # (B, 2, L hop)
+        assert all(audio.sample_rate == audio_vae.config.sampling_rate for _, audio in targets)
+        n = adapter.audio_samples  # L hop
+        waves = torch.stack([F.pad(media_tensor(audio)[:, :n], (0, max(0, n - audio.waveform.shape[-1])))
+                             for _, audio in targets])  # (B, 2, L hop)  # fmt: skip
         za = audio_vae.encode(waves.reshape(-1, 1, waves.shape[-1])).latent_dist.mode().float()
         za = za.reshape(waves.shape[0], 2, *za.shape[1:])
         amean = torch.tensor(audio_vae.config.latents_mean).view(1, 1, -1, 1)

@@ -33,6 +33,10 @@ class FluxKit(AdapterConformance):
     reference_pipeline = FluxPipeline
     # The pipeline packs 2 x 2 latent patches into tokens; ff's state holds them unpacked (LatentState docs).
     reference_layout = LatentLayout(to_pipeline=to_pipeline, from_pipeline=from_pipeline)
+    # ff's CFG is FluxPipeline's true_cfg_scale; its guidance_scale is the embedded (distilled) guidance, which the kit
+    # passes the adapter's scale through (the dev-like checkpoint; the schnell-like one has none).
+    reference_cfg_argument = "true_cfg_scale"
+    reference_embedded_guidance_argument = "guidance_scale"
     guidance_embeds = True
 
     def build_checkpoint(self, path):
@@ -49,11 +53,6 @@ class FluxKit(AdapterConformance):
                                                    max_sequence_length=adapter.max_sequence_length)  # fmt: skip
         return {**run.tensors, "prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def reference_guidance_kwargs(self, guidance_scale):
-        """ff's CFG is FluxPipeline's ``true_cfg_scale``; its ``guidance_scale`` is the embedded guidance, left at the
-        default both sides share (3.5) but in the embedded-guidance check (the kit's default
-        ``reference_embedded_guidance_kwargs``: ``guidance_scale``)."""
-        return {"true_cfg_scale": guidance_scale}
 
 
 class TestFluxDevConformance(FluxKit):
