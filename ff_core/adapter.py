@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ff_core.atomic import replace_dir
-from ff_core.contracts import Condition, ConditionInput, LatentState, PipelineIOContract, TensorColumns
+from ff_core.contracts import ClipDefaults, Condition, ConditionInput, LatentState, PipelineIOContract, TensorColumns
 from ff_core.sampling import sample_ode, shift_sigma
 
 if TYPE_CHECKING:  # the geometry module pulls in the media decoders, peft is heavy: the adapter only names types
@@ -150,6 +150,11 @@ class Adapter(nn.Module):
             that picks a workflow before any checkpoint is known reads (the offline smoke datasets' catalogue,
             :mod:`ff_core.data.smoke`, checks that ``wan2_i2v`` realises first-last-frame-to-video through ``flf2v``).
             ``{}`` (default): :attr:`io_contract` is the only one.
+        clip_defaults: a video family's default clip (:class:`~ff_core.contracts.ClipDefaults`: canvas, frame count,
+            rate and the ``from_pretrained`` argument naming the rate), declared once: ``from_pretrained``'s defaults
+            are written from it (``height: int = CLIP.height``), and :meth:`resolve_clip` reads it under
+            ``model.adapter_kwargs`` for the checks before weights load (the defaults of :meth:`check_adapter_kwargs`
+            and :meth:`resolve_output_geometry`). ``None`` (default): no default clip (an image family).
     """
 
     name: ClassVar[str]
@@ -167,6 +172,7 @@ class Adapter(nn.Module):
     checkpoint_classes: ClassVar[dict[str, tuple[str, ...]]] = {}
     training_kwargs: ClassVar[tuple[str, ...]] = ()
     io_contract_variants: ClassVar[dict[str, PipelineIOContract]] = {}
+    clip_defaults: ClassVar[ClipDefaults | None] = None
     preprocessing_released: bool = False
     """Whether :meth:`release_preprocessing` ran: ``preprocess`` is unavailable from then on."""
     embedded_guidance: float | None = None
@@ -225,12 +231,16 @@ class Adapter(nn.Module):
         (``model.adapter_kwargs.num_frames``) and the valid values. Same rules as :meth:`resolve_contract` (config
         files only, cheap); check what needs no checkpoint first, so a bad value is reported even when the path is
         wrong too, and with ``pretrained_model_name_or_path=None`` only that. Keys ``from_pretrained`` does not take
-        are refused before this is called (:func:`ff_core.pretrained.check_adapter_kwargs`). Default: nothing more.
+        are refused before this is called (:func:`ff_core.pretrained.check_adapter_kwargs`). Default: with
+        :attr:`clip_defaults`, the clip's values (:meth:`resolve_clip`: integers >= 1, a rate > 0); else nothing more.
+        An override that keeps the clip check calls ``super().check_adapter_kwargs(...)`` or :meth:`resolve_clip`.
 
         Args:
             pretrained_model_name_or_path: the checkpoint folder or hub id, or ``None`` when unknown.
             adapter_kwargs: ``model.adapter_kwargs``.
         """
+        if cls.clip_defaults is not None:
+            cls.resolve_clip(adapter_kwargs)
 
     @classmethod
     def resolve_output_geometry(
@@ -241,9 +251,56 @@ class Adapter(nn.Module):
         before any weight loads, naming file, line and field: per output of the contract, the
         :class:`~ff_core.data.media.geometry.MediaGeometry` :meth:`output_geometry` will return (a video clip: its frame
         grid must lie inside the file, the rule decoding applies), an :class:`~ff_core.data.media.geometry.AudioSpan`
-        (the seconds an audio target must hold on its clock), or ``None`` (not checked). ``None`` (default): nothing is
-        checked before loading; decoding still rejects a short clip when it reaches it."""
-        return None
+        (the seconds an audio target must hold on its clock), or ``None`` (not checked). Default: with
+        :attr:`clip_defaults`, :meth:`resolve_clip` for the contract's first video output and ``None`` for the others
+        (a family that cuts its audio to the clip returns an ``AudioSpan`` too); without, ``None``: nothing is checked
+        before loading, and decoding still rejects a short clip when it reaches it."""
+        if cls.clip_defaults is None:
+            return None
+        clip = cls.resolve_clip(adapter_kwargs)
+        outputs = [o.type.value for o in cls.io_contract.outputs]
+        first = outputs.index("video") if "video" in outputs else None
+        return tuple(clip if i == first else None for i in range(len(outputs)))
+
+    @classmethod
+    def resolve_clip(cls, adapter_kwargs: dict[str, Any] | None = None) -> MediaGeometry:
+        """The clip a video family trains and samples at, from ``model.adapter_kwargs`` alone (before weights load):
+        its ``height``, ``width``, ``num_frames`` and rate (the argument :attr:`clip_defaults` names, ``fps`` by
+        default) over :attr:`clip_defaults`, as a :class:`~ff_core.contracts.MediaGeometry` on the nearest-frame grid
+        (a family with another frame rule or frame-count rounding adjusts it in its own
+        :meth:`resolve_output_geometry`). A value left out or ``None`` is the default.
+
+        Raises:
+            ConfigError: a value that is not an integer >= 1 (canvas, frames) or a number > 0 (rate), naming
+                ``model.adapter_kwargs.<key>``; the family's own rules (multiples of the VAE stride) are its own checks.
+            TypeError: the adapter declares no :attr:`clip_defaults`, or ``from_pretrained``'s default for one of
+                these arguments is not the declared one (a subclass that changes :attr:`clip_defaults` must give
+                ``from_pretrained`` the same defaults).
+        """
+        from ff_core.contracts import MediaGeometry
+        from ff_core.errors import ConfigError
+
+        defaults = cls.clip_defaults
+        if defaults is None:
+            raise TypeError(f"{cls.__name__} declares no clip_defaults (a ClipDefaults class attribute)")
+        declared = defaults.arguments()
+        signature = inspect.signature(cls.from_pretrained).parameters
+        for key, value in declared.items():
+            default = signature[key].default if key in signature else None
+            if default is not None and default is not inspect.Parameter.empty and default != value:
+                raise TypeError(f"{cls.__name__}.from_pretrained's default {key}={default!r} is not its "
+                                f"clip_defaults' {value!r}: write the defaults from the one declaration "
+                                f"({key}: ... = CLIP.{key})")  # fmt: skip
+        given = {k: v for k, v in (adapter_kwargs or {}).items() if k in declared and v is not None}
+        values = {**declared, **given}
+        for key, value in values.items():
+            rate = key == defaults.fps_key
+            kinds = (int, float) if rate else int
+            if isinstance(value, bool) or not isinstance(value, kinds) or not (value > 0 if rate else value >= 1):
+                what = "a number > 0" if rate else "an integer >= 1"
+                raise ConfigError(f"model.adapter_kwargs.{key}", f"must be {what}, got {value!r}")
+        fps = values[defaults.fps_key] if defaults.fps_key is not None else defaults.fps
+        return MediaGeometry(values["height"], values["width"], num_frames=values["num_frames"], fps=float(fps))
 
     @classmethod
     def check_bucket(

@@ -3,7 +3,7 @@
 - :mod:`~ff_core.contracts.io` — the IO contract vocabulary (:class:`PipelineIOContract`: input media, slots,
   references, ordered outputs with fps and sample rate, batch and CFG policy);
 - :mod:`~ff_core.contracts.geometry` — the target geometry an adapter encodes (:class:`MediaGeometry`,
-  :class:`AudioSpan`);
+  :class:`AudioSpan`) and a video family's default clip (:class:`ClipDefaults`);
 - :mod:`~ff_core.contracts.tensor_columns` — where its inputs are stored in tensor-parquet rows
   (:class:`TensorColumns`);
 - :mod:`~ff_core.contracts.latents` — what it exchanges in memory (:class:`LatentState`, ``Condition``,
@@ -15,6 +15,7 @@ Nothing here loads weights or imports an adapter: datasets are checked against t
 from ff_core.contracts.geometry import (
     FRAME_RULES,
     AudioSpan,
+    ClipDefaults,
     FrameRule,
     MediaGeometry,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "LATENT_BATCH_KEYS",
     "VIDEO_OUT",
     "AudioSpan",
+    "ClipDefaults",
     "Condition",
     "ConditionInput",
     "FrameRule",

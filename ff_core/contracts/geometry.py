@@ -84,3 +84,43 @@ class AudioSpan:
             value = getattr(self, key)
             if isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"AudioSpan.{key} must be >= 0 seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClipDefaults:
+    """A video family's default clip, declared once as its adapter's class attribute
+    (:attr:`ff_core.adapter.Adapter.clip_defaults`): the canvas, frame count and rate ``from_pretrained`` takes when
+    ``model.adapter_kwargs`` leaves them out (its signature's defaults are written from it), and what the checks
+    before weights load fall back on (:meth:`~ff_core.adapter.Adapter.resolve_clip`, the base's
+    ``check_adapter_kwargs`` and ``resolve_output_geometry``), so the three never disagree.
+
+    Attributes:
+        height: pixel rows (``from_pretrained``'s ``height``).
+        width: pixel columns (``width``).
+        num_frames: frames of the clip (``num_frames``).
+        fps: the frame rate targets are sampled onto and videos written at (the argument :attr:`fps_key`).
+        fps_key: the ``from_pretrained`` argument that sets the rate: ``"fps"`` (default; Wan), another name (LTX-2:
+            ``"frame_rate"``), or ``None`` when the family's rate is fixed at :attr:`fps` (MiniMax H3: 24).
+    """
+
+    height: int
+    width: int
+    num_frames: int
+    fps: float
+    fps_key: str | None = "fps"
+
+    def __post_init__(self) -> None:
+        for key in ("height", "width", "num_frames"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClipDefaults.{key} must be an integer >= 1, got {value!r}")
+        if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not self.fps > 0:
+            raise ValueError(f"ClipDefaults.fps must be a number > 0, got {self.fps!r}")
+
+    def arguments(self) -> dict[str, int | float]:
+        """The defaults by ``from_pretrained`` argument name (``{"height": 480, "width": 832, "num_frames": 81,
+        "fps": 16.0}``); without the rate when it is fixed (:attr:`fps_key` ``None``)."""
+        found: dict[str, int | float] = {"height": self.height, "width": self.width, "num_frames": self.num_frames}
+        if self.fps_key is not None:
+            found[self.fps_key] = self.fps
+        return found

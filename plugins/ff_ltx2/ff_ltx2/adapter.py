@@ -58,6 +58,7 @@ from ff_core.contracts import (
     AUDIO_OUT,
     VIDEO_OUT,
     AudioSpan,
+    ClipDefaults,
     MediaGeometry,
     MediaType,
     PipelineIOContract,
@@ -75,6 +76,9 @@ T2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT))
 # ltx2_i2av: the same pair, conditioned on the required first_frame image slot.
 I2AV_CONTRACT = PipelineIOContract(outputs=(VIDEO_OUT, AUDIO_OUT), slots=(SlotSpec("first_frame", MediaType.IMAGE),))
 TEXT_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+LTX2_CLIP = ClipDefaults(height=512, width=768, num_frames=121, fps=24.0, fps_key="frame_rate")
+"""LTX-2's default clip: 121 frames of 512x768 at 24 fps (diffusers' ``LTX2Pipeline`` defaults), its rate the
+``frame_rate`` argument."""
 # Tensor-parquet rows (docs/ltx2.md, "Training from shards"): the latents under FastVideo's T2VA names (``vae_latent``,
 # ``audio_latent``: its pyarrow_schema_t2va), the text under the condition keys: the connectors' outputs, stored at
 # max_sequence_length with the mask (the connectors fill padded positions with their learnable registers, so the
@@ -217,6 +221,9 @@ class LTX2T2AVAdapter(Adapter):
     tensor_columns: ClassVar[TensorColumns] = T2AV_COLUMNS
     # Training-time settings: shards written with other values hold the same tensors (provenance ignores them).
     training_kwargs: ClassVar[tuple[str, ...]] = ("first_frame_conditioning_p", "use_cross_timestep")
+    # The default clip, once: from_pretrained's defaults (so _settings and check_adapter_kwargs) and
+    # resolve_output_geometry (resolve_clip) read it.
+    clip_defaults: ClassVar[ClipDefaults] = LTX2_CLIP
 
     def __init__(
         self,
@@ -229,10 +236,10 @@ class LTX2T2AVAdapter(Adapter):
         text_encoder: nn.Module,
         tokenizer: Any,
         scheduler: Any,
-        height: int = 512,
-        width: int = 768,
-        num_frames: int = 121,
-        frame_rate: float = 24.0,
+        height: int,
+        width: int,
+        num_frames: int,
+        frame_rate: float,
         max_sequence_length: int = 1024,
         use_cross_timestep: bool = True,
         mel_n_fft: int = 1024,
@@ -359,9 +366,8 @@ class LTX2T2AVAdapter(Adapter):
         ``None``: padded with silence, noted by ``ff data validate``): from ``adapter_kwargs`` alone."""
         s = cls._settings(adapter_kwargs)
         cls._check_values(**{k: s[k] for k in ("height", "width", "num_frames", "frame_rate", "audio_tolerance")})
-        duration = s["num_frames"] / float(s["frame_rate"])
-        return (MediaGeometry(s["height"], s["width"], num_frames=s["num_frames"], fps=float(s["frame_rate"])),
-                AudioSpan(duration, tolerance=_tolerance(s["audio_tolerance"])))  # fmt: skip
+        video = cls.resolve_clip(adapter_kwargs)  # adapter_kwargs over clip_defaults
+        return video, AudioSpan(video.num_frames / video.fps, tolerance=_tolerance(s["audio_tolerance"]))
 
     @classmethod
     def check_bucket(
@@ -484,10 +490,10 @@ class LTX2T2AVAdapter(Adapter):
         pretrained_model_name_or_path: str | os.PathLike,
         *,
         image_crf: int | None = None,
-        height: int = 512,
-        width: int = 768,
-        num_frames: int = 121,
-        frame_rate: float = 24.0,
+        height: int = LTX2_CLIP.height,
+        width: int = LTX2_CLIP.width,
+        num_frames: int = LTX2_CLIP.num_frames,
+        frame_rate: float = LTX2_CLIP.fps,
         max_sequence_length: int = 1024,
         use_cross_timestep: bool = True,
         mel_n_fft: int = 1024,

@@ -36,6 +36,7 @@ condition rows in front of the target rows) and :meth:`condition_timesteps`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -49,7 +50,7 @@ from torch import Tensor, nn
 
 from ff_core.adapter import Adapter, Condition, ConditionInput, LatentState, reject_input_media, resolve_dtype
 from ff_core.audio import audio_on_clock, clip_clock_start, clock_window, to_model_rate
-from ff_core.contracts import MediaGeometry, PipelineIOContract, TensorColumns
+from ff_core.contracts import ClipDefaults, MediaGeometry, PipelineIOContract, TensorColumns
 from ff_core.errors import ConfigError
 from ff_minimax.prefix import AUDIO_TAG, NOISE_AUG, TEXT_TAG, VIDEO_TAG
 from ff_minimax.rules import (
@@ -72,6 +73,9 @@ T2VA_CONTRACT = PipelineIOContract(outputs=AV_OUTPUTS, **H3_CONTRACT_LIMITS)
 """``minimax-h3-t2va``: prompt only, an exact ordered (video, audio) pair out, B = 1, no CFG."""
 
 # The modular pipeline's model facts (MiniMaxH3ModularPipeline properties): a checkpoint contract, not configuration.
+H3_CLIP = ClipDefaults(height=768, width=1344, num_frames=124, fps=FPS, fps_key=None)
+"""MiniMax H3's default clip: the released 768 x 1344 (16:9) canvas, 124 frames (the smallest aligned 5 s clip) at the
+fixed 24 fps (no rate argument)."""
 TEXT_ENCODER_LAYER = 50  # hidden_states[50] of Qwen3-VL conditions the transformer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's (ImageNet) pixel convention
 AUDIO_CHANNELS = 2  # stereo, carried as two channel-major blocks of audio rows
@@ -155,6 +159,9 @@ class MiniMaxH3Adapter(Adapter):
     # text_token_tags, vae_latent -> video, audio_latent -> audio. encode_output sets no masks, so the default
     # stored_latents (cast to the denoiser's device and dtype) is encode_output's state.
     tensor_columns: ClassVar[TensorColumns] = h3_columns()
+    # The default clip, once: from_pretrained's defaults (every workflow's), check_bucket and the checks before weights
+    # load (_clip, resolve_output_geometry) read it.
+    clip_defaults: ClassVar[ClipDefaults] = H3_CLIP
 
     def __init__(
         self,
@@ -167,9 +174,9 @@ class MiniMaxH3Adapter(Adapter):
         text_encoder: nn.Module,
         tokenizer: Any,
         processor: Any,
-        height: int = 768,
-        width: int = 1344,
-        num_frames: int = 124,
+        height: int,
+        width: int,
+        num_frames: int,
         target_posterior: str = "mode",
     ) -> None:
         """
@@ -244,8 +251,7 @@ class MiniMaxH3Adapter(Adapter):
         weights load): a bucket replaces the video's geometry only, while every clip is encoded at the adapter's
         canvas and its audio cut to the adapter's aligned duration. A bucket's ``start`` is honoured (the audio is cut
         from the clip's start on its clock)."""
-        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
-        kw = {k: (adapter_kwargs or {}).get(k, signature[k].default) for k in ("height", "width", "num_frames")}
+        kw = dict(zip(("num_frames", "height", "width"), cls._clip(adapter_kwargs)))
         kw["num_frames"] = aligned_num_frames(kw["num_frames"])  # the clip trains at the rounded count (17 n + 5)
         if (geometry.height, geometry.width, geometry.num_frames, geometry.fps) != (
                 kw["height"], kw["width"], kw["num_frames"], float(FPS)):  # fmt: skip
@@ -259,9 +265,9 @@ class MiniMaxH3Adapter(Adapter):
         cls,
         pretrained_model_name_or_path: str | os.PathLike,
         *,
-        height: int = 768,
-        width: int = 1344,
-        num_frames: int = 124,
+        height: int = H3_CLIP.height,
+        width: int = H3_CLIP.width,
+        num_frames: int = H3_CLIP.num_frames,
         target_posterior: str = "mode",
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
@@ -292,9 +298,10 @@ class MiniMaxH3Adapter(Adapter):
     # -- checks before weights load (interface 1.4) ----------------------------------------------
     @classmethod
     def _clip(cls, adapter_kwargs: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-        """``(num_frames, height, width)`` of ``adapter_kwargs``, :meth:`from_pretrained`'s defaults elsewhere."""
-        signature = inspect.signature(MiniMaxH3Adapter.from_pretrained).parameters  # the defaults, in one place
-        return tuple((adapter_kwargs or {}).get(k, signature[k].default) for k in ("num_frames", "height", "width"))
+        """``(num_frames, height, width)`` of ``adapter_kwargs``, :attr:`clip_defaults` elsewhere (unchecked:
+        :func:`~ff_minimax.rules.check_clip` checks them with H3's rules)."""
+        kwargs, clip = adapter_kwargs or {}, cls.clip_defaults
+        return tuple(kwargs.get(k, getattr(clip, k)) for k in ("num_frames", "height", "width"))
 
     @classmethod
     def canvas_multiple(cls, pretrained_model_name_or_path: str | os.PathLike) -> int:
@@ -344,9 +351,9 @@ class MiniMaxH3Adapter(Adapter):
         the canvas), from ``adapter_kwargs`` alone, so a too-short target video is named from its header before any
         weight loads; the audio has no span: :meth:`target_waveform` right-pads a short soundtrack with silence (spec
         "H3 audio")."""
-        num_frames, height, width = cls._clip(adapter_kwargs)
-        aligned = check_clip(num_frames, height, width)
-        return (MediaGeometry(height, width, num_frames=aligned, fps=float(FPS), frame_rule=FRAME_RULE), None)
+        aligned = check_clip(*cls._clip(adapter_kwargs))
+        clip = cls.resolve_clip(adapter_kwargs)  # adapter_kwargs over clip_defaults, at its fixed 24 fps
+        return (dataclasses.replace(clip, num_frames=aligned, frame_rule=FRAME_RULE), None)
 
     @property
     def denoiser(self) -> nn.Module:

@@ -47,7 +47,7 @@ from torch import Tensor
 from ff_core.adapter import Condition, ConditionInput
 from ff_core.contracts import MediaType, PipelineIOContract, TensorColumns
 from ff_core.errors import ConfigError
-from ff_minimax.adapter import AUDIO_CHANNELS, MiniMaxH3Adapter, PackedLayout
+from ff_minimax.adapter import AUDIO_CHANNELS, H3_CLIP, MiniMaxH3Adapter, PackedLayout
 from ff_minimax.fl2va import to_pil
 from ff_minimax.prefix import Geometry, realise_prefix, ref2va_layout
 from ff_minimax.references import REF2VA_CONTRACT, manifest_tensor, reference_manifest
@@ -111,9 +111,9 @@ class MiniMaxH3Ref2VAAdapter(MiniMaxH3Adapter):
         reference_image_short_edge: int = 2048,
         canvas_short_edge: int = 768,
         canvas_max_pixels: int = 768 * 1344,
-        height: int = 768,
-        width: int = 1344,
-        num_frames: int = 124,
+        height: int = H3_CLIP.height,
+        width: int = H3_CLIP.width,
+        num_frames: int = H3_CLIP.num_frames,
         target_posterior: str = "mode",
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,

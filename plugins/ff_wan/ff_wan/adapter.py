@@ -36,13 +36,25 @@ from ff_core.adapter import (
     reject_input_media,
     resolve_dtype,
 )
-from ff_core.contracts import VIDEO_OUT, MediaGeometry, MediaType, PipelineIOContract, SlotSpec, TensorColumns
+from ff_core.contracts import (
+    VIDEO_OUT,
+    ClipDefaults,
+    MediaGeometry,
+    MediaType,
+    PipelineIOContract,
+    SlotSpec,
+    TensorColumns,
+)
 from ff_core.data.media.geometry import ConditionResize, fit_condition_image
 from ff_core.image_latents import pixels_to_signed, signed_to_uint8
 
 FIRST = SlotSpec("first_frame", MediaType.IMAGE)
 LAST = SlotSpec("last_frame", MediaType.IMAGE)
 LAST_OPTIONAL = SlotSpec("last_frame", MediaType.IMAGE, required=False)
+
+WAN_CLIP = ClipDefaults(height=480, width=832, num_frames=81, fps=16.0)
+"""Wan's default clip (every variant): 81 frames of 480x832 at 16 fps, diffusers' ``WanPipeline`` defaults and
+Wan2.1's rate (Wan2.2 generates 121 frames at 24 fps: set them in ``model.adapter_kwargs``)."""
 
 # Spec dataset-guide, "Offline model support": the wan2_i2v contract depends on the checkpoint.
 I2V_CONTRACTS: dict[str, PipelineIOContract] = {
@@ -129,6 +141,8 @@ class WanT2VAdapter(Adapter):
     # The card stores text embeddings with their padding stripped ([L, D]); padded per batch (mask dropped: zero rows
     # are exactly the pipeline's padding), then to max_sequence_length in prepare_condition.
     condition_collation: ClassVar[dict[str, str]] = {"prompt_embeds": "pad", "negative_prompt_embeds": "pad"}
+    # The default clip, once: from_pretrained's defaults, check_adapter_kwargs and resolve_output_geometry read it.
+    clip_defaults: ClassVar[ClipDefaults] = WAN_CLIP
 
     def __init__(
         self,
@@ -141,10 +155,10 @@ class WanT2VAdapter(Adapter):
         transformer_2: nn.Module | None = None,
         boundary_ratio: float | None = None,
         expand_timesteps: bool = False,
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        fps: float = 16.0,
+        height: int,
+        width: int,
+        num_frames: int,
+        fps: float,
         max_sequence_length: int = 512,
     ) -> None:
         """
@@ -190,6 +204,16 @@ class WanT2VAdapter(Adapter):
         return (self.fps,)
 
     # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def resolve_output_geometry(
+        cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """``None``: Wan's target clips are checked as they are decoded, not from their headers before weights load.
+        The base's default would check them against :meth:`resolve_clip` (the ``clip_defaults`` clip), so that ``ff
+        data validate --model wan2_*`` without ``adapter_kwargs`` would refuse every clip shorter than 81 frames at 16
+        fps; Wan keeps its behaviour (returning ``super().resolve_output_geometry(...)`` would opt in)."""
+        return None
+
     @classmethod
     def resolve_tensor_shapes(
         cls, pretrained_model_name_or_path: str | os.PathLike | None, adapter_kwargs: dict[str, Any] | None = None
@@ -252,10 +276,10 @@ class WanT2VAdapter(Adapter):
         cls,
         pretrained_model_name_or_path: str | os.PathLike,
         *,
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        fps: float = 16.0,
+        height: int = WAN_CLIP.height,
+        width: int = WAN_CLIP.width,
+        num_frames: int = WAN_CLIP.num_frames,
+        fps: float = WAN_CLIP.fps,
         max_sequence_length: int = 512,
         dtype: str | torch.dtype = "float32",
         revision: str | None = None,
@@ -268,6 +292,7 @@ class WanT2VAdapter(Adapter):
             width: pixel columns, likewise.
             num_frames: frames per video, ``(num_frames - 1) % 4 == 0`` (Wan2.1: 81 at 16 fps, Wan2.2: 121 at 24).
             fps: the frame rate targets are resampled to and generated videos are written at.
+            (The defaults of these four are :data:`WAN_CLIP`, :attr:`clip_defaults`.)
             max_sequence_length: UMT5 tokens per prompt (capped by the tokenizer's ``model_max_length``).
             dtype: weights dtype of the transformer(s) and the text encoder (the VAE stays fp32).
             revision: hub revision.
@@ -627,10 +652,8 @@ class WanI2VAdapter(WanT2VAdapter):
             adapter_kwargs: ``model.adapter_kwargs`` (``height``, ``width``, ``num_frames``; else the defaults).
             geometry: the bucket's geometry.
         """
-        import inspect
-
-        defaults = inspect.signature(WanT2VAdapter.from_pretrained).parameters  # the defaults, in one place
-        kw = {k: (adapter_kwargs or {}).get(k, defaults[k].default) for k in ("height", "width", "num_frames")}
+        clip = cls.resolve_clip(adapter_kwargs)  # adapter_kwargs over the declared clip_defaults
+        kw = {"height": clip.height, "width": clip.width, "num_frames": clip.num_frames}
         frames_matter = cls._variant(pretrained_model_name_or_path) != "ti2v"
         bucket_frames = geometry.num_frames if geometry.num_frames is not None else kw["num_frames"]
         if (geometry.height, geometry.width) == (kw["height"], kw["width"]) and (
