@@ -94,8 +94,8 @@ class FlowModule(Evaluation, L.LightningModule):
             optimiser step, micro-batch in the accumulation window): ranks draw different noise, and a resumed run
             the same noise as the uninterrupted one (checkpoints keep the seed).
         eval_rewards: rewards scored on the samples generated from the evaluation prompts (validation and test),
-            ``[{name, weight, args, label, offload}]`` (see ``ff plugins``); logged as ``val/reward/<label>`` (batch mean) and
-            ``val/reward`` (weighted total, on the progress bar). ``None``: the objective's default (an online
+            ``[{name, weight, args, label, offload}]`` (see ``ff plugins``); logged as ``val/reward/<label>`` (batch
+            mean) and ``val/reward`` (weighted total, on the progress bar). ``None``: the objective's default (an online
             objective's training rewards), else none. Every evaluation record must carry the metadata fields they
             read. Plain mappings, not dataclasses, on purpose: jsonargparse merges a list of dataclasses given on the
             command line into the recipe's item by item (a reward would inherit the recipe's ``args`` and ``label``);

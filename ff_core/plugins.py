@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import inspect
 import os
 import re
 from collections.abc import Iterable
@@ -167,7 +168,7 @@ class PluginRegistry:
         for cls in classes:
             declared = declared_interface(cls, target)
             who = f"plugin {plugin!r} ({dist} {version})"
-            problem = _check_adapter_class(cls) or interface_problem(declared, who, cls)
+            problem = _check_adapter_class(cls) or interface_problem(declared, who, cls) or stage_problem(cls)
             if problem is None and cls.name in self._adapters:
                 other = self._adapters[cls.name]
                 problem = f"adapter name {cls.name!r} is already provided by {other.distribution}"
@@ -250,7 +251,8 @@ def load_dotted_adapter(path: str) -> type[Adapter]:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise KeyError(f"cannot import adapter {path!r}: {exc}") from exc
-    problem = _check_adapter_class(cls) or interface_problem(declared_interface(cls), f"{path!r}", cls)
+    problem = (_check_adapter_class(cls) or interface_problem(declared_interface(cls), f"{path!r}", cls)
+               or stage_problem(cls))  # fmt: skip
     if problem:
         raise KeyError(f"{path!r}: {problem}")
     return cls
@@ -284,6 +286,77 @@ def _check_adapter_class(cls: object) -> str | None:
     for attr in ("name", "io_contract"):
         if not hasattr(cls, attr):
             return f"{cls.__name__} does not set the class attribute {attr!r}"
+    return None
+
+
+REQUIRED_STAGES: tuple[str, ...] = ("from_pretrained", "denoiser", "velocity")
+"""The stage methods every use of an adapter calls (the base raises ``NotImplementedError``), checked at registration.
+The others are checked against the run before weights load (``FlowDataModule``: ``preprocess``,
+``prepare_condition``, ``preprocess_identity`` with the condition cache, ``encode_output`` when training encodes
+targets, ``initial_noise`` and ``decode`` when the run samples)."""
+
+
+def unimplemented(cls: type, names: Iterable[str]) -> list[str]:
+    """The methods of ``names`` that ``cls`` leaves to :class:`~ff_core.adapter.Adapter`, whose versions raise."""
+    return [n for n in names if inspect.getattr_static(cls, n) is vars(Adapter)[n]]
+
+
+GUARDED_ARGUMENTS: dict[str, frozenset[str] | None] = {
+    "sampling_sigmas": frozenset({"state"}),  # 1.1: an override without it still samples (Adapter.sampling_schedules)
+    "sample": None,  # every optional argument: passed only when set, each checked before weights load (evaluation.py)
+}
+"""Optional arguments of the base's stage methods ff-core passes only to an override that takes them (``None``: all of
+the method's optional arguments): a minor version that adds an argument to an existing method lists it here."""
+
+
+def _function(attr: object) -> object | None:
+    if isinstance(attr, (classmethod, staticmethod)):
+        return attr.__func__
+    return attr if inspect.isfunction(attr) else None
+
+
+def _argument_problem(name: str, base: inspect.Signature, override: inspect.Signature) -> str | None:
+    """The first argument of ``base`` (the Adapter method) that ``override`` cannot take the way ff-core passes it:
+    required ones by position, optional ones by name; ``None`` when it takes them all."""
+    params = list(override.parameters.values())[1:]  # after self / cls
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_args = any(p.kind is p.VAR_POSITIONAL for p in params)
+    var_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    guarded = GUARDED_ARGUMENTS.get(name, frozenset())
+    for index, arg in enumerate(list(base.parameters.values())[1:]):
+        if arg.kind in (arg.VAR_POSITIONAL, arg.VAR_KEYWORD):
+            continue
+        if arg.default is arg.empty:
+            if index >= len(positional) and not var_args:
+                return f"its {index + 1}. argument ({arg.name})"
+        elif arg.name not in by_name and not var_kwargs and (guarded is not None and arg.name not in guarded):
+            return f"the argument {arg.name}="
+    return None
+
+
+def stage_problem(cls: type[Adapter]) -> str | None:
+    """Why ``cls`` does not implement the adapter interface the way ff-core calls it, or ``None``: a
+    :data:`REQUIRED_STAGES` method left to the base, or an override of a stage method that cannot take an argument
+    the base declares (required ones by position, optional ones by keyword; :data:`GUARDED_ARGUMENTS` aside). Checked
+    at registration, so such an adapter is refused with this line rather than failing inside training."""
+    missing = unimplemented(cls, REQUIRED_STAGES)
+    if missing:
+        return (f"adapter {cls.__name__} does not implement {', '.join(f'{n}()' for n in missing)}, which every use "
+                "of an adapter calls (docs/plugins.md, 'Writing a plugin')")  # fmt: skip
+    for name, attr in vars(Adapter).items():
+        base = _function(attr)
+        if name.startswith("_") or base is None:
+            continue
+        override = _function(inspect.getattr_static(cls, name))
+        if override is None or override is base:
+            continue
+        wanted = inspect.signature(base)
+        problem = _argument_problem(name, wanted, inspect.signature(override))
+        if problem:
+            shown = str(wanted).replace("'", "")
+            return (f"adapter {cls.__name__} overrides {name}{inspect.signature(override)} without {problem}, which "
+                    f"ff-core passes: declare it as the Adapter base does, {name}{shown}")  # fmt: skip
     return None
 
 

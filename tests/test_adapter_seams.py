@@ -35,9 +35,22 @@ class GuidedAdapter(Adapter):
         self.embedded_guidance = embedded_guidance
         self.side = 8
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        return cls(**kwargs)
+
     @property
     def denoiser(self):
         return self.net
+
+    def preprocess(self, inputs):
+        return [{"c": torch.tensor(float(len(i.prompt)))} for i in inputs]
+
+    def encode_output(self, media, condition, generator=None):
+        return LatentState({"latent": torch.stack([m[0] for m in media]).float()})
+
+    def decode(self, state):
+        return [[x] for x in state.components["latent"]]
 
     def velocity(self, state, sigma, condition):
         g = condition.get("embedded_guidance", self.embedded_guidance) or 0.0

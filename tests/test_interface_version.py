@@ -1,8 +1,12 @@
 """Adapter-interface versioning: a plugin declares the version it targets (class attribute or plugin hook); ff refuses
-one written for another major version or a newer minor one, naming both versions and the distribution."""
+one written for another major version or a newer minor one, naming both versions and the distribution, and one whose
+stage methods cannot be called the way ff-core calls them (a missing stage, an override without an argument the base
+declares), in one line at registration rather than inside training. An adapter written to interface 1.0 trains."""
 
 import importlib.metadata as md
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,14 +14,15 @@ import ff_core
 from ff_core.plugins import PluginRegistry, interface_problem, load_dotted_adapter
 from ff_core.testing.plugin_site import install_fake_plugin
 
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "sd3" / "sft_tiny.yaml"
 MAJOR, MINOR = (int(p) for p in ff_core.ADAPTER_INTERFACE_VERSION.split("."))
 
 BY_ATTRIBUTE = """
-from ff_core.adapter import Adapter
 from ff_core.hookspecs import hookimpl
 from ff_core.testing.contracts import SUPPORT_TABLE
+from ff_sd3 import SD3Adapter
 
-class Toy(Adapter):
+class Toy(SD3Adapter):
     name = "toy-{tag}"
     io_contract = SUPPORT_TABLE["sd3-5"]
     interface_version = {version!r}
@@ -27,11 +32,11 @@ def ff_adapters():
     return [Toy]
 """
 BY_HOOK = """
-from ff_core.adapter import Adapter
 from ff_core.hookspecs import hookimpl
 from ff_core.testing.contracts import SUPPORT_TABLE
+from ff_sd3 import SD3Adapter
 
-class Toy(Adapter):
+class Toy(SD3Adapter):
     name = "toy-{tag}"
     io_contract = SUPPORT_TABLE["sd3-5"]
 
@@ -136,7 +141,7 @@ def test_a_version_inherited_from_another_packages_base_does_not_declare(site):
     """A third party's subclass of another plugin's adapter is not written for that plugin's version: its hook (or
     nothing) declares it; a base in its own package does."""
     install_fake_plugin(site, "toy-g", "toy_g", BY_ATTRIBUTE.format(tag="g", version=f"{MAJOR}.{MINOR}"))
-    sub = BY_HOOK.replace("class Toy(Adapter):", "from toy_g import Toy as Base\n\nclass Toy(Base):")
+    sub = BY_HOOK.replace("class Toy(SD3Adapter):", "from toy_g import Toy as Base\n\nclass Toy(Base):")
     registry = registry_of(site, sub, f"{MAJOR}.0", tag="h")
     assert registry.failures == [] and registry.adapters()["toy-h"].interface == f"{MAJOR}.0"
     from ff_core.plugins import declared_interface
@@ -158,3 +163,109 @@ def test_the_bundled_plugins_declare_a_compatible_version():
 
     assert interface_problem(SD3Adapter.interface_version, "ff-sd3", SD3Adapter) is None
     assert interface_problem(plugin.ff_adapter_interface_version(), "ff-wan", WanT2VAdapter) is None
+
+
+# -- stage methods ff-core calls ------------------------------------------------------------------------------------
+WRITTEN_TO_1_0 = """
+from ff_core.hookspecs import hookimpl
+from ff_sd3 import SD3Adapter
+
+CALLS = []
+
+class Toy(SD3Adapter):
+    name = "toy-{tag}"
+    interface_version = "1.0"
+{body}
+
+@hookimpl
+def ff_adapters():
+    return [Toy]
+"""
+AS_IN_1_0 = '''
+    def sampling_sigmas(self, num_steps, shift=None):  # 1.0: no state
+        CALLS.append(("sampling_sigmas", num_steps, shift))
+        return super().sampling_sigmas(num_steps, shift)
+
+    def encode_output(self, media, condition, generator=None):
+        CALLS.append(("encode_output", generator is not None))
+        return super().encode_output(media, condition, generator)
+'''
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ("    def encode_output(self, media, condition):\n        return super().encode_output(media, condition)",
+     "overrides encode_output(self, media, condition) without the argument generator=, which ff-core passes: declare "
+     "it as the Adapter base does, encode_output(self, media: list[list[Tensor]], condition: Condition, generator: "
+     "torch.Generator | None = None)"),
+    ("    def sampling_sigmas(self, num_steps):\n        return super().sampling_sigmas(num_steps)",
+     "overrides sampling_sigmas(self, num_steps) without the argument shift="),
+    ("    def velocity(self, state, sigma):\n        return super().velocity(state, sigma, None)",
+     "overrides velocity(self, state, sigma) without its 3. argument (condition)"),
+    ("    @classmethod\n    def from_pretrained(cls):\n        return None",
+     "overrides from_pretrained(cls) without its 1. argument (pretrained_model_name_or_path)"),
+])  # fmt: skip
+def test_an_override_ff_core_cannot_call_is_refused_at_registration_in_one_line(site, body, why):
+    """What a plugin written from older or partial docs does (issue 31): the adapter is not registered; the failure
+    names the method, the argument and the signature to declare, in one line (``ff plugins``, ``model.adapter``)."""
+    registry = registry_of(site, WRITTEN_TO_1_0.replace("{body}", body), "", tag="s")
+    assert "toy-s" not in registry.adapters()
+    (failure,) = registry.failures
+    assert why in failure.error and "\n" not in failure.error
+    with pytest.raises(KeyError, match="Toy overrides"):
+        load_dotted_adapter("toy_s:Toy")
+
+
+def test_a_stage_every_use_calls_is_required_at_registration(site):
+    source = BY_ATTRIBUTE.replace("from ff_sd3 import SD3Adapter", "from ff_core.adapter import Adapter").replace(
+        "class Toy(SD3Adapter):", "class Toy(Adapter):\n    def preprocess(self, inputs):\n        return []\n")
+    (failure,) = registry_of(site, source, f"{MAJOR}.0", tag="m").failures
+    assert ("adapter Toy does not implement from_pretrained(), denoiser(), velocity(), which every use of an adapter "
+            "calls") in failure.error
+
+
+def test_every_bundled_adapter_takes_what_ff_core_passes():
+    from ff_core.plugins import get_registry, stage_problem
+
+    adapters = get_registry().adapters()
+    assert {"sd3-5", "wan2_t2v", "ltx2_t2av", "minimax-h3-t2va"} <= adapters.keys()
+    assert {name: stage_problem(info.cls) for name, info in adapters.items()} == dict.fromkeys(adapters)
+
+
+def fit_args(tiny_sd3, shapes_dir, root, adapter: str, *extra: str) -> list[str]:
+    datasets = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir), "eval": {}}])
+    return ["fit", "--config", str(RECIPE), "--model.adapter", adapter, "--model.pretrained_model_name_or_path",
+            str(tiny_sd3), "--data.datasets", datasets, "--data.eval_batch_size", "2", "--model.sampling.num_steps",
+            "2", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+            "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.callbacks", "[]",
+            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false", *extra]  # fmt: skip
+
+
+def test_an_adapter_written_to_interface_1_0_trains_and_samples(site, tiny_sd3, shapes_dir, tmp_path):
+    """Declared 1.0, ``sampling_sigmas`` overridden as 1.0 defined it (no ``state``): ``ff fit`` trains (the
+    posterior drawn from the step's generator) and validation samples on the override's schedule."""
+    from ff_core.cli import main
+
+    install_fake_plugin(site, "toy-o", "toy_o", WRITTEN_TO_1_0.replace("{body}", AS_IN_1_0).format(tag="o"))
+    assert main(fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_o:Toy")) == 0
+    calls = sys.modules["toy_o"].CALLS
+    assert calls.count(("encode_output", True)) == 2
+    assert ("sampling_sigmas", 2, None) in calls
+
+
+def test_stages_a_run_calls_are_checked_before_weights_load(site, tiny_sd3, shapes_dir, tmp_path, capsys):
+    """Left to the base (which raises), a stage this run calls stops ``ff fit`` before anything loads, naming each
+    and what calls it; ``preprocess_identity`` only with the condition cache: without it the run trains."""
+    from ff_core.cli import main
+
+    body = "    preprocess_identity = Adapter.preprocess_identity\n    decode = Adapter.decode"
+    source = WRITTEN_TO_1_0.replace("{body}", body).format(tag="p")
+    install_fake_plugin(site, "toy-p", "toy_p", "from ff_core.adapter import Adapter\n" + source)
+    missing = tmp_path / "no-such-checkpoint"  # the check comes first: nothing loads
+    assert main(fit_args(missing, shapes_dir, tmp_path, "toy_p:Toy")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ff fit: model.adapter: 'toy-p' (Toy) does not implement decode() (sampling), preprocess_identity() (the "
+        "condition cache (data.enable_preprocess: false keeps conditions in memory instead)), which this run calls "
+        "(docs/plugins.md, 'Writing a plugin')")
+    train_only = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir), "eval": None}])  # no sampling
+    assert main([*fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_p:Toy", "--data.enable_preprocess", "false"),
+                 "--data.datasets", train_only]) == 0  # fmt: skip

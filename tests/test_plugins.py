@@ -15,11 +15,11 @@ from ff_core.testing.plugin_site import install_fake_plugin
 REPO = Path(__file__).resolve().parents[1]
 
 GOOD = """
-from ff_core.adapter import Adapter
 from ff_core.hookspecs import hookimpl
 from ff_core.testing.contracts import SUPPORT_TABLE
+from ff_wan import WanT2VAdapter
 
-class ToyT2V(Adapter):
+class ToyT2V(WanT2VAdapter):
     name = "toy-t2v"
     io_contract = SUPPORT_TABLE["wan2_t2v"]
 

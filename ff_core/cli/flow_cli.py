@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from ff_core.callbacks.progress import with_step_counts
 from ff_core.ckpt_path import check_ckpt_path
 from ff_core.data.datamodule import FlowDataModule
 from ff_core.errors import ConfigError, ResumeError
@@ -43,6 +44,13 @@ class FlowCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's trainer, its progress bar counting optimiser steps on step-limited runs
+        (:mod:`ff_core.callbacks.progress`)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        with_step_counts(trainer)
+        return trainer
 
     def fit(self, **kwargs: Any) -> None:
         """``trainer.fit`` in a run folder no other live run holds (:mod:`ff_core.run_folder`); a checkpoint whose

@@ -84,7 +84,7 @@ from ff_core.data.tensor_parquet.rows import (
     open_shards,
 )
 from ff_core.errors import ConfigError, DatasetErrors, raise_collected
-from ff_core.plugins import get_adapter_class
+from ff_core.plugins import get_adapter_class, unimplemented
 from ff_core.pretrained import (
     check_adapter_kwargs,
     resolve_contract,
@@ -338,6 +338,7 @@ class FlowDataModule(L.LightningDataModule):
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
         if self.adapter_name is not None:
+            self._check_stages(get_adapter_class(self.adapter_name))
             if self.buckets is not None:  # before any header is read
                 self._check_buckets(get_adapter_class(self.adapter_name))
             self._check_target_spans(get_adapter_class(self.adapter_name))
@@ -353,6 +354,26 @@ class FlowDataModule(L.LightningDataModule):
         if stage == "fit" and not train_rows:
             raise ValueError("data.datasets: no dataset has a train split enabled")
         log.info("data: %d training rows, %d evaluation rows", train_rows, len(self.eval_records))
+
+    def _check_stages(self, cls: type[Adapter]) -> None:
+        """The stage methods this run calls that the adapter leaves to the base (which raises), refused before weights
+        load in one line naming each and what calls it (the ones every use calls are checked at registration:
+        :func:`ff_core.plugins.stage_problem`)."""
+        records = bool(self.train_records or self.eval_records)
+        uses = {
+            "preprocess": "conditions of dataset records" if records else None,
+            "prepare_condition": "every step",
+            "encode_output": ("training on media targets" if self.train_records and self.trainer_type
+                              not in ONLINE_TRAINERS else None),  # fmt: skip
+            "initial_noise": "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None,
+            "decode": "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None,
+            "preprocess_identity": ("the condition cache (data.enable_preprocess: false keeps conditions in memory "
+                                    "instead)" if records and self.enable_preprocess else None),  # fmt: skip
+        }
+        missing = [f"{name}() ({uses[name]})" for name in unimplemented(cls, [k for k, v in uses.items() if v])]
+        if missing:
+            raise ConfigError("model.adapter", f"{cls.name!r} ({cls.__name__}) does not implement "
+                              f"{', '.join(missing)}, which this run calls (docs/plugins.md, 'Writing a plugin')")
 
     def _check_target_spans(self, cls: type[Adapter]) -> None:
         """Targets too short for the adapter's clip (:meth:`~ff_core.adapter.Adapter.resolve_output_geometry`), from

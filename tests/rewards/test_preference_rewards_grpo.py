@@ -1,6 +1,6 @@
-"""configs/sd3/grpo_tiny.yaml trained for 2 iterations on the weighted sum of pickscore, aesthetic, hps and
-image_reward, each loaded from a tiny random model folder: every reward is logged, the policy loss is finite and the
-LoRA moves."""
+"""configs/sd3/grpo_tiny.yaml trained for 2 iterations on pickscore, aesthetic, hps, image_reward and vlm_judge
+(GDPO: each normalised within its group before the weighted sum), each loaded from a tiny random model folder: every
+reward is logged, the policy loss is finite and the LoRA moves."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from tiny_reward_models import build_tiny_llava
 
 from ff_core.cli.flow_cli import FlowCLI
 from ff_core.data.datamodule import FlowDataModule
@@ -28,6 +29,7 @@ def reward_specs(tmp_path_factory):
     head = write_aesthetic_head(root / "aesthetic.pth", input_size=8)
     hps_folder, hps_checkpoint = build_tiny_hps(root / "hps")
     image_reward = build_tiny_image_reward(root / "image_reward")
+    llava = build_tiny_llava(root / "llava")
     return [
         {"name": "pickscore", "weight": 1.0, "args": {"pretrained_model_name_or_path": str(clip), "normalise": True}},
         {"name": "aesthetic", "weight": 0.5, "args": {"pretrained_model_name_or_path": str(clip),
@@ -35,6 +37,7 @@ def reward_specs(tmp_path_factory):
         {"name": "hps", "weight": 1.0, "args": {"pretrained_model_name_or_path": str(hps_folder),
                                                 "checkpoint": str(hps_checkpoint)}},
         {"name": "image_reward", "weight": 0.25, "args": {"pretrained_model_name_or_path": str(image_reward)}},
+        {"name": "vlm_judge", "weight": 0.5, "args": {"pretrained_model_name_or_path": str(llava), "dtype": "float32"}},
     ]  # fmt: skip
 
 
@@ -68,7 +71,7 @@ def test_grpo_trains_on_the_preference_rewards(tiny_sd3, reward_specs, tmp_path)
             if r.get("train/reward_mean")]
     assert len(rows) == 2
     for row in rows:
-        for key in ("pickscore", "aesthetic", "hps", "image_reward"):
+        for key in ("pickscore", "aesthetic", "hps", "image_reward", "vlm_judge"):
             assert math.isfinite(float(row[f"train/reward/{key}_mean"])), key
         assert math.isfinite(float(row["train/policy_loss"]))
     trained = {n: p for n, p in cli.model.named_parameters() if p.requires_grad}
