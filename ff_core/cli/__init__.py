@@ -19,6 +19,7 @@ from typing import TextIO
 
 from ff_core.cli.pipes import EXIT_BROKEN_PIPE as EXIT_BROKEN_PIPE  # re-exported: ff_core.cli named it first
 from ff_core.cli.pipes import pipe_safe
+from ff_core.cli.scaffold import OUTPUTS  # the standard library only: `ff --help` stays quick
 
 EXIT_USAGE = 2
 
@@ -30,7 +31,9 @@ TRAINER_COMMANDS = {
     "predict": "write one file per evaluation prompt plus an index (MediaWriter)",
 }
 PLUGINS_HELP = "list installed adapters (distribution, version, IO contract), rewards, and plugins that failed to load"
-PLUGINS_NEW_HELP = "generate a plugin skeleton (pyproject with entry point, adapter, tiny checkpoint, tests, recipe)"
+PLUGINS_NEW_HELP = ("generate a plugin skeleton (pyproject with entry point, adapter, tiny checkpoint, tests, recipe) "
+                    "of an image, video or audio+video family (--output)")  # fmt: skip
+PLUGINS_NEW_USAGE = f"ff plugins new NAME [--dir DIR] [--output {{{','.join(OUTPUTS)}}}]"
 _HELP_FLAGS = ("-h", "--help")
 _OWN_OUTPUT_FLAGS = (*_HELP_FLAGS, "--print_config")  # LightningCLI prints these and exits
 
@@ -53,7 +56,7 @@ def usage() -> str:
         "       ff data smoke prepare --algorithm {sft,offline-dpo} --profile NAME_OR_ALIAS --world-size N [options]",
         "       ff data smoke list",
         "       ff plugins",
-        "       ff plugins new NAME [--dir DIR]",
+        f"       {PLUGINS_NEW_USAGE}",
         "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] [--device cpu]",
         "       ff rewards list",
         "",
@@ -95,7 +98,7 @@ def print_plugins(stream: TextIO | None = None) -> int:
 
 def _plugins(args: list[str]) -> int:
     if args[:1] and args[0] in _HELP_FLAGS:
-        print(f"usage: ff plugins\n       ff plugins new NAME [--dir DIR]\n\n{PLUGINS_HELP}.\n"
+        print(f"usage: ff plugins\n       {PLUGINS_NEW_USAGE}\n\n{PLUGINS_HELP}.\n"
               f"new: {PLUGINS_NEW_HELP}.", file=sys.stdout)  # fmt: skip
         return 0
     if args[:1] == ["new"]:
@@ -108,7 +111,7 @@ def _plugins(args: list[str]) -> int:
 
 
 def _plugins_new(args: list[str]) -> int:
-    """``ff plugins new NAME [--dir DIR]`` (:func:`ff_core.cli.scaffold.new_plugin`)."""
+    """``ff plugins new NAME [--dir DIR] [--output KIND]`` (:func:`ff_core.cli.scaffold.new_plugin`)."""
     import argparse
 
     from ff_core.cli.scaffold import new_plugin
@@ -117,9 +120,13 @@ def _plugins_new(args: list[str]) -> int:
     parser.add_argument("name", help="the family's name: lowercase letters, digits, single dashes or underscores "
                                      "(my-family)")
     parser.add_argument("--dir", default=".", help="folder to create the plugin in (default: the current one)")
+    parser.add_argument("--output", default="image", choices=list(OUTPUTS),
+                        help="what the family generates: image (text to image, the default), video (text to video on "
+                             "diffusers' WanPipeline maths, reference-checked against it) or video+audio (text to an "
+                             "ordered (video, audio) pair, two latent components)")  # fmt: skip
     a = parser.parse_args(args)
     try:
-        folder = new_plugin(a.name, a.dir)
+        folder = new_plugin(a.name, a.dir, output=a.output)
     except (ValueError, FileExistsError) as exc:
         print(f"ff plugins new: {exc}", file=sys.stderr)
         return EXIT_USAGE
