@@ -15,8 +15,7 @@ Every plugin's tiny-checkpoint factory needs the same three things, built offlin
   ``AutoencoderKLWan`` with per-channel ``latents_mean`` / ``latents_std``) and **a tiny audio VAE**
   (:func:`build_tiny_audio_vae`, Stable Audio's waveform ``AutoencoderOobleck``);
 * **tiny datasets** for every output kind (:func:`write_tiny_dataset`: ``image`` shapes, ``video`` moving shapes,
-  ``audio`` tones, ``video+audio`` clips with their soundtrack; demonstrations or preference pairs), and
-  :func:`loader_targets`: such targets decoded exactly as ``ff fit``'s loader hands them to ``encode_output``.
+  ``audio`` tones, ``video+audio`` clips with their soundtrack; demonstrations or preference pairs).
 
 Example (a plugin's factory)::
 
@@ -776,40 +775,6 @@ def _write_av_dataset(root: Path, n: int, *, size: int, frames: int, fps: float,
         prompts.append(f"a {colour} square with a {pitch} tone")
         records.append(_record(prompts[-1], chosen, rejected, colour=colour, pitch=pitch))
     return _write_records(root, records, prompts)
-
-
-def loader_targets(adapter: Any, n: int, *, seed: int = 0) -> list[list[Any]]:
-    """What ``ff fit`` hands ``adapter.encode_output``: the decoded targets of ``n`` records of a tiny dataset of the
-    adapter's output kind (:func:`write_tiny_dataset`, written to a temporary folder), each decoded and fitted through
-    the training loader's own path (:func:`ff_core.data.media.geometry.decode_target` at ``output_geometry()``, as
-    the loader's workers do): per sample, in the contract's output order, a uint8 (3, H, W) image, a
-    ``DecodedVideo`` (``frames`` uint8 (F, H, W, 3) on the clip's frame grid) or a ``DecodedAudio`` (``waveform``
-    float (C, N) at the file's rate).
-
-    Args:
-        adapter: a loaded adapter (its ``io_contract`` picks the kind, its ``output_geometry()`` the fit).
-        n: samples.
-        seed: the dataset's drawing seed.
-    """
-    import math
-    import tempfile
-
-    from ff_core.data.media.geometry import decode_target
-    from ff_core.data.records.sources import DatasetConfig, load_split
-
-    kind = "+".join(t.value for t in adapter.io_contract.output_types)
-    geometry = tuple(adapter.output_geometry())
-    first = geometry[0] if geometry else None
-    size = 32 if first is None else max(first.height, first.width) + max(first.height, first.width) % 2
-    frames, fps = 9, 8.0
-    if first is not None and first.num_frames is not None:  # a clip long enough for the adapter's frame grid
-        fps = first.fps or fps
-        frames = max(frames, math.ceil(first.start * fps) + first.num_frames + 1)
-    with tempfile.TemporaryDirectory(prefix="ff-loader-targets-") as folder:
-        root = write_tiny_dataset(Path(folder) / kind, kind, n, size=size, seed=seed, frames=frames, fps=fps)
-        records = load_split(DatasetConfig(name=kind, dataset_dir=str(root), eval=None), "train", None)
-        return [[decode_target(item, geometry[i] if i < len(geometry) else None, referenced_by=record.where)
-                 for i, item in enumerate(record.candidates[0])] for record in records[:n]]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
