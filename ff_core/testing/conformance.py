@@ -16,11 +16,12 @@ A plugin's tests are a tiny-model config class plus one line (STYLE 9, after dif
 Every check goes through ``from_pretrained`` on that saved folder, so the path a user's real checkpoint takes is
 the path tested. Two groups of checks:
 
-* **plumbing** (always): metadata without weights, registration, stage shapes, seeding, schedule, what trains,
-  tensor rows, the condition cache key, releasing preprocessing components, the LoRA file format; frozen components in
-  eval mode at any depth (a dropout left on makes conditions random); a contract that accepts negative prompts gives
-  a different velocity with CFG on; with :meth:`AdapterConformance.build_trained_checkpoint`, encode -> decode on the
-  family's trained tiny VAE round-trips within :attr:`~AdapterConformance.roundtrip_tolerance`.
+* **plumbing** (always): metadata without weights, registration, ``encode_output`` and an SFT loss on the targets
+  training delivers, stage shapes, seeding, schedule, what trains, tensor rows, the condition cache key, releasing
+  preprocessing components, the LoRA file format; frozen components in eval mode at any depth (a dropout left on
+  makes conditions random); a contract that accepts negative prompts gives a different velocity with CFG on; with
+  :meth:`AdapterConformance.build_trained_checkpoint`, encode -> decode on the family's trained tiny VAE round-trips
+  within :attr:`~AdapterConformance.roundtrip_tolerance`.
 * **maths** (with :attr:`~AdapterConformance.reference_pipeline`): the family's diffusers pipeline is built from the
   same tiny checkpoint and run from the adapter's own initial noise (:mod:`ff_core.testing.reference`); prompt
   encoding, the sampling sigmas, the training table (``training_sigmas``), one denoiser call at each sigma, a full

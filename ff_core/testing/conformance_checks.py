@@ -254,12 +254,11 @@ class ConformanceChecks:
 
     def check_encoding(self, adapter: Adapter, pipe: Any, case: ReferenceCase) -> None:
         """Encoding: ``encode_output`` of the targets (:meth:`make_targets`: what training's loader delivers, decoded
-        from real files) with a seeded generator gives, in every
-        latent component, the latents of the pipeline's own VAE path (:meth:`reference_encode`: the posterior the
-        reference trainer takes, :attr:`reference_posterior`, a sample from the same generator or the mode,
-        normalised as the pipeline's latents are). No trained VAE needed: a random one with a non-identity
-        normalisation tells an ``encode_output`` that skips it (the decoding check sees only ``decode``'s side), and
-        its posterior's spread tells a sample from the mode."""
+        from real files) with a seeded generator gives, in every latent component, the latents of the pipeline's own
+        VAE path (:meth:`reference_encode`: the posterior the reference trainer takes, :attr:`reference_posterior`, a
+        sample from the same generator or the mode, normalised as the pipeline's latents are). No trained VAE needed:
+        a random one with a non-identity normalisation tells an ``encode_output`` that skips it (the decoding check
+        sees only ``decode``'s side), and its posterior's spread tells a sample from the mode."""
         targets = self.make_targets(adapter, len(case.inputs))
         with torch.no_grad(), encoding_delivered(adapter, targets):
             ours = adapter.encode_output(targets, case.condition, generator=torch.Generator().manual_seed(self.seed))
@@ -442,7 +441,7 @@ class ReferenceCase:
         init: the adapter's initial noise (seeded), the run's initial latents.
         run: the recorded pipeline run.
         guidance_scale: the CFG scale of the run (one, or per latent component).
-        embedded_guidance: its distilled-guidance scale; ``None``: the pipeline's and the adapter's defaults.
+        embedded_guidance: its distilled-guidance scale; ``None``: the adapter's default (passed to the pipeline).
         guidance_rescale: its guidance rescale per latent component; ``None``: off.
         guidance_note: which pipeline argument each ff scale went to, and the guidance input its denoiser received
             (:func:`guidance_note`), for failure messages.
