@@ -646,10 +646,10 @@ def write_tiny_dataset(
 
     ``image``: the shapes (:func:`ff_core.testing.shapes.write_shapes_dataset`, ``images/``); ``video``: moving
     shapes (:func:`ff_core.testing.moving_shapes.write_moving_shapes_dataset`, ``videos/``, MP4 with the record's
-    ``fps``); ``audio``: 0.5 s mono WAV tones whose pitch the caption names (``audio/``); ``video+audio``: ordered
-    (video, audio) pairs, a coloured square on grey (MP4 under ``videos/``, ``fps`` in the record) and a tone lasting
-    exactly the clip (mono WAV under ``audios/``, ``sample_rate`` in the record), captioned ``a red square with a low
-    tone`` (docs/datasets.md: V2 records of audio+video targets).
+    ``fps``); ``audio``: 0.5 s mono WAV tones whose pitch the caption names (``audio/``, ``sample_rate`` in the
+    record); ``video+audio``: ordered (video, audio) pairs, a coloured square on grey (MP4 under ``videos/``, ``fps``
+    in the record) and a tone lasting exactly the clip (mono WAV under ``audios/``, ``sample_rate`` in the record),
+    captioned ``a red square with a low tone`` (docs/datasets.md: V2 records of audio+video targets).
 
     With ``supervision="preference"`` every record is a preference pair (offline DPO) whose arms differ in one
     thing the caption names: images in the shape's colour (:func:`ff_core.testing.shapes.write_preference_dataset`),
@@ -744,7 +744,7 @@ def _write_tone_dataset(root: Path, n: int, seconds: float = 0.5, rate: int = 16
         tone = torch.from_numpy(0.25 * np.sin(2 * np.pi * PITCHES[pitch] * t)).float()[None]  # (C=1, N)
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(audio_to_wav(tone, rate))  # ff's one WAV writer (what media logging writes)
-        return [{"type": "audio", "path": rel}]
+        return [{"type": "audio", "path": rel, "sample_rate": rate}]
 
     for i in range(n):
         pitch = pitches[i % len(pitches)]
