@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-ADAPTER_INTERFACE_VERSION = "1.8"
+ADAPTER_INTERFACE_VERSION = "1.9"
 """The version (``major.minor``) of the adapter interface this ff-core provides (:class:`ff_core.adapter.Adapter`, its
 stage methods and class attributes, the hooks of :mod:`ff_core.hookspecs`). A plugin declares the version it targets
 (:attr:`ff_core.adapter.Adapter.interface_version` or the ``ff_adapter_interface_version`` hook); ff refuses a plugin
@@ -22,7 +22,14 @@ replays call it when components step on their own schedules).
 ``scheduler`` unless it is an Euler one; ``sample``'s ``scheduler``), and ``Adapter.uses_second_expert`` with
 ``sample``'s ``guidance_scale_2`` (a two-expert checkpoint's low-noise CFG scale); ``FlowModule`` passes either only
 when set.
-1.8: ``Adapter.io_contract_variants`` (the contracts of a family's checkpoint variants, read without a checkpoint)."""
+1.8: ``Adapter.io_contract_variants`` (the contracts of a family's checkpoint variants, read without a checkpoint).
+1.9: ``Adapter.clip_defaults`` (:class:`ff_core.contracts.ClipDefaults`: a video family's default canvas, frame count
+and rate, declared once) and ``Adapter.resolve_clip``, which ``check_adapter_kwargs`` and ``resolve_output_geometry``
+read by default.
+
+Registration checks the stage methods besides the version (:func:`ff_core.plugins.stage_problem`): an override that
+cannot take an argument the base passes is refused, so an adapter written to an older minor keeps working or is
+refused in one line, never failing inside training."""
 
 from ff_core import moved as _moved  # noqa: E402 - after the constants above, which plugins read first
 

@@ -18,5 +18,5 @@ def ff_adapters():
 def ff_adapter_interface_version():
     """The ff adapter-interface version the adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
     # 1.2: component_parameters, default_component_weights; 1.4: checks before weights load; 1.6: context_parallel_plan;
-    # 1.7: resolve_bucket_geometry, training_kwargs
-    return "1.7"
+    # 1.7: resolve_bucket_geometry, training_kwargs; 1.9: clip_defaults, resolve_clip
+    return "1.9"

@@ -18,4 +18,5 @@ def ff_adapters():
 @hookimpl
 def ff_adapter_interface_version():
     """The ff adapter-interface version the adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
-    return "1.4"  # 1.3: component_velocity; 1.4: check_adapter_kwargs, resolve_output_geometry
+    # 1.3: component_velocity; 1.4: check_adapter_kwargs, resolve_output_geometry; 1.9: clip_defaults, resolve_clip
+    return "1.9"

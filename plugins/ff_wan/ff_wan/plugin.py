@@ -16,4 +16,6 @@ def ff_adapters():
 @hookimpl
 def ff_adapter_interface_version():
     """The ff adapter-interface version both adapters are written for (``ff_core.ADAPTER_INTERFACE_VERSION``)."""
-    return "1.5"  # 1.4: check_bucket (wan2_i2v); 1.5: uses_second_expert (guidance_scale_2)
+    # 1.4: check_bucket (wan2_i2v); 1.5: uses_second_expert (guidance_scale_2); 1.8: io_contract_variants;
+    # 1.9: clip_defaults, resolve_clip
+    return "1.9"
