@@ -81,6 +81,11 @@ def test_the_skeleton_declares_the_entry_point_ff_reads(output, tmp_path):
     assert "FAMILY:" in (folder / "ff_toy_fam" / "adapter.py").read_text()  # where a family's own maths goes
     for path in folder.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")  # every placeholder substituted into valid Python
+    # ff's own lint rules (STYLE 15) on the generated code, from its folder (its package first-party)
+    for command in (["check", "--select", "E,F,I"], ["format", "--check"]):
+        lint = subprocess.run([sys.executable, "-m", "ruff", *command, "--isolated", "--line-length", "120", "."],
+                              cwd=folder, capture_output=True, text=True)  # fmt: skip
+        assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 def test_an_unknown_output_is_refused_with_exit_2(tmp_path, capsys):
