@@ -32,7 +32,7 @@ def test_help_describes_ff_and_lists_every_subcommand(capsys):
                            "--world-size N [options]",
                            "       ff data smoke list",
                            "       ff plugins",
-                           "       ff plugins new NAME [--dir DIR]",
+                           "       ff plugins new NAME [--dir DIR] [--output {image,video,video+audio}]",
                            "       ff rewards serve --reward NAME [--args JSON_OR_YAML] [--host 127.0.0.1] [--port 0] "
                            "[--device cpu]",
                            "       ff rewards list"]
@@ -60,7 +60,8 @@ def test_unknown_command_names_the_closest(capsys):
 
 def test_plugins_takes_no_arguments_but_new(capsys):
     assert main(["plugins", "--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: ff plugins\n       ff plugins new NAME [--dir DIR]\n")
+    assert capsys.readouterr().out.startswith("usage: ff plugins\n       ff plugins new NAME [--dir DIR] [--output "
+                                              "{image,video,video+audio}]\n")
     assert main(["plugins", "sd3-5"]) == 2
     assert capsys.readouterr().err == ("usage: ff plugins [new NAME [--dir DIR]]\n"
                                        "ff plugins: takes no arguments but 'new', found 'sd3-5'\n")
