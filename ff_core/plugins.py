@@ -289,74 +289,95 @@ def _check_adapter_class(cls: object) -> str | None:
     return None
 
 
-REQUIRED_STAGES: tuple[str, ...] = ("from_pretrained", "denoiser", "velocity")
-"""The stage methods every use of an adapter calls (the base raises ``NotImplementedError``), checked at registration.
-The others are checked against the run before weights load (``FlowDataModule``: ``preprocess``,
-``prepare_condition``, ``preprocess_identity`` with the condition cache, ``encode_output`` when training encodes
-targets, ``initial_noise`` and ``decode`` when the run samples)."""
-
-
 def unimplemented(cls: type, names: Iterable[str]) -> list[str]:
-    """The methods of ``names`` that ``cls`` leaves to :class:`~ff_core.adapter.Adapter`, whose versions raise."""
+    """The methods of ``names`` that ``cls`` leaves to :class:`~ff_core.adapter.Adapter`, whose versions raise
+    (``FlowDataModule`` checks the ones a run calls before weights load)."""
     return [n for n in names if inspect.getattr_static(cls, n) is vars(Adapter)[n]]
 
 
 GUARDED_ARGUMENTS: dict[str, frozenset[str] | None] = {
     "sampling_sigmas": frozenset({"state"}),  # 1.1: an override without it still samples (Adapter.sampling_schedules)
     "sample": None,  # every optional argument: passed only when set, each checked before weights load (evaluation.py)
+    "save_loras": frozenset({"extra_files"}),  # FlowCheckpoint writes its record after an override without it
 }
 """Optional arguments of the base's stage methods ff-core passes only to an override that takes them (``None``: all of
 the method's optional arguments): a minor version that adds an argument to an existing method lists it here."""
 
 
-def _function(attr: object) -> object | None:
+def _caller_view(attr: object) -> tuple[str, inspect.Signature, inspect.Signature] | None:
+    """``(kind, signature as a caller sees it, as written)`` of a class attribute: ``kind`` is ``method``,
+    ``classmethod`` or ``staticmethod``; the caller's view leaves the bound ``self`` / ``cls`` out. ``None`` for
+    anything else (a property, data)."""
     if isinstance(attr, (classmethod, staticmethod)):
-        return attr.__func__
-    return attr if inspect.isfunction(attr) else None
+        kind, func = type(attr).__name__, attr.__func__
+    elif inspect.isfunction(attr):
+        kind, func = "method", attr
+    else:
+        return None
+    signature = inspect.signature(func)
+    params = list(signature.parameters.values())
+    if kind != "staticmethod" and params and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                                                params[0].POSITIONAL_OR_KEYWORD):  # fmt: skip
+        params = params[1:]  # self / cls (a wrapper's *args keeps taking it)
+    return kind, signature.replace(parameters=params), signature
 
 
 def _argument_problem(name: str, base: inspect.Signature, override: inspect.Signature) -> str | None:
-    """The first argument of ``base`` (the Adapter method) that ``override`` cannot take the way ff-core passes it:
-    required ones by position, optional ones by name; ``None`` when it takes them all."""
-    params = list(override.parameters.values())[1:]  # after self / cls
+    """What ``override`` cannot take of the arguments ff-core passes as ``base`` (the Adapter method) declares them:
+    each at its position and, when optional, by its name too (ff-core passes some of each way); or an argument it
+    requires that the base does not declare. ``None`` when it takes them all."""
+    params = list(override.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     var_args = any(p.kind is p.VAR_POSITIONAL for p in params)
     var_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
     by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     guarded = GUARDED_ARGUMENTS.get(name, frozenset())
-    for index, arg in enumerate(list(base.parameters.values())[1:]):
-        if arg.kind in (arg.VAR_POSITIONAL, arg.VAR_KEYWORD):
+    wanted = [a for a in base.parameters.values() if a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD)]
+    for index, arg in enumerate(wanted):
+        if arg.default is not arg.empty and (guarded is None or arg.name in guarded):
             continue
-        if arg.default is arg.empty:
-            if index >= len(positional) and not var_args:
-                return f"its {index + 1}. argument ({arg.name})"
-        elif arg.name not in by_name and not var_kwargs and (guarded is not None and arg.name not in guarded):
-            return f"the argument {arg.name}="
+        optional = arg.default is not arg.empty
+        if optional and arg.name not in by_name and not var_kwargs:
+            return f"without the argument {arg.name}=, which ff-core passes"
+        at_position = (index < len(positional) and (not optional or positional[index].name == arg.name)
+                       or index >= len(positional) and var_args)  # fmt: skip
+        if arg.kind is not arg.KEYWORD_ONLY and not at_position:
+            if optional:
+                return f"without {arg.name} as its {index + 1}. argument, where ff-core may pass it"
+            return f"without its {index + 1}. argument ({arg.name}), which ff-core passes"
+    names = {a.name for a in wanted}
+    for index, p in enumerate(params):
+        required = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if required and (index >= len(wanted) if p.kind is not p.KEYWORD_ONLY else p.name not in names):
+            return f"requiring the argument {p.name}, which ff-core never passes"
     return None
 
 
 def stage_problem(cls: type[Adapter]) -> str | None:
-    """Why ``cls`` does not implement the adapter interface the way ff-core calls it, or ``None``: a
-    :data:`REQUIRED_STAGES` method left to the base, or an override of a stage method that cannot take an argument
-    the base declares (required ones by position, optional ones by keyword; :data:`GUARDED_ARGUMENTS` aside). Checked
-    at registration, so such an adapter is refused with this line rather than failing inside training."""
-    missing = unimplemented(cls, REQUIRED_STAGES)
-    if missing:
-        return (f"adapter {cls.__name__} does not implement {', '.join(f'{n}()' for n in missing)}, which every use "
-                "of an adapter calls (docs/plugins.md, 'Writing a plugin')")  # fmt: skip
+    """Why ``cls``'s overrides cannot be called the way ff-core calls the stages, or ``None``: an override of a
+    classmethod that is not one, or one that cannot take an argument the base declares at its position (and, optional
+    ones, by name; :data:`GUARDED_ARGUMENTS` aside) or requires one the base does not. Checked at registration, so
+    such an adapter is refused with this line rather than failing inside training. Stages left to the base (which
+    raises) are checked against each run instead (``FlowDataModule``), since a run calls only some of them (``ff data
+    validate --model`` reads the contract alone)."""
     for name, attr in vars(Adapter).items():
-        base = _function(attr)
-        if name.startswith("_") or base is None:
+        base = None if name.startswith("_") else _caller_view(attr)
+        own = inspect.getattr_static(cls, name)
+        if base is None or own is attr:
             continue
-        override = _function(inspect.getattr_static(cls, name))
-        if override is None or override is base:
-            continue
-        wanted = inspect.signature(base)
-        problem = _argument_problem(name, wanted, inspect.signature(override))
+        try:
+            override = _caller_view(own)
+        except (TypeError, ValueError) as exc:  # a wrapper whose signature cannot be read
+            return f"adapter {cls.__name__}: the signature of its {name} cannot be read ({exc})"
+        if override is None:
+            continue  # a property or a value in place of a method: the attribute checks of the stage catch it
+        declare = f"declare it as the Adapter base does, {name}{str(base[2]).replace(chr(39), '')}"
+        if base[0] == "classmethod" and override[0] == "method":
+            return (f"adapter {cls.__name__} overrides the classmethod {name} with a plain method (ff-core calls it "
+                    f"on the class, before any weight loads): add @classmethod and {declare}")  # fmt: skip
+        problem = _argument_problem(name, base[1], override[1])
         if problem:
-            shown = str(wanted).replace("'", "")
-            return (f"adapter {cls.__name__} overrides {name}{inspect.signature(override)} without {problem}, which "
-                    f"ff-core passes: declare it as the Adapter base does, {name}{shown}")  # fmt: skip
+            return f"adapter {cls.__name__} overrides {name}{override[2]} {problem}: {declare}"
     return None
 
 

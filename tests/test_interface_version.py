@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import ff_core
+from ff_core.callbacks.checkpoint import EXPORT_FILE
 from ff_core.plugins import PluginRegistry, interface_problem, load_dotted_adapter
 from ff_core.testing.plugin_site import install_fake_plugin
 
@@ -181,6 +182,21 @@ class Toy(SD3Adapter):
 def ff_adapters():
     return [Toy]
 """
+TAKEN = """
+    @staticmethod
+    def check_bucket(path, kwargs, geometry):  # a staticmethod takes what the classmethod is called with
+        return None
+
+    def timestep_shift(self, *args, **kwargs):  # a wrapper's signature takes anything
+        return super().timestep_shift(*args, **kwargs)
+"""
+
+
+def test_overrides_that_take_what_ff_core_passes_register(site):
+    registry = registry_of(site, WRITTEN_TO_1_0.replace("{body}", TAKEN), "", tag="t")
+    assert registry.failures == [] and "toy-t" in registry.adapters()
+
+
 AS_IN_1_0 = '''
     def sampling_sigmas(self, num_steps, shift=None):  # 1.0: no state
         CALLS.append(("sampling_sigmas", num_steps, shift))
@@ -189,6 +205,10 @@ AS_IN_1_0 = '''
     def encode_output(self, media, condition, generator=None):
         CALLS.append(("encode_output", generator is not None))
         return super().encode_output(media, condition, generator)
+
+    def save_loras(self, directory, state_dicts, configs):  # 1.0: no extra_files
+        CALLS.append(("save_loras", sorted(state_dicts)))
+        return super().save_loras(directory, state_dicts, configs)
 '''
 
 
@@ -203,6 +223,15 @@ AS_IN_1_0 = '''
      "overrides velocity(self, state, sigma) without its 3. argument (condition)"),
     ("    @classmethod\n    def from_pretrained(cls):\n        return None",
      "overrides from_pretrained(cls) without its 1. argument (pretrained_model_name_or_path)"),
+    ("    def initial_noise(self, condition, *, generator=None):\n        return super().initial_noise(condition)",
+     "overrides initial_noise(self, condition, *, generator=None) without generator as its 2. argument, where ff-core "
+     "may pass it"),
+    ("    def velocity(self, state, sigma, condition, extra):\n        return None",
+     "overrides velocity(self, state, sigma, condition, extra) requiring the argument extra, which ff-core never "
+     "passes"),
+    ("    def check_adapter_kwargs(self, path, kwargs):\n        return None",
+     "overrides the classmethod check_adapter_kwargs with a plain method (ff-core calls it on the class, before any "
+     "weight loads): add @classmethod"),
 ])  # fmt: skip
 def test_an_override_ff_core_cannot_call_is_refused_at_registration_in_one_line(site, body, why):
     """What a plugin written from older or partial docs does (issue 31): the adapter is not registered; the failure
@@ -215,12 +244,12 @@ def test_an_override_ff_core_cannot_call_is_refused_at_registration_in_one_line(
         load_dotted_adapter("toy_s:Toy")
 
 
-def test_a_stage_every_use_calls_is_required_at_registration(site):
+def test_stages_are_not_required_at_registration(site):
+    """A contract-only adapter (``ff data validate --model``) registers: the stages a run calls are checked per run."""
     source = BY_ATTRIBUTE.replace("from ff_sd3 import SD3Adapter", "from ff_core.adapter import Adapter").replace(
-        "class Toy(SD3Adapter):", "class Toy(Adapter):\n    def preprocess(self, inputs):\n        return []\n")
-    (failure,) = registry_of(site, source, f"{MAJOR}.0", tag="m").failures
-    assert ("adapter Toy does not implement from_pretrained(), denoiser(), velocity(), which every use of an adapter "
-            "calls") in failure.error
+        "class Toy(SD3Adapter):", "class Toy(Adapter):")
+    registry = registry_of(site, source, f"{MAJOR}.0", tag="m")
+    assert registry.failures == [] and "toy-m" in registry.adapters()
 
 
 def test_every_bundled_adapter_takes_what_ff_core_passes():
@@ -246,10 +275,16 @@ def test_an_adapter_written_to_interface_1_0_trains_and_samples(site, tiny_sd3, 
     from ff_core.cli import main
 
     install_fake_plugin(site, "toy-o", "toy_o", WRITTEN_TO_1_0.replace("{body}", AS_IN_1_0).format(tag="o"))
-    assert main(fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_o:Toy")) == 0
+    checkpoint = {"class_path": "ff_core.callbacks.FlowCheckpoint", "init_args": {"every_n_train_steps": 2}}
+    args = fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_o:Toy", "--trainer.enable_checkpointing", "true",
+                    "--trainer.callbacks", json.dumps([checkpoint]))  # fmt: skip
+    assert main(args) == 0
     calls = sys.modules["toy_o"].CALLS
     assert calls.count(("encode_output", True)) == 2
     assert ("sampling_sigmas", 2, None) in calls
+    assert ("save_loras", ["transformer"]) in calls  # the LoRA export, its record written after the folder
+    (record,) = tmp_path.rglob(EXPORT_FILE)
+    assert json.loads(record.read_text())["step"] == 2 and (record.parent / "pytorch_lora_weights.safetensors").exists()
 
 
 def test_stages_a_run_calls_are_checked_before_weights_load(site, tiny_sd3, shapes_dir, tmp_path, capsys):
@@ -257,15 +292,18 @@ def test_stages_a_run_calls_are_checked_before_weights_load(site, tiny_sd3, shap
     and what calls it; ``preprocess_identity`` only with the condition cache: without it the run trains."""
     from ff_core.cli import main
 
-    body = "    preprocess_identity = Adapter.preprocess_identity\n    decode = Adapter.decode"
+    body = "\n".join(f"    {n} = Adapter.{n}" for n in ("preprocess_identity", "decode", "velocity"))
     source = WRITTEN_TO_1_0.replace("{body}", body).format(tag="p")
     install_fake_plugin(site, "toy-p", "toy_p", "from ff_core.adapter import Adapter\n" + source)
     missing = tmp_path / "no-such-checkpoint"  # the check comes first: nothing loads
     assert main(fit_args(missing, shapes_dir, tmp_path, "toy_p:Toy")) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "ff fit: model.adapter: 'toy-p' (Toy) does not implement decode() (sampling), preprocess_identity() (the "
-        "condition cache (data.enable_preprocess: false keeps conditions in memory instead)), which this run calls "
-        "(docs/plugins.md, 'Writing a plugin')")
+        "ff fit: model.adapter: 'toy-p' (Toy) does not implement velocity() (every step), decode() (sampling), "
+        "preprocess_identity() (the condition cache (data.enable_preprocess: false keeps conditions in memory "
+        "instead)), which this run calls (docs/plugins.md, 'Writing a plugin')")
     train_only = json.dumps([{"name": "shapes", "dataset_dir": str(shapes_dir), "eval": None}])  # no sampling
-    assert main([*fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_p:Toy", "--data.enable_preprocess", "false"),
+    source = source.replace("    velocity = Adapter.velocity", "")
+    source = "from ff_core.adapter import Adapter\n" + source.replace("toy-p", "toy-q")
+    install_fake_plugin(site, "toy-q", "toy_q", source)
+    assert main([*fit_args(tiny_sd3, shapes_dir, tmp_path, "toy_q:Toy", "--data.enable_preprocess", "false"),
                  "--data.datasets", train_only]) == 0  # fmt: skip

@@ -137,33 +137,9 @@ def test_ff_plugins_env_loads_a_module_that_is_not_installed(tmp_path, monkeypat
         from ff_core.contracts import IMAGE_OUT, PipelineIOContract
         from ff_core.hookspecs import hookimpl
 
-        class ToyEnv(Adapter):  # the stages registration requires (ff_core.plugins.REQUIRED_STAGES), empty
+        class ToyEnv(Adapter):
             name = "toy-env"
             io_contract = PipelineIOContract(outputs=(IMAGE_OUT,))
-
-            @classmethod
-            def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-                return cls()
-
-            denoiser = property(lambda self: None)
-
-            def preprocess(self, inputs):
-                return []
-
-            def prepare_condition(self, batch):
-                return batch
-
-            def encode_output(self, media, condition, generator=None):
-                raise NotImplementedError
-
-            def velocity(self, state, sigma, condition):
-                raise NotImplementedError
-
-            def decode(self, state):
-                raise NotImplementedError
-
-            def initial_noise(self, condition, generator=None):
-                raise NotImplementedError
 
         @hookimpl
         def ff_adapters():

@@ -22,6 +22,7 @@ What a kill leaves (docs/scaling.md, "Checkpoints and LoRA exports"):
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -217,8 +218,14 @@ class FlowCheckpoint(ModelCheckpoint):
             states = lora_state_dicts(module.adapter)  # every rank takes part in the gathering
         if trainer.is_global_zero:  # one file per trained network (Adapter.lora_file)
             meta = json.dumps({"step": record["step"], "id": record["id"], "checkpoint": checkpoint_name}).encode()
+            configs = lora_configs(module.adapter)
             try:  # save_loras removes its hidden folder if this raises: the previous export stays
-                module.adapter.save_loras(folder, states, lora_configs(module.adapter), extra_files={EXPORT_FILE: meta})
+                if _takes(module.adapter.save_loras, "extra_files"):
+                    module.adapter.save_loras(folder, states, configs, extra_files={EXPORT_FILE: meta})
+                else:  # an override written before extra_files: the record follows its folder (read as unfinished
+                    module.adapter.save_loras(folder, states, configs)  # until it is there)
+                    with open_atomic(folder / EXPORT_FILE) as f:
+                        f.write(meta)
             except Exception as exc:
                 full = _disk_full_cause(exc)
                 if full is None:
@@ -231,3 +238,12 @@ class FlowCheckpoint(ModelCheckpoint):
         super()._remove_checkpoint(trainer, filepath)
         if trainer.is_global_zero:
             shutil.rmtree(lora_dir_for(filepath), ignore_errors=True)
+
+
+def _takes(method: Any, argument: str) -> bool:
+    """Whether ``method`` accepts ``argument`` by name (a parameter of that name, or ``**kwargs``)."""
+    try:
+        inspect.signature(method).bind_partial(**{argument: None})
+    except TypeError:
+        return False
+    return True

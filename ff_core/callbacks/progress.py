@@ -13,11 +13,13 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 def _step_count(trainer: L.Trainer) -> str | None:
-    """``"12/100"`` on a run limited by ``max_steps`` while it trains, else ``None``."""
-    if trainer.max_steps is None or trainer.max_steps < 0 or not trainer.training:
+    """``"12/100"`` on a run limited by ``max_steps`` while it fits (validation inside ``fit`` included: the train
+    bar is refreshed then too), else ``None``."""
+    if trainer.max_steps is None or trainer.max_steps < 0 or trainer.state.fn != TrainerFn.FITTING:
         return None
     return f"{trainer.global_step}/{trainer.max_steps}"
 

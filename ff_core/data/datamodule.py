@@ -338,7 +338,8 @@ class FlowDataModule(L.LightningDataModule):
                     start += len(source.records)
         check_files_exist(self.train_records + self.eval_records)
         if self.adapter_name is not None:
-            self._check_stages(get_adapter_class(self.adapter_name))
+            if self.trainer is not None:  # a run (not a data check such as `ff data validate --model`)
+                self._check_stages(get_adapter_class(self.adapter_name))
             if self.buckets is not None:  # before any header is read
                 self._check_buckets(get_adapter_class(self.adapter_name))
             self._check_target_spans(get_adapter_class(self.adapter_name))
@@ -357,12 +358,15 @@ class FlowDataModule(L.LightningDataModule):
 
     def _check_stages(self, cls: type[Adapter]) -> None:
         """The stage methods this run calls that the adapter leaves to the base (which raises), refused before weights
-        load in one line naming each and what calls it (the ones every use calls are checked at registration:
-        :func:`ff_core.plugins.stage_problem`)."""
+        load in one line naming each and what calls it (overrides that cannot take what ff-core passes are refused at
+        registration: :func:`ff_core.plugins.stage_problem`)."""
         records = bool(self.train_records or self.eval_records)
         uses = {
-            "preprocess": "conditions of dataset records" if records else None,
+            "from_pretrained": "loading the checkpoint",
+            "denoiser": "every run",
+            "velocity": "every step",
             "prepare_condition": "every step",
+            "preprocess": "conditions of dataset records" if records else None,
             "encode_output": ("training on media targets" if self.train_records and self.trainer_type
                               not in ONLINE_TRAINERS else None),  # fmt: skip
             "initial_noise": "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None,

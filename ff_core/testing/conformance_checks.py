@@ -348,11 +348,11 @@ class ConformanceChecks:
                 )
 
     def check_training_targets(self, adapter: Adapter, inputs: list[ConditionInput]) -> None:
-        """``encode_output`` takes the targets ``ff fit``'s loader delivers (:meth:`make_targets`: real files decoded
-        by the loader's code, :mod:`~ff_core.testing.conformance_targets`), giving one clean latent per sample, and an
-        SFT loss on them is finite: an adapter written for another form (tensors of the kit's making) fails here, naming
-        the form it was given, instead of at the first training step."""
-        targets = self.make_targets(adapter, len(inputs))
+        """``encode_output`` takes the targets ``ff fit``'s loader delivers (real files decoded by the loader's code,
+        :mod:`~ff_core.testing.conformance_targets`; never a plugin's :meth:`make_targets` override, which older kits
+        wrote as tensors), giving one clean latent per sample, and an SFT loss on them is finite: an adapter written for
+        another form fails here, naming the form it was given, instead of at the first training step."""
+        targets = self._loader_targets(adapter, len(inputs), "random", seed=0)
         condition = prepare(adapter, inputs)
         with torch.no_grad(), encoding_delivered(adapter, targets):
             clean = adapter.encode_output(targets, condition, generator=torch.Generator().manual_seed(0))
