@@ -126,29 +126,6 @@ class DumpOldPolicy(L.Callback):
                    self.dirpath / f"rank{trainer.global_rank}.pt")  # fmt: skip
 
 
-def test_two_process_ddp_keeps_weights_and_old_policies_in_step(tiny_sd3, prompts_dir, tmp_path):
-    """2 gloo ranks, each group split over them: the same gathered rewards, identical weights and old policies at
-    the end (gradients averaged once per optimiser step, the old policy's EMA of identical weights), and trained."""
-    from tests.test_ddp_resume import LAUNCHER_VARS, free_port
-
-    callbacks = [{"class_path": "tests.test_nft_fit.DumpOldPolicy", "init_args": {"dirpath": str(tmp_path / "out")}}]
-    cmd = [sys.executable, "-m", "ff_core.cli", "fit", *nft_args(
-        tiny_sd3, prompts_dir, tmp_path, "--trainer.strategy", "ddp", "--trainer.devices", "2",
-        "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
-        "--trainer.enable_progress_bar", "false", "--trainer.callbacks", json.dumps(callbacks))]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(HF_HUB_OFFLINE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert ranks[0]["rewards"] == ranks[1]["rewards"] and len(ranks[0]["rewards"]) == 2
-    for key in ("weights", "old"):
-        for name, w in ranks[0][key].items():
-            assert torch.equal(w, ranks[1][key][name]), (key, name)
-    assert any(w.abs().sum() > 0 for n, w in ranks[0]["weights"].items() if "lora_B" in n)
-
-
 def test_deepspeed_is_refused_before_weights_load(tiny_sd3):
     """DeepSpeed's engine keeps its own flat copies of the parameters, which the old policy cannot be copied into."""
     from ff_core.errors import ConfigError
@@ -182,7 +159,9 @@ def start(tiny_sd3, prompts_dir, root: Path, max_steps: int, strategy: str, *ext
 
 
 def test_fsdp2_trains_and_resumes_as_ddp(tiny_sd3, prompts_dir, tmp_path):
-    """2 gloo ranks under FSDP2 (LoRA, the old policy sharded as the parameters) take DDP's two steps: the same
+    """2 gloo ranks, each group split over them. Under DDP: the same gathered rewards, identical weights and old
+    policies on both ranks at the end (gradients averaged once per optimiser step, the old policy's EMA of identical
+    weights), and trained. Under FSDP2 (LoRA, the old policy sharded as the parameters) DDP's two steps: the same
     gathered rewards, the same LoRA and old policy at the end (within float tolerance: reduce-scatter sums in another
     order than all-reduce); resumed from its step-1 checkpoint (the old policy saved whole, re-sharded), the FSDP2
     run ends where the uninterrupted one does."""
@@ -194,6 +173,12 @@ def test_fsdp2_trains_and_resumes_as_ddp(tiny_sd3, prompts_dir, tmp_path):
     wait(start(tiny_sd3, prompts_dir, b, 2, FSDP2, "--ckpt_path", str(ckpt)))
     runs = {name: [torch.load(root / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
             for name, root in (("D", d), ("A", a), ("B", b))}  # fmt: skip
+    ddp = runs["D"]
+    assert ddp[0]["rewards"] == ddp[1]["rewards"] and len(ddp[0]["rewards"]) == 2
+    for key in ("weights", "old"):
+        for name, w in ddp[0][key].items():
+            assert torch.equal(w, ddp[1][key][name]), (key, name)
+    assert any(w.abs().sum() > 0 for n, w in ddp[0]["weights"].items() if "lora_B" in n)
     for rank in (0, 1):
         assert runs["A"][rank]["rewards"] == pytest.approx(runs["D"][rank]["rewards"], rel=1e-4)
         assert runs["B"][rank]["rewards"] == pytest.approx(runs["D"][rank]["rewards"][1:], rel=1e-4)

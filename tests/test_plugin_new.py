@@ -3,6 +3,7 @@ registers through its entry point, passes the conformance kit (the video family'
 ``WanPipeline`` included), trains a step through `ff fit`, and uninstalls cleanly; plus the names it derives and the
 ``FF_PLUGINS`` variable that loads a plugin module that is not installed."""
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import ff_core
 from ff_core.cli import main
@@ -129,6 +131,29 @@ def test_the_tiny_builder_saves_through_the_reference_pipeline_once_one_is_named
     pipe = TinyPipeline.from_pretrained(saved)
     assert type(pipe.transformer).__name__ == "SD3Transformer2DModel" and pipe.tokenizer is not None
     assert ToyPipeAdapter.from_pretrained(saved, resolution=32)
+
+
+@pytest.mark.parametrize("output", list(OUTPUTS))
+def test_the_generated_adapter_loads_in_the_dtype_asked_for_and_keys_its_cache_by_it(output, tmp_path, monkeypatch):
+    """``dtype`` (a real checkpoint in bfloat16: half the memory) and ``revision`` reach every component's
+    ``from_pretrained``, and the condition cache's identity names both."""
+    name = f"dt-{output.replace('+', '-')}"
+    new_plugin(name, tmp_path, output=output)
+    names = PluginNames.from_name(name)
+    monkeypatch.syspath_prepend(str(tmp_path / names.package))
+    monkeypatch.syspath_prepend(str(tmp_path / names.package / "tests"))
+    adapter_cls = getattr(importlib.import_module(f"{names.package}.adapter"), names.class_name)
+    kit = getattr(importlib.import_module(f"test_{names.module}_conformance"), f"Test{names.class_name}Conformance")()
+    folder = kit.build_checkpoint(tmp_path / "tiny")
+    full = adapter_cls.from_pretrained(folder, **kit.adapter_kwargs)
+    half = adapter_cls.from_pretrained(folder, **kit.adapter_kwargs, dtype="bfloat16", revision=None)
+    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    for name, component in half.named_children():  # bfloat16 but what a model keeps in float32 (Wan's norms)
+        sizes = {dtype: sum(p.numel() for p in component.parameters() if p.dtype == dtype)
+                 for dtype in (torch.bfloat16, torch.float32)}  # fmt: skip
+        assert sizes[torch.bfloat16] > 4 * sizes[torch.float32], (name, sizes)
+    assert half.preprocess_identity()["dtype"] == "bfloat16" and full.preprocess_identity()["dtype"] == "float32"
+    assert half.preprocess_identity()["revision"] is None
 
 
 def test_ff_plugins_env_loads_a_module_that_is_not_installed(tmp_path, monkeypatch):
