@@ -4,7 +4,6 @@ test and predict steps that sample the evaluation prompts and score them with ``
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,6 +12,7 @@ import torch
 from ff_core.errors import ConfigError
 from ff_core.objectives.flow_matching import prepare_batch_condition
 from ff_core.objectives.rewards import Rewards
+from ff_core.plugins import takes_argument
 from ff_core.rewards import RewardBatch
 from ff_core.sampling import check_guidance, guides
 from ff_core.sampling.schedulers import check_sampling_scheduler
@@ -101,8 +101,7 @@ class Evaluation:
         refused before any weight loads, naming the key, rather than as a TypeError at the first validation."""
         if not self._rescale_kwargs():
             return
-        parameters = inspect.signature(self.adapter_cls.sample).parameters.values()
-        if any(p.name == "guidance_rescale" or p.kind is p.VAR_KEYWORD for p in parameters):
+        if takes_argument(self.adapter_cls.sample, "guidance_rescale"):
             return
         raise ConfigError("model.sampling.guidance_rescale", f"{self.sampling.guidance_rescale}, but adapter "
                           f"{self.adapter_cls.name!r} overrides sample() without a guidance_rescale argument; keep it "
@@ -111,11 +110,8 @@ class Evaluation:
     def _check_sampler_kwargs(self) -> None:
         """A ``guidance_scale_2`` or ``scheduler`` the adapter's ``sample`` cannot take (an override without the
         argument or ``**kwargs``) is refused before any weight loads, naming the key."""
-        parameters = inspect.signature(self.adapter_cls.sample).parameters
-        if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-            return
         for name, value in self._sampler_kwargs().items():
-            if name not in parameters:
+            if not takes_argument(self.adapter_cls.sample, name):
                 raise ConfigError(f"model.sampling.{name}", f"{value!r}, but adapter {self.adapter_cls.name!r} "
                                   f"overrides sample() without a {name} argument; leave it unset")  # fmt: skip
 

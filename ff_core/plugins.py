@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import pluggy
 
@@ -301,7 +302,17 @@ GUARDED_ARGUMENTS: dict[str, frozenset[str] | None] = {
     "save_loras": frozenset({"extra_files"}),  # FlowCheckpoint writes its record after an override without it
 }
 """Optional arguments of the base's stage methods ff-core passes only to an override that takes them (``None``: all of
-the method's optional arguments): a minor version that adds an argument to an existing method lists it here."""
+the method's optional arguments; :func:`takes_argument` is the test): a minor version that adds an argument to an
+existing method lists it here."""
+
+
+def takes_argument(function: Any, name: str) -> bool:
+    """Whether ``function`` (a bound method, or a class's function) takes an argument ``name`` by name: a parameter of
+    that name, or ``**kwargs``: how ``FlowCheckpoint`` (``save_loras``' ``extra_files``) and the evaluation checks
+    (``sample``'s optional arguments) test a :data:`GUARDED_ARGUMENTS` override before passing it (``sampling_sigmas``'
+    ``state`` is tested in :meth:`~ff_core.adapter.Adapter.sampling_schedules`, below the registry)."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _caller_view(attr: object) -> tuple[str, inspect.Signature, inspect.Signature] | None:

@@ -22,7 +22,6 @@ What a kill leaves (docs/scaling.md, "Checkpoints and LoRA exports"):
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from ff_core.atomic import TEMP_SUFFIX, open_atomic, remove_leftovers
 from ff_core.disk_full import disk_full_error, is_disk_full
 from ff_core.errors import ConfigError
 from ff_core.lora import lora_configs, lora_state_dicts
+from ff_core.plugins import takes_argument
 from ff_core.sharding import summoned
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class FlowCheckpoint(ModelCheckpoint):
             meta = json.dumps({"step": record["step"], "id": record["id"], "checkpoint": checkpoint_name}).encode()
             configs = lora_configs(module.adapter)
             try:  # save_loras removes its hidden folder if this raises: the previous export stays
-                if _takes(module.adapter.save_loras, "extra_files"):
+                if takes_argument(module.adapter.save_loras, "extra_files"):
                     module.adapter.save_loras(folder, states, configs, extra_files={EXPORT_FILE: meta})
                 else:  # an override written before extra_files: the record follows its folder (read as unfinished
                     module.adapter.save_loras(folder, states, configs)  # until it is there)
@@ -238,12 +238,3 @@ class FlowCheckpoint(ModelCheckpoint):
         super()._remove_checkpoint(trainer, filepath)
         if trainer.is_global_zero:
             shutil.rmtree(lora_dir_for(filepath), ignore_errors=True)
-
-
-def _takes(method: Any, argument: str) -> bool:
-    """Whether ``method`` accepts ``argument`` by name (a parameter of that name, or ``**kwargs``)."""
-    try:
-        inspect.signature(method).bind_partial(**{argument: None})
-    except TypeError:
-        return False
-    return True

@@ -24,23 +24,22 @@ def _step_count(trainer: L.Trainer) -> str | None:
     return f"{trainer.global_step}/{trainer.max_steps}"
 
 
-class StepTQDMProgressBar(TQDMProgressBar):
+class _StepMetrics:
+    """``step=<done>/<max_steps>`` first among a Lightning bar's metrics on step-limited runs (mixed in before it)."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float]:
+        metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
+        step = _step_count(trainer)
+        return metrics if step is None else {"step": step, **metrics}
+
+
+class StepTQDMProgressBar(_StepMetrics, TQDMProgressBar):
     """Lightning's tqdm bar with ``step=<done>/<max_steps>`` among its metrics on step-limited runs."""
 
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float]:
-        metrics = super().get_metrics(trainer, pl_module)
-        step = _step_count(trainer)
-        return metrics if step is None else {"step": step, **metrics}
 
-
-class StepRichProgressBar(RichProgressBar):
+class StepRichProgressBar(_StepMetrics, RichProgressBar):
     """Lightning's Rich bar with ``step=<done>/<max_steps>`` among its metrics on step-limited runs, and ``Epoch N``
     without an epoch total when ``max_epochs`` sets none (Lightning's prints ``Epoch N/-2``)."""
-
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float]:
-        metrics = super().get_metrics(trainer, pl_module)
-        step = _step_count(trainer)
-        return metrics if step is None else {"step": step, **metrics}
 
     def _get_train_description(self, current_epoch: int) -> str:
         description = super()._get_train_description(current_epoch)

@@ -361,6 +361,7 @@ class FlowDataModule(L.LightningDataModule):
         load in one line naming each and what calls it (overrides that cannot take what ff-core passes are refused at
         registration: :func:`ff_core.plugins.stage_problem`)."""
         records = bool(self.train_records or self.eval_records)
+        sampling = "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None
         uses = {
             "from_pretrained": "loading the checkpoint",
             "denoiser": "every run",
@@ -369,8 +370,8 @@ class FlowDataModule(L.LightningDataModule):
             "preprocess": "conditions of dataset records" if records else None,
             "encode_output": ("training on media targets" if self.train_records and self.trainer_type
                               not in ONLINE_TRAINERS else None),  # fmt: skip
-            "initial_noise": "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None,
-            "decode": "sampling" if self.eval_records or self.trainer_type in ONLINE_TRAINERS else None,
+            "initial_noise": sampling,
+            "decode": sampling,
             "preprocess_identity": ("the condition cache (data.enable_preprocess: false keeps conditions in memory "
                                     "instead)" if records and self.enable_preprocess else None),  # fmt: skip
         }
